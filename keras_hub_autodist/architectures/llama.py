@@ -1,0 +1,96 @@
+"""Llama 2/3 (`LlamaBackbone`, `Llama3Backbone`) and Mistral (`MistralBackbone`).
+
+Kernels are laid out `(hidden, heads, head_dim)`; untied models carry a
+`reverse_embeddings` of shape `(hidden, vocab)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import WeightSpec
+from keras_hub_autodist.architectures.base import global_weight
+from keras_hub_autodist.architectures.base import layer_weights
+
+LLAMA_CONFIG_FIELDS = {
+    "vocab": "vocabulary_size",
+    "embed": "hidden_dim",
+    "heads": "num_query_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "mlp": "intermediate_dim",
+}
+
+
+class LlamaArchitecture(Architecture):
+    """Weights of `LlamaBackbone` and its subclasses (`Llama3Backbone`).
+
+    Args:
+        always_untied: the backbone always has a separate output projection
+            (Mistral), whatever `tie_word_embeddings` says.
+
+    Example:
+    >>> config = dict(vocabulary_size=64, num_layers=1, num_query_heads=4,
+    ...     num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+    >>> LLAMA.weights(config)[1].path
+    'token_embedding/reverse_embeddings'
+    """
+
+    name = "llama"
+    config_fields = LLAMA_CONFIG_FIELDS
+
+    def __init__(self, *, always_untied: bool = False, name: str = "llama"):
+        self.always_untied = always_untied
+        self.name = name
+
+    def weights(self, config: Mapping) -> list[WeightSpec]:
+        v = config["vocabulary_size"]
+        d = config["hidden_dim"]
+        h = config["num_query_heads"]
+        kv = config["num_key_value_heads"]
+        hd = config.get("head_dim") or d // h
+        f = config["intermediate_dim"]
+        tied = config.get("tie_word_embeddings", False) and not self.always_untied
+        globals_ = [
+            global_weight("token_embedding/embeddings", (v, d), ("vocab", "embed"))
+        ]
+        if not tied:
+            globals_.append(
+                global_weight(
+                    "token_embedding/reverse_embeddings", (d, v), ("embed", "vocab")
+                )
+            )
+        globals_.append(
+            global_weight("sequence_output_layernorm/scale", (d,), ("norm",))
+        )
+        entries = [
+            ("self_attention/query/kernel", (d, h, hd), ("embed", "heads", "head_dim")),
+            (
+                "self_attention/key/kernel",
+                (d, kv, hd),
+                ("embed", "kv_heads", "head_dim"),
+            ),
+            (
+                "self_attention/value/kernel",
+                (d, kv, hd),
+                ("embed", "kv_heads", "head_dim"),
+            ),
+            (
+                "self_attention/attention_output/kernel",
+                (h, hd, d),
+                ("heads", "head_dim", "embed"),
+            ),
+            ("self_attention_layernorm/scale", (d,), ("norm",)),
+            ("feedforward_intermediate_dense/kernel", (d, f), ("embed", "mlp")),
+            ("feedforward_gate_dense/kernel", (d, f), ("embed", "mlp")),
+            ("feedforward_output_dense/kernel", (f, d), ("mlp", "embed")),
+            ("feedforward_layernorm/scale", (d,), ("norm",)),
+        ]
+        return globals_ + layer_weights(
+            "transformer_layer_", config["num_layers"], entries
+        )
+
+
+LLAMA = LlamaArchitecture()
+MISTRAL = LlamaArchitecture(always_untied=True, name="mistral")

@@ -1,0 +1,185 @@
+"""Logical weight axes → mesh axes, with the fallback policy kept as data.
+
+Architectures describe each weight with *logical* axes (`vocab`, `embed`,
+`heads`, `kv_heads`, `head_dim`, `mlp`, `norm`). The rules below turn them
+into a mesh axis per dimension, for a strategy:
+
+- `"tp"`: the model axis shards each weight's *parallel* dimension
+  (Megatron: heads of query/key/value/output, MLP columns of gate/up and rows
+  of down, vocabulary of the embeddings); the hidden axis, when the mesh has
+  one, shards `embed`. Weights are replicated over the batch axis.
+- `"fsdp"`: as `"tp"`, and the batch axis shards one more dimension of each
+  weight (ZeRO-3 / MaxText-style fully sharded data parallelism).
+
+When the preferred dimension does not divide by the axis size the next one in
+`MODEL_FALLBACKS` is tried, else the weight is replicated over that axis. The
+planner records each fallback with its reason.
+"""
+
+from __future__ import annotations
+
+STRATEGIES = ("tp", "fsdp")
+
+# The logical axis that the model axis shards, first one present wins.
+PARALLEL_AXES = ("vocab", "heads", "kv_heads", "mlp")
+
+# For each parallel axis: the dimensions tried in order on the model axis.
+MODEL_FALLBACKS = {
+    "vocab": ("vocab", "embed"),
+    "heads": ("heads", "head_dim"),
+    "kv_heads": ("kv_heads", "head_dim"),
+    "mlp": ("mlp", "embed"),
+}
+
+# The hidden (second model) axis shards these, in order.
+HIDDEN_AXIS_PREFERENCE = ("embed",)
+
+# The batch axis under "fsdp" shards the first of these that is still free
+# and divides: the large dimensions first, norms last.
+FSDP_AXIS_PREFERENCE = (
+    "embed",
+    "mlp",
+    "vocab",
+    "head_dim",
+    "heads",
+    "kv_heads",
+    "norm",
+)
+
+# With grouped/multi-query attention whose key/value heads don't divide the
+# model axis, key/value kernels are replicated over it (the standard,
+# communication-free choice) while that costs at most this factor in
+# per-device parameter bytes over sharding their head_dim instead.
+KV_REPLICATION_TOLERANCE = 1.03
+
+# Under strategy "auto", "tp" is chosen while parameters, gradients and the
+# two Adam moments fit in this share of a device's memory; the rest is left
+# for activations.
+AUTO_TP_MEMORY_SHARE = 0.8
+
+# Per-device memory assumed when the backend reports none (CPU, or planning
+# for a mesh given as a mapping): 16 GiB, as on a T4 or a TPU v3 core.
+# Override with `device_memory=` or $KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB.
+DEFAULT_DEVICE_MEMORY_BYTES = 16 * 1024**3
+
+
+def parallel_axis(logical_axes: tuple[str | None, ...]) -> str | None:
+    """The logical axis a weight is tensor-parallel over, if any.
+
+    Example:
+    >>> parallel_axis(("embed", "heads", "head_dim"))
+    'heads'
+    """
+    for axis in PARALLEL_AXES:
+        if axis in logical_axes:
+            return axis
+    return None
+
+
+def _dim_of(logical_axes, logical):
+    try:
+        return logical_axes.index(logical)
+    except ValueError:
+        return None
+
+
+def _field(fields, logical, size):
+    return f"{fields.get(logical, logical)}={size}"
+
+
+def assign_mesh_axes(
+    weight,
+    mesh_axes,
+    strategy: str,
+    config_fields,
+    *,
+    kv_fallback: str = "replicate",
+):
+    """Choose a mesh axis (or `None`) for each dimension of `weight`.
+
+    Args:
+        weight: a `WeightSpec`.
+        mesh_axes: a `MeshAxes` telling axis names, sizes and roles.
+        strategy: `"tp"` or `"fsdp"`.
+        config_fields: logical axis → config field, to explain fallbacks.
+        kv_fallback: what to do with key/value kernels whose heads don't
+            divide the model axis: `"replicate"` or `"head_dim"`.
+
+    Returns:
+        `(spec, notes)`: a tuple of mesh axis names / `None` per dimension,
+        and the list of fallbacks taken, each with its reason.
+
+    Example:
+    >>> from keras_hub_autodist.architectures.base import WeightSpec
+    >>> from keras_hub_autodist.mesh import resolve_mesh_axes
+    >>> kv = WeightSpec("k", "k", (1, 16, 8), ("kv_heads", "embed", "head_dim"))
+    >>> assign_mesh_axes(kv, resolve_mesh_axes({"batch": 1, "model": 2}),
+    ...     "tp", {"kv_heads": "num_key_value_heads"})[0]
+    (None, None, None)
+    """
+    spec = [None] * len(weight.shape)
+    notes = []
+
+    def free_dims(order):
+        for logical in order:
+            for dim, name in enumerate(weight.axes):
+                if name == logical and spec[dim] is None:
+                    yield dim, logical
+
+    model_axis, model_size = mesh_axes.model_axis, mesh_axes.size(mesh_axes.model_axis)
+    primary = parallel_axis(weight.axes)
+    if model_axis is not None and model_size > 1 and primary is not None:
+        candidates = MODEL_FALLBACKS[primary]
+        if primary == "kv_heads" and kv_fallback == "replicate":
+            candidates = ("kv_heads",)
+        chosen = None
+        for dim, logical in free_dims(candidates):
+            if weight.shape[dim] % model_size == 0:
+                spec[dim], chosen = model_axis, logical
+                break
+        if chosen != primary:
+            cause = (
+                f"{_field(config_fields, primary, weight.shape[_dim_of(weight.axes, primary)])}"
+                f" does not divide by {model_axis}={model_size}"
+            )
+            if chosen is None:
+                notes.append(f"{cause}: replicated over '{model_axis}'")
+            else:
+                size = weight.shape[_dim_of(weight.axes, chosen)]
+                notes.append(
+                    f"{cause}: sharded {_field(config_fields, chosen, size)} "
+                    f"over '{model_axis}' instead"
+                )
+
+    hidden_axis, hidden_size = (
+        mesh_axes.hidden_axis,
+        mesh_axes.size(mesh_axes.hidden_axis),
+    )
+    if hidden_axis is not None and hidden_size > 1:
+        wanted = [(d, n) for d, n in free_dims(HIDDEN_AXIS_PREFERENCE)]
+        placed = False
+        for dim, _ in wanted:
+            if weight.shape[dim] % hidden_size == 0:
+                spec[dim], placed = hidden_axis, True
+                break
+        if wanted and not placed:
+            dim, logical = wanted[0]
+            notes.append(
+                f"{_field(config_fields, logical, weight.shape[dim])} does not "
+                f"divide by {hidden_axis}={hidden_size}: replicated over "
+                f"'{hidden_axis}'"
+            )
+
+    batch_axis, batch_size = mesh_axes.batch_axis, mesh_axes.size(mesh_axes.batch_axis)
+    if strategy == "fsdp" and batch_size > 1:
+        placed = False
+        for dim, _ in free_dims(FSDP_AXIS_PREFERENCE):
+            if weight.shape[dim] % batch_size == 0:
+                spec[dim], placed = batch_axis, True
+                break
+        if not placed:
+            notes.append(
+                f"no free dimension of shape {weight.shape} divides by "
+                f"{batch_axis}={batch_size}: replicated over '{batch_axis}'"
+            )
+    return tuple(spec), notes
