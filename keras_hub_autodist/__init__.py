@@ -5,10 +5,15 @@ Example:
 import keras, keras_hub, keras_hub_autodist
 
 print(keras_hub_autodist.plan("./gemma_2b", {"batch": 2, "model": 4}))
-lm = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b", device_mesh={"batch": 2, "model": 4})
+mesh = {"batch": 2, "model": 4}
+lm = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b", device_mesh=mesh)
 ```
 """
 
+from keras_hub_autodist.activation import activate
+from keras_hub_autodist.activation import from_preset
+from keras_hub_autodist.binding import Binding
+from keras_hub_autodist.binding import distribution_of
 from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import BatchSizeError
@@ -25,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutodistError",
+    "Binding",
     "BackendError",
     "BatchSizeError",
     "DeviceMeshTypeError",
@@ -34,6 +40,11 @@ __all__ = [
     "StrategyError",
     "UnsupportedArchitectureError",
     "__version__",
+    "activate",
+    "distribution_of",
+    "from_preset",
     "get_layout_map",
     "plan",
 ]
+
+activate()

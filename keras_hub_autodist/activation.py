@@ -1,0 +1,243 @@
+"""Give `from_preset` a `device_mesh=` keyword, and the functional form.
+
+`activate()` wraps `keras_hub.models.Backbone.from_preset` and
+`keras_hub.models.Task.from_preset` (so every subclass, and calls on base
+classes such as `CausalLM.from_preset`). Without `device_mesh` the original
+runs unchanged. It is idempotent, and does nothing when
+`KERAS_HUB_AUTODIST=0`. The startup hook installed with the package calls it
+when `keras_hub` is first imported; `import keras_hub_autodist` calls it too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+
+import keras
+
+from keras_hub_autodist import rules
+from keras_hub_autodist.binding import bind
+from keras_hub_autodist.errors import BackendError
+from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.mesh import build_device_mesh
+from keras_hub_autodist.mesh import mesh_shape
+from keras_hub_autodist.plan import LayoutPlan
+from keras_hub_autodist.plan import device_memory_bytes
+from keras_hub_autodist.plan import plan_config
+from keras_hub_autodist.presets import read_preset_config
+
+SWITCH_ENV = "KERAS_HUB_AUTODIST"
+_ORIGINAL_ATTR = "__keras_hub_autodist_original__"
+
+DEVICE_MESH_DOC = """
+        Distribution (added by keras-hub-autodist):
+            device_mesh: a `keras.distribution.DeviceMesh`, a mapping such as
+                `{"batch": 2, "model": 4}`, or `"auto"`. The preset's config
+                is planned first and the model is built and loaded already
+                sharded, then bound to its distribution.
+            strategy: `"auto"` (default), `"tp"` or `"fsdp"`.
+            batch_axis: mesh axis of the batch, if not `batch`/`data`.
+            model_axis: mesh axis of the weights, if not `model`/`tensor`.
+"""
+
+
+def require_jax_backend() -> None:
+    """Raise `BackendError` unless Keras runs on JAX."""
+    backend = keras.config.backend()
+    if backend != "jax":
+        raise BackendError(
+            "keras_hub_autodist distributes models with JAX sharding; set "
+            "KERAS_BACKEND=jax before importing keras. Received: "
+            f"backend={backend!r}"
+        )
+
+
+def auto_device_mesh(preset_config, *, dtype=None, devices=None) -> dict[str, int]:
+    """Choose a mesh for `device_mesh="auto"`.
+
+    The rule: over all devices, the largest batch axis (so the least tensor
+    parallelism) for which the `"tp"` plan's weights, gradients and Adam
+    state fit in 80% of a device's memory. If none fits, the whole mesh is
+    the model axis (`{"batch": 1, "model": n}`) and strategy `"auto"` then
+    picks `"fsdp"` where needed.
+    """
+    devices = keras.distribution.list_devices() if devices is None else devices
+    count = len(devices)
+    capacity = device_memory_bytes()
+    for batch in sorted(
+        (d for d in range(1, count + 1) if count % d == 0), reverse=True
+    ):
+        candidate = {"batch": batch, "model": count // batch}
+        tp = plan_config(preset_config, candidate, strategy="tp", dtype=dtype)
+        if (
+            tp.training_bytes_per_device("adam")
+            <= rules.AUTO_TP_MEMORY_SHARE * capacity
+        ):
+            return candidate
+    return {"batch": 1, "model": count}
+
+
+def _distribution_for(layout_plan: LayoutPlan, mesh):
+    return keras.distribution.ModelParallel(
+        layout_map=layout_plan.layout_map(mesh),
+        batch_dim_name=layout_plan.batch_axis,
+        # Each process feeds its process-local batch (see docs/multihost.md).
+        auto_shard_dataset=False,
+    )
+
+
+def from_preset(
+    cls,
+    preset: str,
+    *,
+    device_mesh,
+    strategy: str = "auto",
+    batch_axis: str | None = None,
+    model_axis: str | None = None,
+    **kwargs,
+):
+    """Load `cls` from `preset`, laid out on `device_mesh` and bound to it.
+
+    Args:
+        cls: a keras-hub `Backbone` or `Task` class, e.g.
+            `keras_hub.models.GemmaCausalLM`.
+        preset: anything `cls.from_preset` accepts.
+        device_mesh: a `keras.distribution.DeviceMesh`, a mapping of axis name
+            to size (built over `keras.distribution.list_devices()`), or
+            `"auto"`.
+        strategy: `"auto"`, `"tp"` or `"fsdp"` (see `plan()`).
+        batch_axis: the mesh axis that splits batches.
+        model_axis: the mesh axis that shards weights.
+        **kwargs: passed to `cls.from_preset` (`dtype`, `load_weights`, …).
+
+    Returns:
+        The model; its `fit`, `generate`, `enable_lora`, … run inside its
+        own distribution.
+
+    Example:
+    ```python
+    lm = keras_hub_autodist.from_preset(
+        keras_hub.models.GemmaCausalLM, "./gemma_2b",
+        device_mesh={"batch": 2, "model": 4})
+    ```
+    """
+    require_jax_backend()
+    preset_config = read_preset_config(preset)
+    dtype = kwargs.get("dtype")
+    if isinstance(device_mesh, str):
+        if device_mesh != "auto":
+            raise MeshError(
+                "`device_mesh` takes a DeviceMesh, a mapping such as "
+                "{'batch': 2, 'model': 4}, or 'auto'. Received: "
+                f"device_mesh={device_mesh!r}"
+            )
+        device_mesh = auto_device_mesh(preset_config, dtype=dtype)
+    if isinstance(device_mesh, Mapping):
+        mesh_shape(device_mesh)  # validate before touching devices
+    mesh = build_device_mesh(device_mesh)
+    layout_plan = plan_config(
+        preset_config,
+        mesh,
+        strategy=strategy,
+        batch_axis=batch_axis,
+        model_axis=model_axis,
+        dtype=dtype,
+    )
+    distribution = _distribution_for(layout_plan, mesh)
+    original = _original_from_preset(cls)
+    with distribution.scope():
+        model = original(cls, preset, **kwargs)
+    return bind(model, distribution, layout_plan)
+
+
+def _original_from_preset(cls):
+    for klass in cls.__mro__:
+        method = klass.__dict__.get("from_preset")
+        if method is not None:
+            func = method.__func__
+            return getattr(func, _ORIGINAL_ATTR, func)
+    raise TypeError(
+        f"{cls.__name__} has no from_preset. Pass a keras-hub Backbone or "
+        f"Task class. Received: cls={cls!r}"
+    )
+
+
+def _with_device_mesh(original):
+    @functools.wraps(original)
+    def from_preset_with_mesh(
+        cls,
+        preset,
+        *args,
+        device_mesh=None,
+        strategy=None,
+        batch_axis=None,
+        model_axis=None,
+        **kwargs,
+    ):
+        if device_mesh is None:
+            given = {
+                k: v
+                for k, v in dict(
+                    strategy=strategy, batch_axis=batch_axis, model_axis=model_axis
+                ).items()
+                if v is not None
+            }
+            if given:
+                raise MeshError(
+                    f"{', '.join(f'{k}=' for k in given)} only apply with "
+                    "`device_mesh=`; pass a mesh, e.g. device_mesh={'batch': "
+                    f"2, 'model': 4}}. Received: {given} without device_mesh"
+                )
+            return original(cls, preset, *args, **kwargs)
+        if args:
+            kwargs["load_weights"] = args[0]
+        return from_preset(
+            cls,
+            preset,
+            device_mesh=device_mesh,
+            strategy=strategy or "auto",
+            batch_axis=batch_axis,
+            model_axis=model_axis,
+            **kwargs,
+        )
+
+    setattr(from_preset_with_mesh, _ORIGINAL_ATTR, original)
+    from_preset_with_mesh.__doc__ = (original.__doc__ or "") + DEVICE_MESH_DOC
+    return from_preset_with_mesh
+
+
+def is_enabled() -> bool:
+    """False when `KERAS_HUB_AUTODIST=0` switches the plugin off."""
+    return os.environ.get(SWITCH_ENV, "1").strip() not in ("0", "false", "False")
+
+
+def activate() -> bool:
+    """Add `device_mesh=` to keras-hub's `from_preset`; idempotent.
+
+    Returns:
+        True if `from_preset` now takes `device_mesh=`.
+    """
+    if not is_enabled():
+        return False
+    import keras_hub
+
+    for base in (keras_hub.models.Backbone, keras_hub.models.Task):
+        func = base.__dict__["from_preset"].__func__
+        if getattr(func, _ORIGINAL_ATTR, None) is None:
+            base.from_preset = classmethod(_with_device_mesh(func))
+    return True
+
+
+def deactivate() -> None:
+    """Restore keras-hub's original `from_preset` methods."""
+    import keras_hub
+
+    for base in (keras_hub.models.Backbone, keras_hub.models.Task):
+        func = base.__dict__["from_preset"].__func__
+        original = getattr(func, _ORIGINAL_ATTR, None)
+        if original is not None:
+            base.from_preset = classmethod(original)
+
+
+__all__ = ["activate", "deactivate", "from_preset"]
