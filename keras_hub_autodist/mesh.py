@@ -153,6 +153,11 @@ def resolve_mesh_axes(
             "axis of size 1, e.g. {'batch': 1, 'model': 8}. "
             f"Received: mesh axes ({received})"
         )
+    if model_axis is not None and model_axis == batch:
+        raise MeshError(
+            f"`model_axis={model_axis!r}` is also the batch axis. Give the "
+            f"two roles different axes. Received: mesh axes ({received})"
+        )
     model = _pick(
         [n for n in names if n != batch],
         model_axis,
@@ -160,11 +165,6 @@ def resolve_mesh_axes(
         "model",
         "model_axis",
     )
-    if model_axis is not None and model_axis == batch:
-        raise MeshError(
-            f"`model_axis={model_axis!r}` is also the batch axis. Give the "
-            f"two roles different axes. Received: mesh axes ({received})"
-        )
     rest = [n for n in names if n not in (batch, model)]
     if model is None and rest:
         raise MeshError(

@@ -1,0 +1,257 @@
+"""The planner against the real configs in ../shared/presets (no weights)."""
+
+import json
+import re
+import time
+import tracemalloc
+
+import jax
+import keras
+import keras_hub
+import pytest
+
+import keras_hub_autodist
+from keras_hub_autodist import MeshError
+from keras_hub_autodist import PresetError
+from keras_hub_autodist import StrategyError
+from keras_hub_autodist import UnsupportedArchitectureError
+from keras_hub_autodist.presets import read_preset_config
+from keras_hub_autodist.registry import handler_for
+
+FSDP_MESHES = [
+    {"batch": 8, "model": 1},
+    {"batch": 4, "model": 2},
+    {"batch": 2, "model": 4},
+    {"model": 8, "batch": 8},
+    {"batch": 16, "model": 4},
+    {"batch": 4, "model": 16},
+    {"batch": 16, "model": 16},
+    {"batch": 32, "model": 8},
+    {"batch": 64, "model": 4},
+    {"batch": 256, "model": 1},
+]
+
+LLAMA31_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize("model_size", [1, 2, 4, 8])
+def test_tp_target_on_every_real_config(real_configs, model_size):
+    for preset in real_configs:
+        plan = keras_hub_autodist.plan(
+            str(preset), {"batch": 1, "model": model_size}, strategy="tp"
+        )
+        assert plan.max_device_bytes <= 1.10 * plan.total_bytes / model_size, (
+            preset.name,
+            plan.max_device_bytes / (plan.total_bytes / model_size),
+        )
+
+
+@pytest.mark.parametrize("mesh", FSDP_MESHES, ids=lambda m: "x".join(map(str, m.values())))
+def test_fsdp_target_on_every_real_config(real_configs, mesh):
+    devices = mesh["batch"] * mesh["model"]
+    for preset in real_configs:
+        plan = keras_hub_autodist.plan(str(preset), mesh, strategy="fsdp")
+        assert plan.max_device_bytes <= 1.05 * plan.total_bytes / devices, (
+            preset.name,
+            plan.max_device_bytes / (plan.total_bytes / devices),
+        )
+
+
+def test_planning_is_fast_and_allocates_no_weights(real_configs, tmp_path):
+    folder = tmp_path / "llama3.1_70b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA31_70B))
+    keras_hub_autodist.plan(str(real_configs[0]), {"batch": 2, "model": 4})  # warm imports
+    arrays_before = len(jax.live_arrays())
+    tracemalloc.start()
+    start = time.perf_counter()
+    for preset in [folder, *real_configs]:
+        plan = keras_hub_autodist.plan(str(preset), {"batch": 16, "model": 16})
+        assert time.perf_counter() - start < 5
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1024**3
+    assert len(jax.live_arrays()) == arrays_before
+    plan = keras_hub_autodist.plan(str(folder), {"batch": 16, "model": 16}, dtype="bfloat16")
+    assert plan.num_parameters == 70_553_706_496
+    assert plan.strategy == "fsdp"  # 70B doesn't fit 16 GiB devices with tp
+
+
+def test_abstract_meshes_of_thousands_of_devices(real_configs):
+    plan = keras_hub_autodist.plan(
+        str(real_configs[0]), {"batch": 512, "model": 8}, strategy="fsdp"
+    )
+    assert plan.mesh_axes.num_devices == 4096
+
+
+def test_gemma_2b_single_kv_head_on_two_devices():
+    # The seed report: keras-hub's static GemmaBackbone map shards the key/value
+    # kernels' heads dim (size 1) over "model" and fails with IndivisibleError.
+    preset = str(pytest.shared / "gemma_2b")
+    info = read_preset_config(preset)
+    weights = handler_for(info.backbone_cls).weights(info.config)
+    mesh = keras.distribution.DeviceMesh(
+        (1, 2), ("batch", "model"), keras.distribution.list_devices()[:2]
+    )
+    static = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    key = next(w for w in weights if w.path.endswith("0/attention/key/kernel"))
+    assert static[key.path].axes[0] == "model" and key.shape[0] == 1  # static: fails
+
+    plan = keras_hub_autodist.plan(preset, {"batch": 1, "model": 2}, strategy="tp")
+    row = next(r for r in plan.rows if r.path == key.path)
+    assert row.spec[0] is None
+    assert "num_key_value_heads=1 does not divide by model=2" in row.note
+    assert plan.max_device_bytes <= 1.10 * plan.total_bytes / 2
+
+
+def test_llama_untied_output_embedding_is_sharded_and_kv_never_on_batch():
+    # keras-hub's static Llama map: reverse_embeddings match no key (fully
+    # replicated, ~1 GB per device for Llama 3 8B in bf16) and key/value heads
+    # are sharded on the *batch* axis.
+    preset = str(pytest.shared / "llama3_8b")
+    mesh = keras.distribution.DeviceMesh(
+        (4, 2), ("batch", "model"), keras.distribution.list_devices()
+    )
+    static = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    assert static["token_embedding/reverse_embeddings"] is None
+    assert "batch" in static["transformer_layer_0/self_attention/key/kernel"].axes
+
+    plan = keras_hub_autodist.plan(preset, mesh, strategy="tp", dtype="bfloat16")
+    rows = {r.path: r for r in plan.rows}
+    assert rows["token_embedding/reverse_embeddings"].spec == (None, "model")
+    assert rows["transformer_layer_0/self_attention/key/kernel"].spec == (None, "model", None)
+    assert rows["transformer_layer_0/self_attention/query/kernel"].spec == (None, "model", None)
+
+
+def test_hidden_axis_shards_embed_dim(real_configs):
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "llama3_8b"), {"batch": 2, "model": 2, "tensor2": 2}, strategy="tp"
+    )
+    rows = {r.path: r for r in plan.rows}
+    assert rows["transformer_layer_3/feedforward_gate_dense/kernel"].spec == ("tensor2", "model")
+    assert plan.max_device_bytes <= 1.10 * plan.total_bytes / 4
+
+
+def test_fsdp_shards_over_batch_axis_and_tp_does_not():
+    preset = str(pytest.shared / "llama3.2_1b")
+    tp = keras_hub_autodist.plan(preset, {"model": 2, "batch": 4}, strategy="tp")
+    fsdp = keras_hub_autodist.plan(preset, {"model": 2, "batch": 4}, strategy="fsdp")
+    assert all("batch" not in r.spec for r in tp.rows)
+    assert fsdp.max_device_bytes * 3.9 < tp.max_device_bytes
+    assert tp.training_bytes_per_device("adam") == 4 * tp.max_device_bytes
+
+
+def test_auto_strategy_uses_device_memory():
+    preset = str(pytest.shared / "gemma_2b")
+    roomy = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4}, device_memory=64 * 1024**3)
+    tight = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4}, device_memory=8 * 1024**3)
+    assert roomy.strategy == "tp" and "fit in 80% of 64.0 GiB" in roomy.strategy_reason
+    assert tight.strategy == "fsdp" and "over 80% of 8.0 GiB" in tight.strategy_reason
+
+
+def test_device_memory_from_environment(monkeypatch):
+    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB", "64")
+    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4})
+    assert plan.device_memory_bytes == 64 * 1024**3
+    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB", "lots")
+    with pytest.raises(MeshError, match="must be a number of GiB.*Received: .*'lots'"):
+        keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4})
+
+
+def test_dtype_sets_bytes():
+    preset = str(pytest.shared / "gemma_7b")
+    f32 = keras_hub_autodist.plan(preset, {"batch": 1, "model": 2}, strategy="tp")
+    bf16 = keras_hub_autodist.plan(preset, {"batch": 1, "model": 2}, strategy="tp", dtype="bfloat16")
+    mixed = keras_hub_autodist.plan(
+        preset, {"batch": 1, "model": 2}, strategy="tp", dtype="mixed_bfloat16"
+    )
+    assert f32.total_bytes == 2 * bf16.total_bytes == mixed.total_bytes
+    assert bf16.dtype == "bfloat16" and mixed.dtype == "float32"
+
+
+def test_str_is_a_readable_table():
+    text = str(keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 1, "model": 2}))
+    assert re.search(r"decoder_block_\*/attention/key/kernel\s+18\s+\(1, 2048, 256\)", text)
+    assert "per device:" in text and "strategy:" in text and "fallbacks: 36 weights" in text
+
+
+def test_get_layout_map_for_own_scope():
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("batch", "model"), keras.distribution.list_devices()
+    )
+    layout_map = keras_hub_autodist.get_layout_map(
+        str(pytest.shared / "gemma_7b"), mesh, strategy="tp"
+    )
+    assert layout_map["decoder_block_3/attention/key/kernel"].axes == ("model", None, None)
+    with pytest.raises(MeshError, match="needs a real `keras.distribution.DeviceMesh`"):
+        keras_hub_autodist.get_layout_map(str(pytest.shared / "gemma_7b"), {"batch": 8})
+
+
+def test_layout_map_needs_matching_device_mesh():
+    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_7b"), {"batch": 2, "model": 4})
+    with pytest.raises(MeshError, match="needs a `keras.distribution.DeviceMesh`"):
+        plan.layout_map()
+    other = keras.distribution.DeviceMesh(
+        (4, 2), ("batch", "model"), keras.distribution.list_devices()
+    )
+    with pytest.raises(MeshError, match=r"does not match the plan.*Received: axes"):
+        plan.layout_map(other)
+
+
+def test_unknown_strategy():
+    with pytest.raises(StrategyError, match=r"Received: strategy='zero3'"):
+        keras_hub_autodist.plan(str(pytest.shared / "gemma_7b"), {"batch": 8}, strategy="zero3")
+
+
+def test_preset_without_config_json(tmp_path):
+    with pytest.raises(PresetError, match=r"config.json.*Received: preset="):
+        keras_hub_autodist.plan(str(tmp_path), {"batch": 8})
+    with pytest.raises(PresetError, match=r"Received: preset=.*does-not-exist"):
+        keras_hub_autodist.plan(str(tmp_path / "does-not-exist"), {"batch": 8})
+    with pytest.raises(PresetError, match="A preset is a string"):
+        keras_hub_autodist.plan(42, {"batch": 8})
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    config = {
+        "model_type": "bert", "architectures": ["BertModel"], "vocab_size": 32,
+        "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 32, "max_position_embeddings": 16, "type_vocab_size": 2,
+        "hidden_dropout_prob": 0.0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        UnsupportedArchitectureError,
+        match=r"no layout for BertBackbone\. Supported backbones: Gemma3Backbone, "
+        r"GemmaBackbone, LlamaBackbone, MistralBackbone.*docs/architectures.md",
+    ):
+        keras_hub_autodist.plan(str(tmp_path), {"batch": 8})
+
+
+def test_multimodal_checkpoint_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gemma3", "vision_config": {"image_size": 896},
+                    "text_config": {}})
+    )
+    with pytest.raises(UnsupportedArchitectureError, match="text-only.*model_type='gemma3'"):
+        keras_hub_autodist.plan(str(tmp_path), {"batch": 8})

@@ -1,0 +1,127 @@
+import sys
+import textwrap
+
+import keras_hub
+import pytest
+
+from keras_hub_autodist import UnsupportedArchitectureError
+from keras_hub_autodist import cli
+from keras_hub_autodist import registry
+from keras_hub_autodist.architectures.gemma import GEMMA
+from keras_hub_autodist.architectures.llama import LLAMA
+
+
+class ToyBackbone(keras_hub.models.Backbone):
+    pass
+
+
+class ToySubBackbone(ToyBackbone):
+    pass
+
+
+@pytest.fixture
+def toy_plugin(tmp_path, monkeypatch):
+    """A third-party package, installed as metadata on sys.path."""
+    (tmp_path / "toy_layouts.py").write_text(
+        textwrap.dedent(
+            """
+            from keras_hub_autodist.architectures.base import Architecture, global_weight
+
+            class Toy(Architecture):
+                name = "toy"
+                config_fields = {"vocab": "vocabulary_size"}
+
+                def weights(self, config):
+                    return [global_weight("emb/embeddings",
+                                          (config["vocabulary_size"], 4),
+                                          ("vocab", "embed"))]
+            """
+        )
+    )
+    info = tmp_path / "toy_layouts-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-layouts\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[keras_hub_autodist.architectures]\n"
+        "ToyBackbone = toy_layouts:Toy\n"
+        "BrokenBackbone = toy_layouts:DoesNotExist\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.clear_cache()
+    yield
+    sys.modules.pop("toy_layouts", None)
+    registry.clear_cache()
+
+
+def test_builtins_come_from_entry_points():
+    assert {"GemmaBackbone", "Gemma3Backbone", "LlamaBackbone", "MistralBackbone"} <= set(
+        registry.registered_architectures()
+    )
+    assert registry.handler_for(keras_hub.models.GemmaBackbone) is GEMMA
+
+
+def test_lookup_follows_mro():
+    assert registry.handler_for(keras_hub.models.Llama3Backbone) is LLAMA
+
+
+def test_third_party_handler_through_entry_points(toy_plugin):
+    handler = registry.handler_for(ToySubBackbone)
+    assert handler.name == "toy"
+    assert [w.shape for w in handler.weights({"vocabulary_size": 8})] == [(8, 4)]
+
+
+def test_broken_plugin_warns_and_is_skipped(toy_plugin):
+    class BrokenBackbone(keras_hub.models.Backbone):
+        pass
+
+    with pytest.warns(UserWarning, match="'BrokenBackbone'.*failed to load"):
+        with pytest.raises(UnsupportedArchitectureError, match="no layout for BrokenBackbone"):
+            registry.handler_for(BrokenBackbone)
+
+
+def test_unsupported_error_lists_installed_and_docs():
+    with pytest.raises(
+        UnsupportedArchitectureError,
+        match=r"Supported backbones: .*GemmaBackbone.*keras_hub_autodist.architectures",
+    ):
+        registry.handler_for(keras_hub.models.BertBackbone)
+
+
+def test_entry_points_are_in_installed_metadata():
+    from importlib import metadata
+
+    eps = metadata.entry_points(group="keras_hub_autodist.architectures")
+    values = {ep.name: ep.value for ep in eps}
+    assert values["GemmaBackbone"] == "keras_hub_autodist.architectures.gemma:GEMMA"
+    scripts = {ep.name for ep in metadata.entry_points(group="console_scripts")}
+    assert "keras-hub-autodist" in scripts
+
+
+def test_cli_prints_table_and_totals(capsys):
+    preset = str(pytest.shared / "gemma_2b")
+    assert cli.main(["plan", preset, "--mesh", "batch=2,model=4", "--strategy", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "decoder_block_*/attention/key/kernel" in out
+    assert "strategy: fsdp (requested)" in out and "per device:" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "x", "--mesh", "batch"], "--mesh takes name=size pairs"),
+        (["plan", "x", "--mesh", "batch=2", "--strategy", "zero"], "invalid choice: 'zero'"),
+        (["plan", "/no/such/preset", "--mesh", "batch=8"], "Can't read `config.json`"),
+        (["plan", "PRESET", "--mesh", "batch=2,model=4,x=1,y=1"], "have no role"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_cli_errors_are_one_line_with_status_2(argv, message, capsys):
+    argv = [a.replace("PRESET", str(pytest.shared / "gemma_2b")) for a in argv]
+    try:
+        status = cli.main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
