@@ -114,14 +114,12 @@ def check_batch(distribution, method: str, args, kwargs) -> None:
         return
 
     def fail(batch, what):
-        global_batch = batch * processes
+        per_process = f" per process ({batch * processes} in all)" if processes > 1 else ""
         raise BatchSizeError(
-            f"{what} of {batch}"
-            + (f" per process ({global_batch} in all)" if processes > 1 else "")
-            + f" does not divide by the batch axis '{axis}' of size "
-            f"{axis_size}. Use a batch size that is a multiple of "
-            f"{axis_size}, or drop the remainder. Received: {method}() with "
-            f"batch size {batch}"
+            f"{what}: {batch}{per_process} does not divide by the batch axis "
+            f"'{axis}' of size {axis_size}. Use a batch size that is a "
+            f"multiple of {axis_size}, or drop the remainder. Received: "
+            f"{method}() with batch size {batch}"
         )
 
     batch = _dataset_batch(x)
@@ -152,7 +150,7 @@ def check_batch(distribution, method: str, args, kwargs) -> None:
     if (remainder * processes) % axis_size:
         fail(
             remainder,
-            f"The last batch of {count} samples in batches of {batch_size} has a size",
+            f"The last batch of {count} samples in batches of {batch_size}",
         )
 
 
@@ -212,7 +210,10 @@ def generate_padded(generate, distribution, inputs, *args, **kwargs):
     else:
         padded = _pad_rows(prompts, count, target)
     outputs = generate(padded, *args, **kwargs)
-    outputs = keras.tree.map_structure(lambda leaf: leaf[:count], outputs)
+    if isinstance(outputs, (list, tuple)):
+        outputs = outputs[:count]
+    else:
+        outputs = keras.tree.map_structure(lambda leaf: leaf[:count], outputs)
     return outputs[0] if single else outputs
 
 

@@ -8,6 +8,7 @@ MQA/GQA, untied embeddings, vocabularies that don't divide by 8, soft caps.
 from __future__ import annotations
 
 import io
+import json
 import os
 
 import keras
@@ -116,6 +117,32 @@ def _save(task, path):
     return str(path)
 
 
+def _restore_tie_word_embeddings(path, tied):
+    # keras-hub 0.32's LlamaBackbone.get_config() drops `tie_word_embeddings`,
+    # so a tied Llama saved with save_to_preset reloads untied and fails to
+    # load its weights. Write the field back (config.json and the backbone
+    # inside task.json), as a fixed keras-hub would.
+    def patch(node):
+        if isinstance(node, dict):
+            if str(node.get("class_name", "")).endswith("LlamaBackbone") or node.get(
+                "class_name"
+            ) == "Llama3Backbone":
+                node["config"].setdefault("tie_word_embeddings", tied)
+            for value in node.values():
+                patch(value)
+        elif isinstance(node, list):
+            for value in node:
+                patch(value)
+
+    for name in ("config.json", "task.json"):
+        file = os.path.join(path, name)
+        with open(file) as f:
+            config = json.load(f)
+        patch(config)
+        with open(file, "w") as f:
+            json.dump(config, f, indent=4)
+
+
 def gemma_preset(path, config=GEMMA_MQA, seed=0):
     keras.utils.set_random_seed(seed)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=sentencepiece_proto())
@@ -151,7 +178,9 @@ def llama3_preset(path, tie_word_embeddings=False, seed=0):
     backbone = keras_hub.models.Llama3Backbone(
         **config, tie_word_embeddings=tie_word_embeddings
     )
-    return _save(keras_hub.models.Llama3CausalLM(backbone, preprocessor), path)
+    path = _save(keras_hub.models.Llama3CausalLM(backbone, preprocessor), path)
+    _restore_tie_word_embeddings(path, tie_word_embeddings)
+    return path
 
 
 BUILDERS = {
