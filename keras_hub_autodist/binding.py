@@ -114,7 +114,9 @@ def check_batch(distribution, method: str, args, kwargs) -> None:
         return
 
     def fail(batch, what):
-        per_process = f" per process ({batch * processes} in all)" if processes > 1 else ""
+        per_process = (
+            f" per process ({batch * processes} in all)" if processes > 1 else ""
+        )
         raise BatchSizeError(
             f"{what}: {batch}{per_process} does not divide by the batch axis "
             f"'{axis}' of size {axis_size}. Use a batch size that is a "

@@ -138,8 +138,9 @@ def assign_mesh_axes(
                 spec[dim], chosen = model_axis, logical
                 break
         if chosen != primary:
+            primary_size = weight.shape[_dim_of(weight.axes, primary)]
             cause = (
-                f"{_field(config_fields, primary, weight.shape[_dim_of(weight.axes, primary)])}"
+                f"{_field(config_fields, primary, primary_size)}"
                 f" does not divide by {model_axis}={model_size}"
             )
             if chosen is None:

@@ -17,7 +17,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import tiny_presets  # noqa: E402
 
-SHARED_PRESETS = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "presets"
+SHARED_PRESETS = (
+    pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "presets"
+)
 
 
 def shared_presets_dir() -> pathlib.Path:

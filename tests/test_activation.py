@@ -20,7 +20,7 @@ def test_activate_is_idempotent():
     assert keras_hub_autodist.activate() and keras_hub_autodist.activate()
     after = keras_hub.models.Backbone.__dict__["from_preset"].__func__
     assert before is after
-    original = getattr(after, "__keras_hub_autodist_original__")
+    original = after.__keras_hub_autodist_original__
     assert getattr(original, "__keras_hub_autodist_original__", None) is None
     assert "device_mesh" in keras_hub.models.CausalLM.from_preset.__doc__
 
@@ -44,7 +44,10 @@ def _run(python, code, env=None):
     env = {**base, **(env or {})}
     return subprocess.run(
         [python, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
         cwd=os.path.dirname(python),  # not the repository: import the installed copy
     )
 
@@ -66,7 +69,17 @@ def fresh_venv(tmp_path_factory):
         f.write(sysconfig.get_paths()["purelib"] + "\n")
     wheel_dir = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheel_dir), ROOT],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-q",
+            "-w",
+            str(wheel_dir),
+            ROOT,
+        ],
         check=True,
     )
     wheel = next(wheel_dir.glob("keras_hub_autodist-*.whl"))
@@ -112,7 +125,9 @@ def test_plugin_is_off_with_environment_switch(fresh_venv):
 @pytest.mark.venv
 def test_startup_hook_costs_under_5ms(fresh_venv):
     result = _run(fresh_venv, "pass", {"PYTHONPROFILEIMPORTTIME": "1"})
-    lines = [line for line in result.stderr.splitlines() if "keras_hub_autodist_hook" in line]
+    lines = [
+        line for line in result.stderr.splitlines() if "keras_hub_autodist_hook" in line
+    ]
     assert lines, result.stderr[-2000:]
     cumulative_us = int(lines[-1].split("|")[1])
     assert cumulative_us < 5000
@@ -133,6 +148,8 @@ def test_broken_hook_never_breaks_start_up(fresh_venv, tmp_path):
             import keras_hub
         print(any("could not add `device_mesh=`" in str(w.message) for w in caught))
     """
-    result = _run(fresh_venv, code, {"PYTHONPATH": str(tmp_path), "KERAS_BACKEND": "jax"})
+    result = _run(
+        fresh_venv, code, {"PYTHONPATH": str(tmp_path), "KERAS_BACKEND": "jax"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "True"

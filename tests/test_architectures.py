@@ -17,32 +17,73 @@ from keras_hub_autodist.registry import handler_for
 SMALL = dict(vocabulary_size=48, num_layers=2, hidden_dim=16, intermediate_dim=32)
 
 VARIANTS = {
-    "gemma_mqa": (keras_hub.models.GemmaBackbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=1, head_dim=8)),
-    "gemma2_post_norms": (keras_hub.models.GemmaBackbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=2, head_dim=8,
-        use_post_ffw_norm=True, use_post_attention_norm=True,
-        final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
-        use_sliding_window_attention=True)),
-    "gemma3_text": (keras_hub.models.Gemma3Backbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=1, head_dim=8,
-        image_size=16, vision_encoder=None)),
-    "gemma3_no_qk_norm": (keras_hub.models.Gemma3Backbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=2, head_dim=8,
-        image_size=16, vision_encoder=None, use_query_key_norm=False,
-        use_post_ffw_norm=True, use_post_attention_norm=True)),
-    "llama2_untied": (keras_hub.models.LlamaBackbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=4)),
-    "llama_tied": (keras_hub.models.LlamaBackbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-    "llama3_untied": (keras_hub.models.Llama3Backbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=2)),
-    "llama3_tied": (keras_hub.models.Llama3Backbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-    "mistral": (keras_hub.models.MistralBackbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=2)),
-    "mistral_head_dim": (keras_hub.models.MistralBackbone, dict(
-        SMALL, num_query_heads=4, num_key_value_heads=2, head_dim=8)),
+    "gemma_mqa": (
+        keras_hub.models.GemmaBackbone,
+        dict(SMALL, num_query_heads=4, num_key_value_heads=1, head_dim=8),
+    ),
+    "gemma2_post_norms": (
+        keras_hub.models.GemmaBackbone,
+        dict(
+            SMALL,
+            num_query_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            use_post_ffw_norm=True,
+            use_post_attention_norm=True,
+            final_logit_soft_cap=30.0,
+            attention_logit_soft_cap=50.0,
+            use_sliding_window_attention=True,
+        ),
+    ),
+    "gemma3_text": (
+        keras_hub.models.Gemma3Backbone,
+        dict(
+            SMALL,
+            num_query_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            image_size=16,
+            vision_encoder=None,
+        ),
+    ),
+    "gemma3_no_qk_norm": (
+        keras_hub.models.Gemma3Backbone,
+        dict(
+            SMALL,
+            num_query_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            image_size=16,
+            vision_encoder=None,
+            use_query_key_norm=False,
+            use_post_ffw_norm=True,
+            use_post_attention_norm=True,
+        ),
+    ),
+    "llama2_untied": (
+        keras_hub.models.LlamaBackbone,
+        dict(SMALL, num_query_heads=4, num_key_value_heads=4),
+    ),
+    "llama_tied": (
+        keras_hub.models.LlamaBackbone,
+        dict(SMALL, num_query_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "llama3_untied": (
+        keras_hub.models.Llama3Backbone,
+        dict(SMALL, num_query_heads=4, num_key_value_heads=2),
+    ),
+    "llama3_tied": (
+        keras_hub.models.Llama3Backbone,
+        dict(SMALL, num_query_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "mistral": (
+        keras_hub.models.MistralBackbone,
+        dict(SMALL, num_query_heads=4, num_key_value_heads=2),
+    ),
+    "mistral_head_dim": (
+        keras_hub.models.MistralBackbone,
+        dict(SMALL, num_query_heads=4, num_key_value_heads=2, head_dim=8),
+    ),
 }
 
 
@@ -54,13 +95,17 @@ def _build(name):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_weight_table_matches_real_model(name):
     model, info = _build(name)
-    table = {w.path: w.shape for w in handler_for(info.backbone_cls).weights(info.config)}
+    table = {
+        w.path: w.shape for w in handler_for(info.backbone_cls).weights(info.config)
+    }
     real = {w.path: tuple(w.shape) for w in model.weights}
     assert table == real
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-@pytest.mark.parametrize("mesh", [{"batch": 2, "model": 4}, {"batch": 2, "model": 2, "x": 2}])
+@pytest.mark.parametrize(
+    "mesh", [{"batch": 2, "model": 4}, {"batch": 2, "model": 2, "x": 2}]
+)
 def test_every_weight_and_lora_kernel_matches_exactly_one_key(name, mesh):
     model, info = _build(name)
     layout_plan = plan_config(info, mesh, strategy="fsdp")
@@ -90,7 +135,9 @@ def test_kernel_keys_do_not_match_lora_kernels():
     _, info = _build("llama3_untied")
     layouts = plan_config(info, {"batch": 2, "model": 4}, strategy="tp")._layouts()
     kernel_key = next(k for k in layouts if k.endswith("query/kernel"))
-    assert not re.fullmatch(kernel_key, "transformer_layer_0/self_attention/query/lora_kernel_a")
+    assert not re.fullmatch(
+        kernel_key, "transformer_layer_0/self_attention/query/lora_kernel_a"
+    )
     assert re.fullmatch(kernel_key, "transformer_layer_11/self_attention/query/kernel")
 
 
@@ -102,9 +149,20 @@ def test_layouts_follow_each_family_axis_order():
     g = plan_config(gemma, {"batch": 1, "model": 2}, strategy="tp")._layouts()
     m = plan_config(llama, {"batch": 1, "model": 2}, strategy="tp")._layouts()
     assert g[r"decoder_block_\d+/attention/query/kernel"] == ("model", None, None)
-    assert m[r"transformer_layer_\d+/self_attention/query/kernel"] == (None, "model", None)
-    assert g[r"decoder_block_\d+/attention/attention_output/kernel"] == ("model", None, None)
-    assert m[r"transformer_layer_\d+/feedforward_output_dense/kernel"] == ("model", None)
+    assert m[r"transformer_layer_\d+/self_attention/query/kernel"] == (
+        None,
+        "model",
+        None,
+    )
+    assert g[r"decoder_block_\d+/attention/attention_output/kernel"] == (
+        "model",
+        None,
+        None,
+    )
+    assert m[r"transformer_layer_\d+/feedforward_output_dense/kernel"] == (
+        "model",
+        None,
+    )
     assert m["token_embedding/reverse_embeddings"] == (None, "model")
 
 
@@ -120,7 +178,13 @@ def test_layout_map_is_a_keras_layout_map():
     # large share of the weights, so their head_dim is sharded instead.
     layout = layout_map["decoder_block_1/attention/key/kernel"]
     assert layout.axes == (None, None, "model")
-    key_row = next(r for r in layout_plan.rows if r.path.endswith("1/attention/key/kernel"))
+    key_row = next(
+        r for r in layout_plan.rows if r.path.endswith("1/attention/key/kernel")
+    )
     assert "num_key_value_heads=1 does not divide by model=4" in key_row.note
     assert "sharded head_dim=8 over 'model' instead" in key_row.note
-    assert layout_map["decoder_block_1/attention/query/kernel"].axes == ("model", None, None)
+    assert layout_map["decoder_block_1/attention/query/kernel"].axes == (
+        "model",
+        None,
+        None,
+    )

@@ -66,7 +66,9 @@ def test_tp_target_on_every_real_config(real_configs, model_size):
         )
 
 
-@pytest.mark.parametrize("mesh", FSDP_MESHES, ids=lambda m: "x".join(map(str, m.values())))
+@pytest.mark.parametrize(
+    "mesh", FSDP_MESHES, ids=lambda m: "x".join(map(str, m.values()))
+)
 def test_fsdp_target_on_every_real_config(real_configs, mesh):
     devices = mesh["batch"] * mesh["model"]
     for preset in real_configs:
@@ -81,7 +83,9 @@ def test_planning_is_fast_and_allocates_no_weights(real_configs, tmp_path):
     folder = tmp_path / "llama3.1_70b"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(LLAMA31_70B))
-    keras_hub_autodist.plan(str(real_configs[0]), {"batch": 2, "model": 4})  # warm imports
+    keras_hub_autodist.plan(
+        str(real_configs[0]), {"batch": 2, "model": 4}
+    )  # warm imports
     arrays_before = len(jax.live_arrays())
     tracemalloc.start()
     start = time.perf_counter()
@@ -92,7 +96,9 @@ def test_planning_is_fast_and_allocates_no_weights(real_configs, tmp_path):
     tracemalloc.stop()
     assert peak < 1024**3
     assert len(jax.live_arrays()) == arrays_before
-    plan = keras_hub_autodist.plan(str(folder), {"batch": 16, "model": 16}, dtype="bfloat16")
+    plan = keras_hub_autodist.plan(
+        str(folder), {"batch": 16, "model": 16}, dtype="bfloat16"
+    )
     assert plan.num_parameters == 70_553_706_496
     assert plan.strategy == "fsdp"  # 70B doesn't fit 16 GiB devices with tp
 
@@ -139,16 +145,29 @@ def test_llama_untied_output_embedding_is_sharded_and_kv_never_on_batch():
     plan = keras_hub_autodist.plan(preset, mesh, strategy="tp", dtype="bfloat16")
     rows = {r.path: r for r in plan.rows}
     assert rows["token_embedding/reverse_embeddings"].spec == (None, "model")
-    assert rows["transformer_layer_0/self_attention/key/kernel"].spec == (None, "model", None)
-    assert rows["transformer_layer_0/self_attention/query/kernel"].spec == (None, "model", None)
+    assert rows["transformer_layer_0/self_attention/key/kernel"].spec == (
+        None,
+        "model",
+        None,
+    )
+    assert rows["transformer_layer_0/self_attention/query/kernel"].spec == (
+        None,
+        "model",
+        None,
+    )
 
 
 def test_hidden_axis_shards_embed_dim(real_configs):
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "llama3_8b"), {"batch": 2, "model": 2, "tensor2": 2}, strategy="tp"
+        str(pytest.shared / "llama3_8b"),
+        {"batch": 2, "model": 2, "tensor2": 2},
+        strategy="tp",
     )
     rows = {r.path: r for r in plan.rows}
-    assert rows["transformer_layer_3/feedforward_gate_dense/kernel"].spec == ("tensor2", "model")
+    assert rows["transformer_layer_3/feedforward_gate_dense/kernel"].spec == (
+        "tensor2",
+        "model",
+    )
     assert plan.max_device_bytes <= 1.10 * plan.total_bytes / 4
 
 
@@ -163,25 +182,35 @@ def test_fsdp_shards_over_batch_axis_and_tp_does_not():
 
 def test_auto_strategy_uses_device_memory():
     preset = str(pytest.shared / "gemma_2b")
-    roomy = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4}, device_memory=64 * 1024**3)
-    tight = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4}, device_memory=8 * 1024**3)
+    roomy = keras_hub_autodist.plan(
+        preset, {"batch": 2, "model": 4}, device_memory=64 * 1024**3
+    )
+    tight = keras_hub_autodist.plan(
+        preset, {"batch": 2, "model": 4}, device_memory=8 * 1024**3
+    )
     assert roomy.strategy == "tp" and "fit in 80% of 64.0 GiB" in roomy.strategy_reason
     assert tight.strategy == "fsdp" and "over 80% of 8.0 GiB" in tight.strategy_reason
 
 
 def test_device_memory_from_environment(monkeypatch):
     monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB", "64")
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4})
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4}
+    )
     assert plan.device_memory_bytes == 64 * 1024**3
     monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB", "lots")
     with pytest.raises(MeshError, match="must be a number of GiB.*Received: .*'lots'"):
-        keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4})
+        keras_hub_autodist.plan(
+            str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4}
+        )
 
 
 def test_dtype_sets_bytes():
     preset = str(pytest.shared / "gemma_7b")
     f32 = keras_hub_autodist.plan(preset, {"batch": 1, "model": 2}, strategy="tp")
-    bf16 = keras_hub_autodist.plan(preset, {"batch": 1, "model": 2}, strategy="tp", dtype="bfloat16")
+    bf16 = keras_hub_autodist.plan(
+        preset, {"batch": 1, "model": 2}, strategy="tp", dtype="bfloat16"
+    )
     mixed = keras_hub_autodist.plan(
         preset, {"batch": 1, "model": 2}, strategy="tp", dtype="mixed_bfloat16"
     )
@@ -190,9 +219,19 @@ def test_dtype_sets_bytes():
 
 
 def test_str_is_a_readable_table():
-    text = str(keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 1, "model": 2}))
-    assert re.search(r"decoder_block_\*/attention/key/kernel\s+18\s+\(1, 2048, 256\)", text)
-    assert "per device:" in text and "strategy:" in text and "fallbacks: 36 weights" in text
+    text = str(
+        keras_hub_autodist.plan(
+            str(pytest.shared / "gemma_2b"), {"batch": 1, "model": 2}
+        )
+    )
+    assert re.search(
+        r"decoder_block_\*/attention/key/kernel\s+18\s+\(1, 2048, 256\)", text
+    )
+    assert (
+        "per device:" in text
+        and "strategy:" in text
+        and "fallbacks: 36 weights" in text
+    )
 
 
 def test_get_layout_map_for_own_scope():
@@ -202,13 +241,19 @@ def test_get_layout_map_for_own_scope():
     layout_map = keras_hub_autodist.get_layout_map(
         str(pytest.shared / "gemma_7b"), mesh, strategy="tp"
     )
-    assert layout_map["decoder_block_3/attention/key/kernel"].axes == ("model", None, None)
+    assert layout_map["decoder_block_3/attention/key/kernel"].axes == (
+        "model",
+        None,
+        None,
+    )
     with pytest.raises(MeshError, match="needs a real `keras.distribution.DeviceMesh`"):
         keras_hub_autodist.get_layout_map(str(pytest.shared / "gemma_7b"), {"batch": 8})
 
 
 def test_layout_map_needs_matching_device_mesh():
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_7b"), {"batch": 2, "model": 4})
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_7b"), {"batch": 2, "model": 4}
+    )
     with pytest.raises(MeshError, match="needs a `keras.distribution.DeviceMesh`"):
         plan.layout_map()
     other = keras.distribution.DeviceMesh(
@@ -220,7 +265,9 @@ def test_layout_map_needs_matching_device_mesh():
 
 def test_unknown_strategy():
     with pytest.raises(StrategyError, match=r"Received: strategy='zero3'"):
-        keras_hub_autodist.plan(str(pytest.shared / "gemma_7b"), {"batch": 8}, strategy="zero3")
+        keras_hub_autodist.plan(
+            str(pytest.shared / "gemma_7b"), {"batch": 8}, strategy="zero3"
+        )
 
 
 def test_preset_without_config_json(tmp_path):
@@ -234,9 +281,15 @@ def test_preset_without_config_json(tmp_path):
 
 def test_unsupported_architecture_lists_supported(tmp_path):
     config = {
-        "model_type": "bert", "architectures": ["BertModel"], "vocab_size": 32,
-        "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "intermediate_size": 32, "max_position_embeddings": 16, "type_vocab_size": 2,
+        "model_type": "bert",
+        "architectures": ["BertModel"],
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "max_position_embeddings": 16,
+        "type_vocab_size": 2,
         "hidden_dropout_prob": 0.0,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -250,8 +303,15 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 def test_multimodal_checkpoint_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "gemma3", "vision_config": {"image_size": 896},
-                    "text_config": {}})
+        json.dumps(
+            {
+                "model_type": "gemma3",
+                "vision_config": {"image_size": 896},
+                "text_config": {},
+            }
+        )
     )
-    with pytest.raises(UnsupportedArchitectureError, match="text-only.*model_type='gemma3'"):
+    with pytest.raises(
+        UnsupportedArchitectureError, match="text-only.*model_type='gemma3'"
+    ):
         keras_hub_autodist.plan(str(tmp_path), {"batch": 8})

@@ -25,7 +25,8 @@ def toy_plugin(tmp_path, monkeypatch):
     (tmp_path / "toy_layouts.py").write_text(
         textwrap.dedent(
             """
-            from keras_hub_autodist.architectures.base import Architecture, global_weight
+            from keras_hub_autodist.architectures.base import Architecture
+            from keras_hub_autodist.architectures.base import global_weight
 
             class Toy(Architecture):
                 name = "toy"
@@ -40,7 +41,9 @@ def toy_plugin(tmp_path, monkeypatch):
     )
     info = tmp_path / "toy_layouts-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-layouts\nVersion: 0.1\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: toy-layouts\nVersion: 0.1\n"
+    )
     (info / "entry_points.txt").write_text(
         "[keras_hub_autodist.architectures]\n"
         "ToyBackbone = toy_layouts:Toy\n"
@@ -54,9 +57,12 @@ def toy_plugin(tmp_path, monkeypatch):
 
 
 def test_builtins_come_from_entry_points():
-    assert {"GemmaBackbone", "Gemma3Backbone", "LlamaBackbone", "MistralBackbone"} <= set(
-        registry.registered_architectures()
-    )
+    assert {
+        "GemmaBackbone",
+        "Gemma3Backbone",
+        "LlamaBackbone",
+        "MistralBackbone",
+    } <= set(registry.registered_architectures())
     assert registry.handler_for(keras_hub.models.GemmaBackbone) is GEMMA
 
 
@@ -75,7 +81,9 @@ def test_broken_plugin_warns_and_is_skipped(toy_plugin):
         pass
 
     with pytest.warns(UserWarning, match="'BrokenBackbone'.*failed to load"):
-        with pytest.raises(UnsupportedArchitectureError, match="no layout for BrokenBackbone"):
+        with pytest.raises(
+            UnsupportedArchitectureError, match="no layout for BrokenBackbone"
+        ):
             registry.handler_for(BrokenBackbone)
 
 
@@ -99,7 +107,10 @@ def test_entry_points_are_in_installed_metadata():
 
 def test_cli_prints_table_and_totals(capsys):
     preset = str(pytest.shared / "gemma_2b")
-    assert cli.main(["plan", preset, "--mesh", "batch=2,model=4", "--strategy", "fsdp"]) == 0
+    assert (
+        cli.main(["plan", preset, "--mesh", "batch=2,model=4", "--strategy", "fsdp"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "decoder_block_*/attention/key/kernel" in out
     assert "strategy: fsdp (requested)" in out and "per device:" in out
@@ -109,7 +120,10 @@ def test_cli_prints_table_and_totals(capsys):
     "argv, message",
     [
         (["plan", "x", "--mesh", "batch"], "--mesh takes name=size pairs"),
-        (["plan", "x", "--mesh", "batch=2", "--strategy", "zero"], "invalid choice: 'zero'"),
+        (
+            ["plan", "x", "--mesh", "batch=2", "--strategy", "zero"],
+            "invalid choice: 'zero'",
+        ),
         (["plan", "/no/such/preset", "--mesh", "batch=8"], "Can't read `config.json`"),
         (["plan", "PRESET", "--mesh", "batch=2,model=4,x=1,y=1"], "have no role"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),

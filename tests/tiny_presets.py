@@ -124,9 +124,10 @@ def _restore_tie_word_embeddings(path, tied):
     # inside task.json), as a fixed keras-hub would.
     def patch(node):
         if isinstance(node, dict):
-            if str(node.get("class_name", "")).endswith("LlamaBackbone") or node.get(
-                "class_name"
-            ) == "Llama3Backbone":
+            if (
+                str(node.get("class_name", "")).endswith("LlamaBackbone")
+                or node.get("class_name") == "Llama3Backbone"
+            ):
                 node["config"].setdefault("tie_word_embeddings", tied)
             for value in node.values():
                 patch(value)

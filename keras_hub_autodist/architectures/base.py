@@ -22,8 +22,9 @@ class WeightSpec:
         axes: one logical axis per dimension, from `LOGICAL_AXES`.
 
     Example:
-    >>> WeightSpec("final_norm/scale", "final_norm/scale", (16,), ("norm",))
-    WeightSpec(path='final_norm/scale', pattern='final_norm/scale', shape=(16,), axes=('norm',))
+    >>> spec = WeightSpec("final_norm/scale", "final_norm/scale", (16,), ("norm",))
+    >>> spec.shape, spec.axes
+    ((16,), ('norm',))
     """
 
     path: str

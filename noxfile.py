@@ -1,0 +1,58 @@
+"""Sessions: `tests` (default), `integration`, `lint`.
+
+Run with `nox` (the uv backend makes sessions start in seconds):
+
+    nox -s tests
+"""
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+TEST_ENV = {
+    "KERAS_BACKEND": "jax",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+}
+
+
+def _pytest(session, *args):
+    """Install the package with its test dependencies and run pytest."""
+    session.install("-e", ".[dev]")
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore::DeprecationWarning",
+        *args,
+        *session.posargs,
+        env={
+            **TEST_ENV,
+            **{k: v for k, v in os.environ.items() if k.startswith("KERAS_HUB")},
+        },
+    )
+
+
+@nox.session
+def tests(session):
+    """Unit tests on 8 virtual CPU devices (no network, no accelerator)."""
+    _pytest(session, "-m", "not slow and not venv")
+
+
+@nox.session
+def integration(session):
+    """The full equivalence matrix and the fresh-virtualenv plugin tests."""
+    _pytest(session, "-m", "slow or venv")
+
+
+@nox.session
+def lint(session):
+    """ruff check and ruff format --check."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
