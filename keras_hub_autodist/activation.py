@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Mapping
 
 import keras
@@ -25,6 +26,8 @@ from keras_hub_autodist.mesh import mesh_shape
 from keras_hub_autodist.plan import LayoutPlan
 from keras_hub_autodist.plan import device_memory_bytes
 from keras_hub_autodist.plan import plan_config
+from keras_hub_autodist.presets import cached_kaggle_snapshot
+from keras_hub_autodist.presets import is_network_error
 from keras_hub_autodist.presets import read_preset_config
 
 SWITCH_ENV = "KERAS_HUB_AUTODIST"
@@ -146,8 +149,20 @@ def from_preset(
     )
     distribution = _distribution_for(layout_plan, mesh)
     original = _original_from_preset(cls)
-    with distribution.scope():
-        model = original(cls, preset, **kwargs)
+    try:
+        with distribution.scope():
+            model = original(cls, preset, **kwargs)
+    except Exception as error:
+        snapshot = cached_kaggle_snapshot(preset) if is_network_error(error) else None
+        if snapshot is None:
+            raise
+        warnings.warn(
+            f"keras_hub_autodist: the network is unreachable; loading {preset} "
+            f"from kagglehub's cache at {snapshot}.",
+            stacklevel=2,
+        )
+        with distribution.scope():
+            model = original(cls, snapshot, **kwargs)
     return bind(model, distribution, layout_plan)
 
 

@@ -130,3 +130,47 @@ def variable_dtype(config: Mapping, dtype=None) -> str:
     if isinstance(policy, str):
         policy = keras.DTypePolicy(policy)
     return policy.variable_dtype
+
+
+def cached_kaggle_snapshot(preset: str) -> str | None:
+    """The local folder kagglehub cached a versioned `kaggle://` preset in.
+
+    kagglehub has no offline switch, and keras-hub probes optional files
+    (e.g. `task.weights.h5`) over the network, so a fully cached Kaggle
+    preset still fails to load offline. When its `config.json` is in
+    kagglehub's cache, this returns the cache folder, which loads offline
+    like a local preset. Returns `None` otherwise.
+
+    Example:
+    ```python
+    cached_kaggle_snapshot("kaggle://keras/gemma/keras/gemma_2b_en/2")
+    ```
+    """
+    if not isinstance(preset, str) or not preset.lower().startswith("kaggle://"):
+        return None
+    handle_text = preset.split("://", 1)[1]
+    if len(handle_text.split("/")) != 5:  # unversioned handles need the API
+        return None
+    try:
+        from kagglehub import cache
+        from kagglehub.handle import parse_model_handle
+    except ImportError:
+        return None
+    handle = parse_model_handle(handle_text)
+    if cache.Cache().load_from_cache(handle, CONFIG_FILE) is None:
+        return None
+    return cache.get_cached_path(handle)
+
+
+def is_network_error(error: BaseException) -> bool:
+    """True for connection errors raised by requests/urllib3 or the OS."""
+    for cause in (error, error.__cause__, error.__context__):
+        if cause is None:
+            continue
+        if isinstance(cause, ConnectionError) or type(cause).__name__ in (
+            "ConnectionError",
+            "NameResolutionError",
+            "MaxRetryError",
+        ):
+            return True
+    return False

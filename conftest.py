@@ -1,4 +1,7 @@
-"""Tests run JAX on the CPU with 8 virtual devices, set before JAX starts."""
+"""Shared by tests/ and integration/: JAX on the CPU with 8 virtual devices.
+
+The environment is set here, before anything imports JAX.
+"""
 
 import os
 
@@ -13,13 +16,12 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+ROOT = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tests"))
 
 import tiny_presets  # noqa: E402
 
-SHARED_PRESETS = (
-    pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "presets"
-)
+SHARED_PRESETS = ROOT.parent / "shared" / "presets"
 
 
 def shared_presets_dir() -> pathlib.Path:

@@ -1,0 +1,133 @@
+"""Tiny Hugging Face transformers checkpoints written by hand (no network).
+
+Each writer makes a folder with `config.json` (with `model_type`) and a
+`model.safetensors` of random weights under the transformers names and
+shapes (`nn.Linear` weights are `(out, in)`), which keras-hub's converters
+load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import save_file
+
+V, L, D, H, HD, F = 64, 2, 32, 4, 8, 48
+
+
+def _write(path, config, tensors):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    rng = np.random.default_rng(0)
+    arrays = {
+        name: (rng.standard_normal(shape) * 0.05).astype("float32")
+        for name, shape in tensors.items()
+    }
+    save_file(arrays, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def _decoder(prefix, kv_heads, norms, extra=()):
+    tensors = {}
+    for i in range(L):
+        p = f"{prefix}layers.{i}."
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": (H * HD, D),
+                p + "self_attn.k_proj.weight": (kv_heads * HD, D),
+                p + "self_attn.v_proj.weight": (kv_heads * HD, D),
+                p + "self_attn.o_proj.weight": (D, H * HD),
+                p + "mlp.gate_proj.weight": (F, D),
+                p + "mlp.up_proj.weight": (F, D),
+                p + "mlp.down_proj.weight": (D, F),
+            }
+        )
+        for norm in norms:
+            tensors[p + norm + ".weight"] = (D,)
+        for name, shape in extra:
+            tensors[p + name] = shape
+    tensors[prefix + "embed_tokens.weight"] = (V, D)
+    tensors[prefix + "norm.weight"] = (D,)
+    return tensors
+
+
+def _common(model_type, kv_heads):
+    return {
+        "model_type": model_type,
+        "vocab_size": V,
+        "num_hidden_layers": L,
+        "num_attention_heads": H,
+        "num_key_value_heads": kv_heads,
+        "hidden_size": D,
+        "intermediate_size": F,
+        "head_dim": HD,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 128,
+        "torch_dtype": "float32",
+    }
+
+
+def gemma(path):
+    """Gemma 1 with multi-query attention (one key/value head)."""
+    config = _common("gemma", 1) | {"architectures": ["GemmaForCausalLM"]}
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    return _write(path, config, _decoder("model.", 1, norms))
+
+
+def gemma2(path):
+    """Gemma 2 with GQA, soft caps and a sliding window."""
+    config = _common("gemma2", 2) | {
+        "architectures": ["Gemma2ForCausalLM"],
+        "query_pre_attn_scalar": HD,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "sliding_window": 4,
+    }
+    norms = [
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ]
+    return _write(path, config, _decoder("model.", 2, norms))
+
+
+def gemma3_text(path):
+    """Gemma 3 text with one key/value head and query/key norms."""
+    config = _common("gemma3_text", 1) | {
+        "architectures": ["Gemma3ForCausalLM"],
+        "query_pre_attn_scalar": HD,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    norms = [
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ]
+    extra = [("self_attn.q_norm.weight", (HD,)), ("self_attn.k_norm.weight", (HD,))]
+    return _write(path, config, _decoder("model.", 1, norms, extra))
+
+
+def llama3(path):
+    """Llama 3 with GQA and an untied output embedding."""
+    config = _common("llama", 2) | {
+        "architectures": ["LlamaForCausalLM"],
+        "tie_word_embeddings": False,
+    }
+    tensors = _decoder("model.", 2, ["input_layernorm", "post_attention_layernorm"])
+    tensors["lm_head.weight"] = (V, D)
+    return _write(path, config, tensors)
+
+
+WRITERS = {
+    "gemma": gemma,
+    "gemma2": gemma2,
+    "gemma3_text": gemma3_text,
+    "llama3": llama3,
+}
