@@ -1,4 +1,4 @@
-"""Sessions: `tests` (default), `integration`, `lint`.
+"""Sessions: `tests` (default), `integration`, `multihost`, `lint`.
 
 Run with `nox` (the uv backend makes sessions start in seconds):
 
@@ -41,13 +41,21 @@ def _pytest(session, *args):
 @nox.session
 def tests(session):
     """Unit tests on 8 virtual CPU devices (no network, no accelerator)."""
-    _pytest(session, "-m", "not slow and not venv")
+    _pytest(session, "tests", "-m", "not slow and not venv")
 
 
 @nox.session
 def integration(session):
-    """The full equivalence matrix and the fresh-virtualenv plugin tests."""
-    _pytest(session, "-m", "slow or venv")
+    """Hubs and formats, LoRA, save/reload, generate, the full equivalence
+    matrix and the fresh-virtualenv plugin tests (everything but multihost)."""
+    _pytest(session, "integration", "-m", "not multihost")
+    _pytest(session, "tests", "-m", "slow or venv")
+
+
+@nox.session
+def multihost(session):
+    """2 processes x 4 virtual CPU devices on 127.0.0.1 against one process."""
+    _pytest(session, "integration", "-m", "multihost")
 
 
 @nox.session

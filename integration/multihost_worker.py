@@ -20,6 +20,9 @@ import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
+# Editable installs have no startup hook; importing the package activates it.
+import keras_hub_autodist  # noqa: E402, F401
+
 GLOBAL_BATCH = 8
 STEPS = 3
 

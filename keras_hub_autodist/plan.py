@@ -277,7 +277,13 @@ def device_memory_bytes(device_mesh=None, override: int | None = None) -> int:
     if isinstance(device_mesh, keras.distribution.DeviceMesh):
         limits = []
         for device in np.ravel(device_mesh.backend_mesh.devices):
-            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+            # Only this process's devices can report (multi-host meshes).
+            if device not in device.client.local_devices():
+                continue
+            try:
+                stats = device.memory_stats()
+            except Exception:  # backends without memory statistics
+                stats = None
             if stats and stats.get("bytes_limit"):
                 limits.append(stats["bytes_limit"])
         if limits:

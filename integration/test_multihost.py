@@ -1,0 +1,98 @@
+"""2 processes x 4 virtual CPU devices form one 8-device mesh via JAX's runtime.
+
+Each process loads the same preset with `device_mesh={"batch": 2, "model": 4}`
+and trains on its process-local half of each global batch; the result must
+equal a single-process 8-device run on the same global data.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multihost
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT = 420
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cluster(preset, out, mode, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    logs, procs = [], []
+    try:
+        for pid in range(2):
+            log = open(tmp_path / f"{mode}-{pid}.log", "w")
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        os.path.join(HERE, "multihost_worker.py"),
+                        str(pid),
+                        str(port),
+                        preset,
+                        str(out),
+                        mode,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=HERE,
+                )
+            )
+        for proc in procs:
+            proc.wait(timeout=TIMEOUT)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+    for pid, proc in enumerate(procs):
+        text = (tmp_path / f"{mode}-{pid}.log").read_text()
+        assert proc.returncode == 0, text[-4000:]
+    return np.load(out)
+
+
+def single_process_reference(preset):
+    sys.path.insert(0, HERE)
+    import multihost_worker
+
+    lm = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh={"batch": 2, "model": 4}
+    )
+    lm.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    losses = [
+        float(lm.train_on_batch(x, y, return_dict=True)["loss"])
+        for x, y in multihost_worker.global_batches(lm.backbone.vocabulary_size)
+    ]
+    return losses, {w.path: np.asarray(w.value) for w in lm.backbone.weights}
+
+
+def test_two_processes_match_one(tiny_presets_dir, tmp_path):
+    preset = tiny_presets_dir["gemma_mqa"]
+    result = run_cluster(preset, tmp_path / "local.npz", "local", tmp_path)
+    losses, weights = single_process_reference(preset)
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    for path, value in weights.items():
+        np.testing.assert_allclose(result[path], value, atol=1e-5, err_msg=path)
+
+    # Control: both processes feed the first half; the run must differ.
+    wrong = run_cluster(preset, tmp_path / "wrong.npz", "wrong", tmp_path)
+    assert not np.allclose(wrong["losses"], losses, rtol=1e-5)
