@@ -10,21 +10,27 @@ lm = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b", device_mesh=mesh)
 ```
 """
 
-from keras_hub_autodist.activation import activate
-from keras_hub_autodist.activation import from_preset
-from keras_hub_autodist.binding import Binding
-from keras_hub_autodist.binding import distribution_of
-from keras_hub_autodist.errors import AutodistError
-from keras_hub_autodist.errors import BackendError
-from keras_hub_autodist.errors import BatchSizeError
-from keras_hub_autodist.errors import DeviceMeshTypeError
-from keras_hub_autodist.errors import MeshError
-from keras_hub_autodist.errors import PresetError
-from keras_hub_autodist.errors import StrategyError
-from keras_hub_autodist.errors import UnsupportedArchitectureError
-from keras_hub_autodist.plan import LayoutPlan
-from keras_hub_autodist.plan import get_layout_map
-from keras_hub_autodist.plan import plan
+import os
+
+# The package distributes with JAX only: when nothing chose a backend yet
+# (keras not imported, KERAS_BACKEND unset), choose JAX. No effect otherwise.
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+from keras_hub_autodist.activation import activate  # noqa: E402
+from keras_hub_autodist.activation import from_preset  # noqa: E402
+from keras_hub_autodist.binding import Binding  # noqa: E402
+from keras_hub_autodist.binding import distribution_of  # noqa: E402
+from keras_hub_autodist.errors import AutodistError  # noqa: E402
+from keras_hub_autodist.errors import BackendError  # noqa: E402
+from keras_hub_autodist.errors import BatchSizeError  # noqa: E402
+from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
+from keras_hub_autodist.errors import MeshError  # noqa: E402
+from keras_hub_autodist.errors import PresetError  # noqa: E402
+from keras_hub_autodist.errors import StrategyError  # noqa: E402
+from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
+from keras_hub_autodist.plan import LayoutPlan  # noqa: E402
+from keras_hub_autodist.plan import get_layout_map  # noqa: E402
+from keras_hub_autodist.plan import plan  # noqa: E402
 
 __version__ = "0.1.0"
 

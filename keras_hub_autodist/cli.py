@@ -1,8 +1,9 @@
-"""The `keras-hub-autodist` command: `plan` a preset on a mesh.
+"""The `keras-hub-autodist` command: `plan` a preset on a mesh, or `demo`.
 
 Example:
 ```
 keras-hub-autodist plan ./gemma_2b --mesh batch=2,model=4 --strategy fsdp
+keras-hub-autodist demo
 ```
 """
 
@@ -12,8 +13,6 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-
-from keras_hub_autodist.errors import AutodistError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-axis", default=None)
     plan.add_argument("--model-axis", default=None)
     plan.add_argument("--dtype", default=None, help="e.g. bfloat16")
+    demo = commands.add_parser(
+        "demo", help="plan, LoRA fine-tune and generate (embedded tiny Gemma)"
+    )
+    demo.error = parser.error
+    demo.add_argument("--preset", default=None, help="default: embedded tiny Gemma")
+    demo.add_argument(
+        "--mesh", type=parse_mesh, default=None, help="e.g. batch=2,model=4"
+    )
+    demo.add_argument("--strategy", default="auto", choices=["auto", "tp", "fsdp"])
+    demo.add_argument("--steps", type=int, default=3, help="epochs of fine-tuning")
     return parser
 
 
@@ -74,13 +83,33 @@ def _run_plan(args) -> int:
     return 0
 
 
+def _run_demo(args) -> int:
+    from keras_hub_autodist.demo import run_demo
+
+    run_demo(
+        preset=args.preset, mesh=args.mesh, strategy=args.strategy, steps=args.steps
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `keras-hub-autodist` command."""
     args = build_parser().parse_args(argv)
     os.environ.setdefault("KERAS_BACKEND", "jax")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if args.command == "demo":
+        from keras_hub_autodist.demo import has_accelerator
+        from keras_hub_autodist.demo import use_virtual_cpu_devices
+
+        if not has_accelerator():
+            use_virtual_cpu_devices(8)
+    from keras_hub_autodist.errors import AutodistError
+
     try:
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "demo":
+            return _run_demo(args)
     except (AutodistError, ValueError, FileNotFoundError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"keras-hub-autodist: error: {message}", file=sys.stderr)

@@ -191,22 +191,23 @@ class LayoutPlan:
 
     def summary(self) -> str:
         """Per-device totals, one line each."""
-        gib = 1024**3
-        lines = [
-            f"preset: {self.preset} ({self.backbone_class}, {self.architecture})",
-            f"mesh: {self.mesh_axes.describe()} "
-            f"(batch axis: {self.mesh_axes.batch_axis}, model axis: "
-            f"{self.mesh_axes.model_axis}, hidden axis: {self.mesh_axes.hidden_axis})",
-            f"strategy: {self.strategy} ({self.strategy_reason})",
-            f"parameters: {self.num_parameters:,} ({self.dtype}), "
-            f"{self.total_bytes / gib:.3f} GiB in all",
-            f"per device: {self.max_device_bytes / gib:.3f} GiB of parameters "
-            f"(ideal {self.ideal_device_bytes / gib:.3f} GiB), about "
-            f"{self.training_bytes_per_device() / gib:.3f} GiB to train with "
-            f"Adam (of {self.device_memory_bytes / gib:.1f} GiB)",
-            f"fallbacks: {len(self.fallbacks)} weights",
-        ]
-        return "\n".join(lines)
+        size = _format_bytes
+        axes = self.mesh_axes
+        return "\n".join(
+            [
+                f"preset: {self.preset} ({self.backbone_class}, {self.architecture})",
+                f"mesh: {axes.describe()} (batch axis: {axes.batch_axis}, model "
+                f"axis: {axes.model_axis}, hidden axis: {axes.hidden_axis})",
+                f"strategy: {self.strategy} ({self.strategy_reason})",
+                f"parameters: {self.num_parameters:,} ({self.dtype}), "
+                f"{size(self.total_bytes)} in all",
+                f"per device: {size(self.max_device_bytes)} of parameters (ideal "
+                f"{size(self.ideal_device_bytes)}), about "
+                f"{size(self.training_bytes_per_device())} to train with Adam "
+                f"(of {size(self.device_memory_bytes)})",
+                f"fallbacks: {len(self.fallbacks)} weights",
+            ]
+        )
 
     def table(self) -> str:
         """The weights grouped by layout-map key, with spec, bytes and notes."""

@@ -7,14 +7,14 @@ MQA/GQA, untied embeddings, vocabularies that don't divide by 8, soft caps.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 
 import keras
 import keras_hub
 import numpy as np
-import sentencepiece as spm
+
+from keras_hub_autodist import demo
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -27,26 +27,8 @@ SENTENCES = [
 
 
 def sentencepiece_proto(vocab_size: int = 48) -> bytes:
-    """Train a small SentencePiece model with Gemma/Llama special tokens."""
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(SENTENCES * 4),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type="word",
-        pad_id=0,
-        unk_id=1,
-        bos_id=2,
-        eos_id=3,
-        pad_piece="<pad>",
-        unk_piece="<unk>",
-        bos_piece="<bos>",
-        eos_piece="<eos>",
-        user_defined_symbols=["<s>", "</s>", "<start_of_turn>", "<end_of_turn>"],
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
-    return model.getvalue()
+    """A small SentencePiece model with Gemma/Llama special tokens."""
+    return demo.sentencepiece_proto(SENTENCES, vocab_size)
 
 
 def llama3_vocabulary():
