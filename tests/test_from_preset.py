@@ -433,3 +433,25 @@ def test_error_bad_device_mesh_string(tiny_presets_dir):
         keras_hub.models.CausalLM.from_preset(
             tiny_presets_dir["gemma_mqa"], device_mesh="big"
         )
+
+
+def test_quantize_runs_in_the_models_scope(tiny_presets_dir):
+    preset = tiny_presets_dir["llama3_untied"]
+    single = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None)
+    sharded = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh={"batch": 2, "model": 4}
+    )
+    for lm in (single, sharded):
+        lm.quantize("int8")
+        lm.compile(sampler="greedy")
+    assert keras.distribution.distribution() is None
+    mesh_devices = set(
+        keras_hub_autodist.distribution_of(
+            sharded
+        ).distribution.device_mesh.backend_mesh.devices.flat
+    )
+    for weight in sharded.backbone.weights:
+        assert set(weight.value.sharding.device_set) == mesh_devices, weight.path
+    np.testing.assert_array_equal(
+        greedy_tokens(sharded, preset), greedy_tokens(single, preset)
+    )
