@@ -41,7 +41,14 @@ def _pytest(session, *args):
 @nox.session
 def tests(session):
     """Unit tests on 8 virtual CPU devices (no network, no accelerator)."""
-    _pytest(session, "tests", "-m", "not slow and not venv")
+    _pytest(
+        session,
+        "tests",
+        "keras_hub_autodist",
+        "--doctest-modules",
+        "-m",
+        "not slow and not venv",
+    )
 
 
 @nox.session

@@ -72,7 +72,8 @@ class GemmaArchitecture(Architecture):
     Example:
     >>> config = dict(vocabulary_size=64, num_layers=1, num_query_heads=4,
     ...     num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
-    >>> [w.shape for w in GEMMA.weights(config)][3]
+    >>> weights = GEMMA.weights(config)
+    >>> next(w.shape for w in weights if w.path.endswith("key/kernel"))
     (1, 16, 8)
     """
 
