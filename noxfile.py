@@ -1,4 +1,4 @@
-"""Sessions: `tests` (default), `integration`, `multihost`, `lint`.
+"""Sessions: `tests` (default), `integration`, `multihost`, `notebooks`, `lint`.
 
 Run with `nox` (the uv backend makes sessions start in seconds):
 
@@ -55,7 +55,7 @@ def tests(session):
 def integration(session):
     """Hubs and formats, LoRA, save/reload, generate, the full equivalence
     matrix and the fresh-virtualenv plugin tests (everything but multihost)."""
-    _pytest(session, "integration", "-m", "not multihost")
+    _pytest(session, "integration", "-m", "not multihost and not notebooks")
     _pytest(session, "tests", "-m", "slow or venv")
 
 
@@ -63,6 +63,16 @@ def integration(session):
 def multihost(session):
     """2 processes x 4 virtual CPU devices on 127.0.0.1 against one process."""
     _pytest(session, "integration", "-m", "multihost")
+
+
+@nox.session
+def notebooks(session):
+    """Execute docs/notebooks end to end with their tiny-preset parameters."""
+    session.install("-e", ".[dev]")
+    session.run(
+        "python", "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"
+    )
+    _pytest(session, "integration", "-m", "notebooks")
 
 
 @nox.session

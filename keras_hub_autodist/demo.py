@@ -98,6 +98,61 @@ def build_tiny_gemma_preset(path: str, *, seed: int = 0) -> str:
     return path
 
 
+def llama3_vocabulary() -> tuple[dict, list]:
+    """A byte-level BPE vocabulary and merges for lowercase text, for Llama 3.
+
+    Example:
+    >>> vocabulary, merges = llama3_vocabulary()
+    >>> "<|begin_of_text|>" in vocabulary and "Ġ t" in merges
+    True
+    """
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    merged = ["Ġt", "Ġa", "th", "Ġth", "in", "er"]
+    tokens = letters + ["Ġ" + c for c in letters] + ["Ġ"] + merged
+    special = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ]
+    merges = ["Ġ t", "Ġ a", "t h", "Ġt h", "i n", "e r"]
+    return {t: i for i, t in enumerate(tokens + special)}, merges
+
+
+def build_tiny_llama3_preset(path: str, *, seed: int = 0) -> str:
+    """Save a tiny Llama 3 CausalLM (GQA 8/2, untied) as a preset in `path`.
+
+    Args:
+        path: a folder to create.
+        seed: the seed of the random weights.
+
+    Example:
+    ```python
+    build_tiny_llama3_preset("/tmp/tiny_llama3")
+    ```
+    """
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    vocabulary, merges = llama3_vocabulary()
+    tokenizer = keras_hub.models.Llama3Tokenizer(vocabulary=vocabulary, merges=merges)
+    preprocessor = keras_hub.models.Llama3CausalLMPreprocessor(
+        tokenizer, sequence_length=16
+    )
+    backbone = keras_hub.models.Llama3Backbone(
+        vocabulary_size=tokenizer.vocabulary_size(),
+        num_layers=2,
+        num_query_heads=8,
+        num_key_value_heads=2,
+        hidden_dim=64,
+        intermediate_dim=128,
+    )
+    keras_hub.models.Llama3CausalLM(backbone, preprocessor).save_to_preset(path)
+    return path
+
+
 def has_accelerator() -> bool:
     """Whether a GPU or TPU is visible, checked without starting JAX."""
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":

@@ -25,19 +25,7 @@ def sentencepiece_proto(vocab_size: int = 48) -> bytes:
     return demo.sentencepiece_proto(SENTENCES, vocab_size)
 
 
-def llama3_vocabulary():
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    merged = ["Ġt", "Ġa", "th", "Ġth", "in", "er"]
-    tokens = letters + ["Ġ" + c for c in letters] + ["Ġ"] + merged
-    special = [
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-        "<|eot_id|>",
-    ]
-    merges = ["Ġ t", "Ġ a", "t h", "Ġt h", "i n", "e r"]
-    return {t: i for i, t in enumerate(tokens + special)}, merges
+llama3_vocabulary = demo.llama3_vocabulary
 
 
 GEMMA_MQA = dict(
