@@ -1,4 +1,5 @@
-"""Sessions: `tests` (default), `integration`, `multihost`, `notebooks`, `lint`.
+"""Sessions: `tests` (default), `integration`, `multihost`, `notebooks`, `lint`,
+and `bench` (not run by CI).
 
 Run with `nox` (the uv backend makes sessions start in seconds):
 
@@ -73,6 +74,13 @@ def notebooks(session):
         "python", "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"
     )
     _pytest(session, "integration", "-m", "notebooks")
+
+
+@nox.session
+def bench(session):
+    """Regenerate docs/benchmarks.md and docs/img/*.png (not run by CI)."""
+    session.install("-e", ".[dev]", "matplotlib")
+    session.run("python", "-m", "bench", env=TEST_ENV)
 
 
 @nox.session

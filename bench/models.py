@@ -1,0 +1,112 @@
+"""Tiny-but-realistic configs and the distributions compared."""
+
+from __future__ import annotations
+
+import keras
+import keras_hub
+import numpy as np
+
+from bench.static_maps import STATIC_MAPS
+
+SEQ = 32
+BATCH = 8
+CONFIGS = {
+    # Gemma with multi-query attention, like gemma_2b.
+    "gemma_mqa": (
+        keras_hub.models.GemmaBackbone,
+        dict(
+            vocabulary_size=1024,
+            num_layers=2,
+            num_query_heads=8,
+            num_key_value_heads=1,
+            hidden_dim=256,
+            intermediate_dim=2048,
+            head_dim=32,
+        ),
+    ),
+    # Llama 3 with grouped-query attention and an untied output embedding.
+    "llama_gqa_untied": (
+        keras_hub.models.Llama3Backbone,
+        dict(
+            vocabulary_size=1024,
+            num_layers=2,
+            num_query_heads=8,
+            num_key_value_heads=2,
+            hidden_dim=256,
+            intermediate_dim=704,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+CAUSAL_LM = {
+    keras_hub.models.GemmaBackbone: keras_hub.models.GemmaCausalLM,
+    keras_hub.models.Llama3Backbone: keras_hub.models.Llama3CausalLM,
+}
+
+
+def save_presets(root):
+    """Save each config as a backbone preset; return {name: path}."""
+    paths = {}
+    for name, (cls, config) in CONFIGS.items():
+        keras.utils.set_random_seed(0)
+        path = f"{root}/{name}"
+        cls(**config).save_to_preset(path)
+        paths[name] = path
+    return paths
+
+
+def batch(vocabulary_size, seed=0):
+    ids = (
+        np.random.default_rng(seed)
+        .integers(1, vocabulary_size, (BATCH, SEQ))
+        .astype("int32")
+    )
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(
+        ids, -1, axis=1
+    )
+
+
+def mesh_of(shape):
+    return keras.distribution.DeviceMesh(
+        shape, ("batch", "model"), keras.distribution.list_devices()
+    )
+
+
+def load(variant, name, path, shape):
+    """Load a CausalLM for one variant; returns (model, distribution or None).
+
+    Variants: `autodist_tp`, `autodist_fsdp`, `static` (keras-hub's map in a
+    hand-made scope; None when it can't load), `replicated` (weights on every
+    device, batch split over the batch axis).
+    """
+    cls = CAUSAL_LM[CONFIGS[name][0]]
+    if variant.startswith("autodist"):
+        strategy = variant.split("_")[1]
+        lm = cls.from_preset(
+            path, preprocessor=None, device_mesh=mesh_of(shape), strategy=strategy
+        )
+        import keras_hub_autodist
+
+        return lm, keras_hub_autodist.distribution_of(lm).distribution
+    mesh = mesh_of(shape)
+    if variant == "static":
+        layout_map = STATIC_MAPS[CONFIGS[name][0].__name__](mesh)
+    else:
+        layout_map = keras.distribution.LayoutMap(mesh)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    try:
+        with distribution.scope():
+            lm = cls.from_preset(path, preprocessor=None)
+    except Exception as error:  # keras-hub's static map can't load this shape
+        return None, f"{type(error).__name__}"
+    return lm, distribution
+
+
+def compile_for_training(lm, distribution):
+    with distribution.scope():
+        lm.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
