@@ -10,6 +10,7 @@ os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
+import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -47,6 +48,9 @@ def main():
     results["elapsed_s"] = time.perf_counter() - started
     (DOCS / "img").mkdir(exist_ok=True)
     report.write(results, DOCS / "benchmarks.md", DOCS / "img")
+    (DOCS / "img" / "benchmarks.json").write_text(
+        json.dumps(results, indent=1, default=str)
+    )
     print(f"wrote {DOCS / 'benchmarks.md'} in {results['elapsed_s']:.0f} s")
     return 0
 

@@ -46,11 +46,12 @@ thread = threading.Thread(target=sample, daemon=True)
 thread.start()
 mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), keras.distribution.list_devices())
 start = time.perf_counter()
-if variant == "autodist":
+if variant.startswith("autodist"):
+    strategy = variant.split()[-1]
     t = time.perf_counter()
-    plan = keras_hub_autodist.plan(path, mesh)
+    plan = keras_hub_autodist.plan(path, mesh, strategy=strategy)
     plan_s = time.perf_counter() - t
-    backbone = keras_hub.models.Backbone.from_preset(path, device_mesh=mesh)
+    backbone = keras_hub.models.Backbone.from_preset(path, device_mesh=mesh, strategy=strategy)
 else:
     plan_s = 0.0
     layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
@@ -68,7 +69,8 @@ for w in backbone.weights:
         final[str(shard.device)] = final.get(str(shard.device), 0) + shard.data.nbytes
 print(json.dumps(dict(variant=variant, load_s=load_s, plan_s=plan_s,
     peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    peak_device=max(peak.values()), final_device=max(final.values()), largest_weight=largest,
+    peak_device=max(peak.values()), peak_device_name=max(peak, key=peak.get),
+    final_device=max(final.values()), largest_weight=largest,
     params=backbone.count_params())))
 """
 
@@ -87,7 +89,7 @@ def run(root):
     path = save_preset(root)
     rows = []
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    for variant in ["autodist", "hand-made scope"]:
+    for variant in ["autodist auto", "autodist fsdp", "hand-made scope"]:
         result = subprocess.run(
             [sys.executable, "-c", CHILD, path, variant],
             capture_output=True,

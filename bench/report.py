@@ -185,9 +185,12 @@ def write(results, md_path, img_dir):
         value = r["note"] if r.get("note") else f"{r['ratio']:.2f}"
         lines.append(f"| {r['model']} | {r['variant']} | {value} |")
     load = {r["variant"]: r for r in results["loading"]}
-    auto, hand = load["autodist"], load["hand-made scope"]
+    auto, fsdp, hand = (
+        load["autodist auto"],
+        load["autodist fsdp"],
+        load["hand-made scope"],
+    )
     plan_share = auto["plan_s"] / auto["load_s"]
-    bound = auto["final_device"] + auto["largest_weight"]
     lines += [
         "",
         "## 4. Loading a ~1B-parameter preset",
@@ -196,20 +199,40 @@ def write(results, md_path, img_dir):
         "loaded on a 2 x 4 mesh in a fresh process each time. Per-device bytes are sampled",
         "from live JAX arrays every 20 ms during the load.",
         "",
-        "| variant | load s | planning s | peak host RSS MiB | peak MiB on one device | final MiB on one device |",
-        "|---|---|---|---|---|---|",
+        "`autodist auto` picks `tp` here (weights replicated over the batch axis, so twice",
+        "the final share of `fsdp`); `autodist fsdp` is the like-for-like comparison with",
+        "keras-hub's static Gemma map, which also shards over the batch axis.",
+        "",
+        "| variant | load s | planning s | peak host RSS MiB | peak MiB on one device (which) | final MiB on one device | final + largest weight MiB |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for r in (auto, hand):
+    for r in (auto, fsdp, hand):
         lines.append(
             f"| {r['variant']} | {r['load_s']:.1f} | {r['plan_s']:.3f} | {_mib(r['peak_rss'])} | "
-            f"{_mib(r['peak_device'])} | {_mib(r['final_device'])} |"
+            f"{_mib(r['peak_device'])} ({r['peak_device_name']}) | {_mib(r['final_device'])} | "
+            f"{_mib(r['final_device'] + r['largest_weight'])} |"
         )
+    bounded = [
+        r
+        for r in (auto, fsdp)
+        if r["peak_device"] <= r["final_device"] + r["largest_weight"]
+    ]
     lines += [
         "",
         f"- Planning is {plan_share:.2%} of load time: "
         f"{'met' if plan_share < 0.01 else '**not met**'} (target < 1%).",
-        f"- Peak on one device {_mib(auto['peak_device'])} MiB vs final share + largest weight "
-        f"{_mib(bound)} MiB: {'met' if auto['peak_device'] <= bound else '**not met**'}.",
+        "- No device above its final share plus the largest single weight: "
+        + (
+            "met."
+            if len(bounded) == 2
+            else "**not met** (see the table). The peak is "
+            "always on cpu:0, JAX's default device, and the hand-made scope overshoots the "
+            "same way, so it comes from the loading path shared with keras-hub/Keras and "
+            "not from the plan. That fits Keras converting each loaded value to a full "
+            "array on the default device before placing it sharded. Not root-caused: "
+            "on CPU the default device is also a mesh device, so a fix (for example, "
+            "loading under `jax.default_device(host CPU)`) can't be measured here."
+        ),
         "",
         "## 5. Generation",
         "",
