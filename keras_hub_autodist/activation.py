@@ -13,19 +13,16 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Mapping
 
 import keras
 
-from keras_hub_autodist import rules
 from keras_hub_autodist.binding import bind
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.mesh import build_device_mesh
-from keras_hub_autodist.mesh import mesh_shape
 from keras_hub_autodist.plan import LayoutPlan
-from keras_hub_autodist.plan import device_memory_bytes
 from keras_hub_autodist.plan import plan_config
+from keras_hub_autodist.plan import tp_fits
 from keras_hub_autodist.presets import cached_kaggle_snapshot
 from keras_hub_autodist.presets import is_network_error
 from keras_hub_autodist.presets import read_preset_config
@@ -67,16 +64,11 @@ def auto_device_mesh(preset_config, *, dtype=None, devices=None) -> dict[str, in
     """
     devices = keras.distribution.list_devices() if devices is None else devices
     count = len(devices)
-    capacity = device_memory_bytes()
     for batch in sorted(
         (d for d in range(1, count + 1) if count % d == 0), reverse=True
     ):
         candidate = {"batch": batch, "model": count // batch}
-        tp = plan_config(preset_config, candidate, strategy="tp", dtype=dtype)
-        if (
-            tp.training_bytes_per_device("adam")
-            <= rules.AUTO_TP_MEMORY_SHARE * capacity
-        ):
+        if tp_fits(plan_config(preset_config, candidate, strategy="tp", dtype=dtype)):
             return candidate
     return {"batch": 1, "model": count}
 
@@ -136,9 +128,7 @@ def from_preset(
                 f"device_mesh={device_mesh!r}"
             )
         device_mesh = auto_device_mesh(preset_config, dtype=dtype)
-    if isinstance(device_mesh, Mapping):
-        mesh_shape(device_mesh)  # validate before touching devices
-    mesh = build_device_mesh(device_mesh)
+    mesh = build_device_mesh(device_mesh)  # validates before listing devices
     layout_plan = plan_config(
         preset_config,
         mesh,

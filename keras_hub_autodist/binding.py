@@ -98,6 +98,11 @@ def _dataset_batch(x):
     return None
 
 
+def _batch_axis_size(distribution) -> int:
+    mesh = distribution.device_mesh
+    return mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)]
+
+
 def check_batch(distribution, method: str, args, kwargs) -> None:
     """Raise `BatchSizeError` when a batch won't split over the batch axis.
 
@@ -106,9 +111,7 @@ def check_batch(distribution, method: str, args, kwargs) -> None:
     global batch (local × number of processes) must divide.
     """
     axis = distribution.batch_dim_name
-    axis_size = distribution.device_mesh.shape[
-        distribution.device_mesh.axis_names.index(axis)
-    ]
+    axis_size = _batch_axis_size(distribution)
     processes = distribution.num_processes
     if axis_size == 1:
         return
@@ -171,19 +174,14 @@ def adopt_optimizer(optimizer, distribution) -> None:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         return
     mesh = distribution.device_mesh
+    mesh_devices = set(np.ravel(mesh.backend_mesh.devices))
     for variable in optimizer.variables:
         value = variable.value
         sharding = getattr(value, "sharding", None)
-        mesh_devices = set(np.ravel(mesh.backend_mesh.devices))
         if sharding is not None and set(sharding.device_set) == mesh_devices:
             continue
         layout = keras.distribution.TensorLayout([None] * len(variable.shape), mesh)
         variable.assign(keras.distribution.distribute_tensor(value, layout))
-
-
-def _batch_axis_size(distribution) -> int:
-    mesh = distribution.device_mesh
-    return mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)]
 
 
 def _pad_rows(data, count, target):

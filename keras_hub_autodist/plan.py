@@ -317,29 +317,43 @@ def _rows_for(weights, mesh_axes, strategy, fields, dtype, kv_fallback):
     return rows
 
 
-def _kv_fallback(weights, mesh_axes, strategy, fields, dtype):
-    """Replicate unshardable K/V heads unless that costs too much memory."""
+def _plan_rows(weights, mesh_axes, strategy, fields, dtype):
+    """The rows and why K/V were laid out so, when their heads don't divide.
+
+    Unshardable K/V heads are replicated unless that costs too much memory,
+    in which case their head_dim is sharded.
+    """
+
+    def rows_with(kv_fallback):
+        return _rows_for(weights, mesh_axes, strategy, fields, dtype, kv_fallback)
+
     model_size = mesh_axes.size(mesh_axes.model_axis)
     heads = [w for w in weights if "heads" in w.axes]
     kv = [w for w in weights if "kv_heads" in w.axes]
     if model_size == 1 or not kv:
-        return "replicate", ""
+        return rows_with("replicate"), ""
     kv_heads = kv[0].shape[kv[0].axes.index("kv_heads")]
     if kv_heads % model_size == 0:
-        return "replicate", ""
+        return rows_with("replicate"), ""
     if heads and heads[0].shape[heads[0].axes.index("heads")] % model_size:
-        return "head_dim", "query heads are sharded on head_dim, so are K/V"
-    replicated = _rows_for(weights, mesh_axes, strategy, fields, dtype, "replicate")
-    sharded = _rows_for(weights, mesh_axes, strategy, fields, dtype, "head_dim")
+        return rows_with("head_dim"), "query heads are sharded on head_dim, so are K/V"
+    replicated, sharded = rows_with("replicate"), rows_with("head_dim")
     cost = sum(r.device_bytes for r in replicated) / max(
         1, sum(r.device_bytes for r in sharded)
     )
     if cost <= rules.KV_REPLICATION_TOLERANCE:
-        return "replicate", f"K/V replicated: costs {cost:.3f}x per device"
-    return "head_dim", (
+        return replicated, f"K/V replicated: costs {cost:.3f}x per device"
+    return sharded, (
         f"K/V sharded on head_dim: replicating would cost {cost:.3f}x per "
         f"device (> {rules.KV_REPLICATION_TOLERANCE})"
     )
+
+
+def tp_fits(tp_plan: LayoutPlan) -> bool:
+    """Whether a `"tp"` plan's weights, gradients and Adam state fit the
+    planned device memory with room for activations (the `"auto"` rule)."""
+    budget = rules.AUTO_TP_MEMORY_SHARE * tp_plan.device_memory_bytes
+    return tp_plan.training_bytes_per_device("adam") <= budget
 
 
 def plan_config(
@@ -368,8 +382,7 @@ def plan_config(
     capacity = device_memory_bytes(device_mesh, device_memory)
 
     def build(chosen, reason):
-        kv_mode, kv_reason = _kv_fallback(weights, mesh_axes, chosen, fields, var_dtype)
-        rows = _rows_for(weights, mesh_axes, chosen, fields, var_dtype, kv_mode)
+        rows, kv_reason = _plan_rows(weights, mesh_axes, chosen, fields, var_dtype)
         if kv_reason:
             rows = [
                 dataclasses.replace(r, note=f"{r.note} ({kv_reason})")
@@ -396,9 +409,8 @@ def plan_config(
         return build(strategy, "requested")
     tp = build("tp", "")
     need = tp.training_bytes_per_device("adam")
-    budget = rules.AUTO_TP_MEMORY_SHARE * capacity
     gib = 1024**3
-    if need <= budget:
+    if tp_fits(tp):
         tp.strategy_reason = (
             f"auto: weights+grads+Adam {need / gib:.2f} GiB per device fit in "
             f"{rules.AUTO_TP_MEMORY_SHARE:.0%} of {capacity / gib:.1f} GiB"
