@@ -21,13 +21,25 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import tiny_presets  # noqa: E402
 
-SHARED_PRESETS = ROOT.parent / "shared" / "presets"
+# Real Hugging Face configs (no weights), copied into the repository so that
+# a fresh clone needs nothing beside it.
+REAL_PRESETS = ROOT / "tests" / "data" / "presets"
+# The real configs of the families the planner supports; the Qwen and Mixtral
+# configs beside them are planned once those families land.
+PLANNED_REAL_PRESETS = (
+    "gemma2_2b",
+    "gemma3_1b",
+    "gemma_2b",
+    "gemma_7b",
+    "llama2_7b",
+    "llama3.2_1b",
+    "llama3_8b",
+)
 
 
 def shared_presets_dir() -> pathlib.Path:
-    """`../shared/presets`, beside the repository (as laid out for CI)."""
-    override = os.environ.get("KERAS_HUB_AUTODIST_SHARED_PRESETS")
-    return pathlib.Path(override) if override else SHARED_PRESETS
+    """`tests/data/presets`: the real configs the tests plan against."""
+    return REAL_PRESETS
 
 
 @pytest.fixture(scope="session")
@@ -39,10 +51,11 @@ def tiny_presets_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_configs():
-    """The real Hugging Face configs in ../shared/presets (no weights)."""
+    """The real Hugging Face configs in tests/data/presets (no weights)."""
     root = shared_presets_dir()
-    found = sorted(p for p in root.iterdir() if (p / "config.json").exists())
-    assert found, f"no configs found in {root}"
+    found = sorted(root / name for name in PLANNED_REAL_PRESETS)
+    missing = [p for p in found if not (p / "config.json").exists()]
+    assert not missing, f"configs missing from {root}: {missing}"
     return found
 
 

@@ -9,7 +9,7 @@ from bench.static_maps import static_device_bytes
 from keras_hub_autodist.presets import read_preset_config
 from keras_hub_autodist.registry import handler_for
 
-SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "presets"
+SHARED = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "presets"
 DEVICES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
