@@ -24,10 +24,13 @@ from keras_hub_autodist.errors import AutodistError  # noqa: E402
 from keras_hub_autodist.errors import BackendError  # noqa: E402
 from keras_hub_autodist.errors import BatchSizeError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
+from keras_hub_autodist.errors import LayoutMismatchError  # noqa: E402
 from keras_hub_autodist.errors import MeshError  # noqa: E402
 from keras_hub_autodist.errors import PresetError  # noqa: E402
 from keras_hub_autodist.errors import StrategyError  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
+from keras_hub_autodist.loading import LoadStats  # noqa: E402
+from keras_hub_autodist.loading import load_stats  # noqa: E402
 from keras_hub_autodist.plan import LayoutPlan  # noqa: E402
 from keras_hub_autodist.plan import get_layout_map  # noqa: E402
 from keras_hub_autodist.plan import plan  # noqa: E402
@@ -40,7 +43,9 @@ __all__ = [
     "BackendError",
     "BatchSizeError",
     "DeviceMeshTypeError",
+    "LayoutMismatchError",
     "LayoutPlan",
+    "LoadStats",
     "MeshError",
     "PresetError",
     "StrategyError",
@@ -50,6 +55,7 @@ __all__ = [
     "distribution_of",
     "from_preset",
     "get_layout_map",
+    "load_stats",
     "plan",
 ]
 

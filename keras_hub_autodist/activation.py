@@ -19,12 +19,17 @@ import keras
 from keras_hub_autodist.binding import bind
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.errors import PresetError
+from keras_hub_autodist.loading import attach_load_stats
+from keras_hub_autodist.loading import sharded_loading
+from keras_hub_autodist.loading import verify_layouts
 from keras_hub_autodist.mesh import build_device_mesh
 from keras_hub_autodist.plan import LayoutPlan
 from keras_hub_autodist.plan import plan_config
 from keras_hub_autodist.plan import tp_fits
 from keras_hub_autodist.presets import cached_kaggle_snapshot
 from keras_hub_autodist.presets import is_network_error
+from keras_hub_autodist.presets import is_quantized
 from keras_hub_autodist.presets import read_preset_config
 
 SWITCH_ENV = "KERAS_HUB_AUTODIST"
@@ -90,9 +95,14 @@ def from_preset(
     strategy: str = "auto",
     batch_axis: str | None = None,
     model_axis: str | None = None,
+    progress: bool | None = None,
     **kwargs,
 ):
     """Load `cls` from `preset`, laid out on `device_mesh` and bound to it.
+
+    Each weight goes straight into its shards: no device ever holds more
+    than its final share plus one weight's shard, and the host at most one
+    weight's slices (see `keras_hub_autodist.loading`).
 
     Args:
         cls: a keras-hub `Backbone` or `Task` class, e.g.
@@ -104,6 +114,8 @@ def from_preset(
         strategy: `"auto"`, `"tp"` or `"fsdp"` (see `plan()`).
         batch_axis: the mesh axis that splits batches.
         model_axis: the mesh axis that shards weights.
+        progress: show a progress bar while loading; by default on a
+            terminal, unless `$KERAS_HUB_AUTODIST_PROGRESS=0`.
         **kwargs: passed to `cls.from_preset` (`dtype`, `load_weights`, …).
 
     Returns:
@@ -139,9 +151,35 @@ def from_preset(
     )
     distribution = _distribution_for(layout_plan, mesh)
     original = _original_from_preset(cls)
+
+    def load(source):
+        loading = sharded_loading(
+            load_weights=kwargs.get("load_weights", True),
+            total_weights=len(layout_plan.rows),
+            total_bytes=layout_plan.total_bytes,
+            progress=progress,
+        )
+        with distribution.scope(), loading as stats:
+            try:
+                model = original(cls, source, **kwargs)
+            except ValueError as error:
+                if is_quantized(preset_config.config):
+                    raise PresetError(
+                        "keras-hub could not load the weights of this "
+                        "quantized preset (keras-hub 0.32 can't reload a "
+                        "quantized backbone saved with `save_to_preset`, on "
+                        "one device either). Load the unquantized preset "
+                        "with `device_mesh=` and call `quantize(\"int8\")` on "
+                        f"the loaded model instead. Received: preset={preset!r}"
+                        f" ({str(error).splitlines()[0]})"
+                    ) from error
+                raise
+        verify_layouts(model)
+        attach_load_stats(model, stats)
+        return model
+
     try:
-        with distribution.scope():
-            model = original(cls, preset, **kwargs)
+        model = load(preset)
     except Exception as error:
         snapshot = cached_kaggle_snapshot(preset) if is_network_error(error) else None
         if snapshot is None:
@@ -151,8 +189,7 @@ def from_preset(
             f"from kagglehub's cache at {snapshot}.",
             stacklevel=2,
         )
-        with distribution.scope():
-            model = original(cls, snapshot, **kwargs)
+        model = load(snapshot)
     return bind(model, distribution, layout_plan)
 
 

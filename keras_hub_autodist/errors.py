@@ -36,3 +36,7 @@ class BatchSizeError(AutodistError, ValueError):
 
 class DeviceMeshTypeError(AutodistError, TypeError):
     """`device_mesh` is of a type that can't describe a mesh."""
+
+
+class LayoutMismatchError(AutodistError, RuntimeError):
+    """A loaded variable is not laid out as its plan says (a planner bug)."""

@@ -174,3 +174,21 @@ def is_network_error(error: BaseException) -> bool:
         ):
             return True
     return False
+
+
+def is_quantized(config: Mapping) -> bool:
+    """Whether a backbone config carries a quantized dtype policy map.
+
+    Example:
+    >>> is_quantized({"dtype": "float32"})
+    False
+    """
+    dtype = config.get("dtype")
+    if not isinstance(dtype, Mapping):
+        return False
+    policies = dtype.get("config", {}).get("policy_map", {})
+    return any(
+        "Quantized" in str(policy.get("class_name", ""))
+        for policy in policies.values()
+        if isinstance(policy, Mapping)
+    )

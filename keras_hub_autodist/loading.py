@@ -1,0 +1,494 @@
+"""Sharded loading: every weight goes straight into its shards.
+
+Keras builds each variable whole on one device (random initial values), and
+`Variable.assign` turns a loaded weight into a full array on the default
+device before resharding it, so a model that fits once sharded can still run
+out of memory while it loads (keras-team/keras#21634). Inside
+`sharded_loading(...)`, while keras-hub's own loaders run:
+
+- a laid-out variable gets a cheap placeholder of its final shards instead of
+  its random initial value (skipped work: the checkpoint overwrites it); any
+  variable that loading does not overwrite gets its real initial value
+  afterwards, computed sharded;
+- a Keras preset's HDF5 dataset is handed to `assign` unread, and each device
+  reads only its own slice of it (`jax.make_array_from_callback`), so no full
+  array exists on any device and the host holds at most one weight's slices;
+  in a multi-process run each process reads only its devices' slices;
+- a host array from a Hugging Face converter (`port_weight` and its hooks) is
+  sliced on the host and each device receives only its part.
+
+Outside the context, Keras behaves exactly as without this package: the hooks
+are installed on entry and removed on exit, and act only in the thread that
+entered.
+
+Example:
+```python
+with distribution.scope(), sharded_loading(distribution) as stats:
+    model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
+print(stats.bytes_read, stats.weights_loaded)
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+
+import h5py
+import jax
+import jax.numpy as jnp
+import keras
+import ml_dtypes
+import numpy as np
+
+from keras_hub_autodist import keras_internals
+from keras_hub_autodist.errors import LayoutMismatchError
+
+PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
+# A progress bar appears once a load has run this long.
+PROGRESS_DELAY_SECONDS = 2.0
+PROGRESS_INTERVAL_SECONDS = 0.2
+_LOAD_STATS_ATTR = "_keras_hub_autodist_load_stats"
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What a sharded load did.
+
+    Args:
+        weights_loaded: variables that received a value from the checkpoint.
+        bytes_read: bytes read from HDF5 weight files (Keras presets). With a
+            mesh spread over several processes, only this process's slices.
+        bytes_received: bytes of host tensors received from a converter
+            (Hugging Face presets), before slicing.
+        initializers_skipped: random initial values never computed because
+            the checkpoint overwrote them.
+        initialized_after_load: variables the checkpoint did not cover, given
+            their initial values (sharded) after loading.
+        seconds: wall time of the load.
+    """
+
+    weights_loaded: int = 0
+    bytes_read: int = 0
+    bytes_received: int = 0
+    initializers_skipped: int = 0
+    initialized_after_load: int = 0
+    seconds: float = 0.0
+
+
+class LazyH5Dataset:
+    """An HDF5 dataset of a weight file, read slice by slice on demand.
+
+    Keras' weight store returns one of these instead of a full numpy array
+    while `sharded_loading` is active. `np.asarray(dataset)` still reads it
+    whole, for code paths that need the full value.
+
+    Args:
+        session: the loading session that owns the open files.
+        filename: the HDF5 file.
+        name: the dataset's path inside the file.
+        shape: the dataset's shape.
+        dtype: the numpy dtype of its values (`bfloat16` for Keras'
+            bfloat16 datasets, stored as 2-byte opaque values).
+    """
+
+    def __init__(self, session, filename: str, name: str, shape, dtype):
+        self._session = session
+        self.filename = filename
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def read(self, index=()) -> np.ndarray:
+        """Read `index` (a tuple of slices) of the dataset."""
+        dataset = self._session.open_dataset(self.filename, self.name)
+        values = dataset[index] if index else dataset[()]
+        values = np.asarray(values)
+        if values.dtype != self.dtype:  # Keras' bfloat16: opaque 2-byte values
+            values = values.view(self.dtype)
+        self._session.stats.bytes_read += values.nbytes
+        return values
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.read(tuple(slice(None) for _ in self.shape))
+        return values if dtype is None else values.astype(dtype)
+
+    def __repr__(self):
+        return f"<LazyH5Dataset {self.filename}:{self.name} shape={self.shape}>"
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, total_weights: int, total_bytes: int, enabled: bool):
+        self.total_weights = total_weights
+        self.total_bytes = total_bytes
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.last = 0.0
+        self.shown = False
+
+    def update(self, weights: int, nbytes: int, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        elapsed = now - self.start
+        if elapsed < PROGRESS_DELAY_SECONDS and not self.shown:
+            return
+        if not final and now - self.last < PROGRESS_INTERVAL_SECONDS:
+            return
+        self.last, self.shown = now, True
+        total = max(self.total_weights, weights)
+        width = 24
+        filled = int(width * weights / total) if total else width
+        rate = nbytes / elapsed if elapsed > 0 else 0.0
+        line = (
+            f"\rLoading weights [{'#' * filled}{'.' * (width - filled)}] "
+            f"{weights}/{total} weights, {_mib(nbytes)}/{_mib(self.total_bytes)}"
+            f", {_mib(rate)}/s"
+        )
+        sys.stderr.write(line + ("\n" if final else ""))
+        sys.stderr.flush()
+
+
+def _mib(n: float) -> str:
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def progress_enabled(progress: bool | None) -> bool:
+    """Whether to show a progress bar: `progress` if given, else on a
+    terminal unless `$KERAS_HUB_AUTODIST_PROGRESS` is `0`/`false`/`off`/`no`.
+
+    Example:
+    >>> progress_enabled(False)
+    False
+    """
+    if progress is not None:
+        return bool(progress)
+    setting = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        return False
+    return sys.stderr.isatty()
+
+
+def _backend_sharding(layout):
+    return getattr(layout, "backend_layout", layout)
+
+
+def _numpy_dtype(dtype) -> np.dtype:
+    return np.dtype(jnp.dtype(keras.backend.standardize_dtype(dtype)))
+
+
+class _Session:
+    """The state of one sharded load (one thread, one `from_preset`)."""
+
+    def __init__(self, *, skip_initializers: bool, progress: _Progress):
+        self.thread = threading.get_ident()
+        self.skip_initializers = skip_initializers
+        self.progress = progress
+        self.stats = LoadStats()
+        self.pending = {}  # id(variable) -> (weakref to variable, initializer)
+        self.placeholders = set()  # ids of variables holding a placeholder
+        self.files = {}
+
+    def open_dataset(self, filename: str, name: str):
+        file = self.files.get(filename)
+        if file is None:
+            file = self.files[filename] = h5py.File(filename, "r")
+        return file[name]
+
+    def close(self):
+        for file in self.files.values():
+            file.close()
+        self.files.clear()
+
+    def put(self, source, variable) -> jax.Array:
+        """Build `variable`'s sharded value from `source`, slice by slice."""
+        sharding = _backend_sharding(variable._layout)
+        dtype = _numpy_dtype(variable._dtype)
+        shape = tuple(variable.shape)
+        slices = {}
+
+        def read_slice(index):
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            values = slices.get(key)
+            if values is None:
+                if isinstance(source, LazyH5Dataset):
+                    values = source.read(index)
+                else:
+                    values = np.asarray(source[index])
+                values = values.astype(dtype, copy=False)
+                slices[key] = values
+            return values
+
+        try:
+            return jax.make_array_from_callback(shape, sharding, read_slice)
+        finally:
+            slices.clear()
+
+    def count(self, variable) -> None:
+        self.stats.weights_loaded += 1
+        self.progress.update(
+            self.stats.weights_loaded,
+            self.stats.bytes_read + self.stats.bytes_received,
+        )
+
+
+_sessions: list[_Session] = []
+
+
+def _active_session() -> _Session | None:
+    if not _sessions:
+        return None
+    session = _sessions[-1]
+    return session if session.thread == threading.get_ident() else None
+
+
+def _placeholder(shape, dtype, sharding) -> jax.Array:
+    """Zeros laid out as `sharding`: each device allocates only its shard."""
+    dtype = _numpy_dtype(dtype)
+
+    def zeros(index):
+        local = tuple(
+            len(range(*s.indices(size))) for s, size in zip(index, shape)
+        )
+        return np.zeros(local, dtype)
+
+    return jax.make_array_from_callback(tuple(shape), sharding, zeros)
+
+
+# The hooks go on the class Keras instantiates (`keras.Variable`, the JAX
+# backend's variable) and on Keras' HDF5 weight store, for the duration of
+# a load only.
+_VARIABLE = keras.Variable
+_original_assign = _VARIABLE.assign
+_original_initialize = _VARIABLE._initialize_with_initializer
+_original_getitem = keras_internals.H5IOStore.__getitem__
+_MISSING = object()
+
+
+def _assign(variable, value):
+    session = _active_session()
+    layout = getattr(variable, "_layout", None)
+    if session is None or layout is None:
+        return _original_assign(variable, value)
+    if not isinstance(value, (LazyH5Dataset, np.ndarray, np.generic)):
+        return _original_assign(variable, value)
+    if tuple(value.shape) != tuple(variable.shape):
+        # Keras' own message and error type for a shape mismatch.
+        return _original_assign(variable, np.asarray(value))
+    if isinstance(value, np.ndarray):
+        session.stats.bytes_received += value.nbytes
+    if id(variable) in session.placeholders:
+        # The placeholder's shards are freed before the real ones arrive.
+        session.placeholders.discard(id(variable))
+        variable._value.delete()
+        variable._value = None
+    variable._value = session.put(value, variable)
+    session.pending.pop(id(variable), None)
+    session.count(variable)
+    return variable._value
+
+
+def _initialize_with_initializer(variable, initializer):
+    session = _active_session()
+    if session is None or not session.skip_initializers:
+        return _original_initialize(variable, initializer)
+    variable._initialize_layout()
+    if variable._layout is None:
+        return _original_initialize(variable, initializer)
+    sharding = _backend_sharding(variable._layout)
+    variable._value = _placeholder(variable._shape, variable._dtype, sharding)
+    session.placeholders.add(id(variable))
+    session.stats.initializers_skipped += 1
+    session.pending[id(variable)] = (weakref.ref(variable), initializer)
+
+
+def _getitem(store, key):
+    session = _active_session()
+    if session is None or getattr(store, "archive", None) is not None:
+        return _original_getitem(store, key)
+    dataset = keras_internals.safe_get_h5_dataset(store._h5_entry_group, key)
+    filename = getattr(getattr(dataset, "file", None), "filename", None)
+    if not isinstance(dataset, h5py.Dataset) or not filename:
+        return _original_getitem(store, key)
+    if not os.path.isfile(filename):
+        return _original_getitem(store, key)
+    if dataset.attrs.get("dtype") == "bfloat16":
+        dtype = ml_dtypes.bfloat16
+    else:
+        dtype = dataset.dtype
+    return LazyH5Dataset(session, filename, dataset.name, dataset.shape, dtype)
+
+
+@contextlib.contextmanager
+def _hooks_installed():
+    hooks = [
+        (_VARIABLE, "assign", _assign),
+        (_VARIABLE, "_initialize_with_initializer", _initialize_with_initializer),
+        (keras_internals.H5IOStore, "__getitem__", _getitem),
+    ]
+    saved = [(cls, name, vars(cls).get(name, _MISSING)) for cls, name, _ in hooks]
+    for cls, name, hook in hooks:
+        setattr(cls, name, hook)
+    try:
+        yield
+    finally:
+        for cls, name, previous in saved:
+            if previous is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, previous)
+
+
+def _initialize_pending(session: _Session) -> None:
+    """Give variables the checkpoint did not cover their real initial value."""
+    for reference, initializer in list(session.pending.values()):
+        variable = reference()
+        if variable is None:
+            continue
+        if id(variable) in session.placeholders:
+            variable._value.delete()
+            variable._value = None
+        _original_initialize(variable, initializer)
+        session.stats.initialized_after_load += 1
+    session.stats.initializers_skipped -= session.stats.initialized_after_load
+    session.pending.clear()
+    session.placeholders.clear()
+
+
+@contextlib.contextmanager
+def sharded_loading(
+    *,
+    load_weights: bool = True,
+    total_weights: int = 0,
+    total_bytes: int = 0,
+    progress: bool | None = None,
+):
+    """Load weights straight into their shards while the context is active.
+
+    Use it inside the distribution's scope, around keras-hub's `from_preset`.
+
+    Args:
+        load_weights: whether the checkpoint will overwrite the variables. When
+            False, initial values are computed as usual.
+        total_weights: the number of weights expected, for the progress bar.
+        total_bytes: their bytes, for the progress bar.
+        progress: show a progress bar (`None`: on a terminal, unless
+            `$KERAS_HUB_AUTODIST_PROGRESS=0`).
+
+    Yields:
+        The `LoadStats` of the load, filled in as it goes.
+
+    Example:
+    ```python
+    with distribution.scope(), sharded_loading() as stats:
+        backbone = keras_hub.models.Backbone.from_preset("./gemma_2b")
+    ```
+    """
+    bar = _Progress(total_weights, total_bytes, progress_enabled(progress))
+    session = _Session(skip_initializers=load_weights, progress=bar)
+    start = time.perf_counter()
+    _sessions.append(session)
+    try:
+        with _hooks_installed():
+            yield session.stats
+        _initialize_pending(session)
+    finally:
+        _sessions.remove(session)
+        session.close()
+        session.stats.seconds = time.perf_counter() - start
+    loaded = session.stats
+    bar.update(loaded.weights_loaded, loaded.bytes_read + loaded.bytes_received, True)
+
+
+def verify_layouts(model) -> None:
+    """Raise `LayoutMismatchError` if a variable is not laid out as planned.
+
+    Args:
+        model: a model whose variables were created under a distribution.
+
+    Example:
+    ```python
+    verify_layouts(lm)  # after from_preset(..., device_mesh=mesh)
+    ```
+    """
+    wrong = []
+    for variable in model.variables:
+        layout = getattr(variable, "_layout", None)
+        if layout is None:
+            continue
+        expected = _backend_sharding(layout)
+        actual = getattr(variable.value, "sharding", None)
+        ndim = len(variable.shape)
+        if actual is None or not actual.is_equivalent_to(expected, ndim):
+            wrong.append(f"{variable.path}: {actual} (planned {expected})")
+    if wrong:
+        raise LayoutMismatchError(
+            f"{len(wrong)} variables are not laid out as planned; this is a "
+            "keras_hub_autodist bug, please report it with the preset's "
+            f"config.json. Received: {'; '.join(wrong[:5])}"
+        )
+
+
+def attach_load_stats(model, stats: LoadStats) -> None:
+    """Remember `stats` on `model` for `load_stats(model)`."""
+    object.__setattr__(model, _LOAD_STATS_ATTR, stats)
+
+
+def load_stats(model) -> LoadStats | None:
+    """What the sharded load of `model` did, or `None` if it had none.
+
+    Args:
+        model: a model returned by `from_preset(..., device_mesh=...)`.
+
+    Example:
+    ```python
+    lm = keras_hub.models.GemmaCausalLM.from_preset(path, device_mesh=mesh)
+    print(keras_hub_autodist.load_stats(lm).bytes_read)
+    ```
+    """
+    return getattr(model, _LOAD_STATS_ATTR, None)
+
+
+def per_device_bytes(arrays=None) -> dict:
+    """Bytes held on each device by live arrays, each buffer counted once.
+
+    `jax.live_arrays()` lists an assembled array and the per-device arrays it
+    was built from; they share buffers, so they are counted by buffer.
+
+    Example:
+    >>> isinstance(per_device_bytes([]), dict)
+    True
+    """
+    arrays = jax.live_arrays() if arrays is None else arrays
+    seen, totals = set(), {}
+    for array in arrays:
+        try:
+            shards = array.addressable_shards
+        except Exception:  # deleted arrays
+            continue
+        for shard in shards:
+            data = shard.data
+            try:
+                pointer = data.unsafe_buffer_pointer()
+            except Exception:
+                continue
+            key = (shard.device, pointer)
+            if key in seen:
+                continue
+            seen.add(key)
+            totals[shard.device] = totals.get(shard.device, 0) + (
+                math.prod(data.shape) * data.dtype.itemsize
+            )
+    return totals

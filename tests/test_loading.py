@@ -1,0 +1,411 @@
+"""Sharded loading: values, layouts and peak device bytes while loading.
+
+Every load with `device_mesh=` is compared with keras-hub loading the same
+preset onto one device: values bitwise equal, each variable's sharding equal
+to the plan's, and no device ever holding more than its final share plus its
+largest single shard.
+"""
+
+import io
+import json
+import os
+
+import hf_checkpoints
+import jax
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tiny_presets
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+import keras_hub_autodist
+from keras_hub_autodist import loading
+
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+STRATEGIES = ["tp", "fsdp"]
+
+
+def backbone_preset(path, config, dtype="float32", seed=0, **save_kwargs):
+    """Save a bare GemmaBackbone (no tokenizer) as a Keras preset."""
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(**config, dtype=dtype)
+    backbone.save_to_preset(str(path), **save_kwargs)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loading")
+    return {
+        "keras": backbone_preset(root / "keras", tiny_presets.GEMMA_MQA),
+        "transformers": hf_checkpoints.llama3(root / "transformers"),
+    }
+
+
+@pytest.fixture(scope="module")
+def references(presets):
+    """Each preset loaded by keras-hub onto one device, as numpy arrays."""
+    found = {}
+    for name, path in presets.items():
+        backbone = keras_hub.models.Backbone.from_preset(path)
+        found[name] = {v.path: np.asarray(v.value) for v in backbone.weights}
+    return found
+
+
+def mesh_of(shape):
+    devices = keras.distribution.list_devices()
+    return keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+
+
+def assert_laid_out_as_planned(backbone, mesh):
+    _, plan = keras_hub_autodist.distribution_of(backbone)
+    rows = {row.path: row for row in plan.rows}
+    assert set(rows) == {v.path for v in backbone.weights}
+    for variable in backbone.weights:
+        expected = NamedSharding(
+            mesh.backend_mesh, PartitionSpec(*rows[variable.path].spec)
+        )
+        actual = variable.value.sharding
+        assert actual.is_equivalent_to(expected, len(variable.shape)), (
+            variable.path,
+            actual,
+            expected,
+        )
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("format", ["keras", "transformers"])
+def test_load_equals_single_device_and_follows_the_plan(
+    presets, references, format, shape, strategy
+):
+    mesh = mesh_of(shape)
+    backbone = keras_hub.models.Backbone.from_preset(
+        presets[format], device_mesh=mesh, strategy=strategy
+    )
+    for variable in backbone.weights:
+        np.testing.assert_array_equal(
+            np.asarray(variable.value), references[format][variable.path]
+        )
+    assert_laid_out_as_planned(backbone, mesh)
+    stats = keras_hub_autodist.load_stats(backbone)
+    assert stats.weights_loaded == len(backbone.weights)
+    assert stats.initializers_skipped == len(backbone.weights)
+    if format == "keras":
+        assert stats.bytes_read == sum(v.nbytes for v in references[format].values())
+    else:
+        assert stats.bytes_received > 0
+
+
+def test_sharded_keras_weight_files(tmp_path):
+    path = backbone_preset(
+        tmp_path / "sharded", tiny_presets.GEMMA_MQA, max_shard_size=0.00002
+    )
+    assert os.path.exists(os.path.join(path, "model.weights.json"))
+    shards = [f for f in os.listdir(path) if f.startswith("model_")]
+    assert len(shards) > 1, shards
+    single = keras_hub.models.Backbone.from_preset(path)
+    mesh = mesh_of((2, 4))
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, device_mesh=mesh, strategy="fsdp"
+    )
+    for mine, theirs in zip(backbone.weights, single.weights):
+        np.testing.assert_array_equal(np.asarray(mine.value), np.asarray(theirs.value))
+    assert_laid_out_as_planned(backbone, mesh)
+    assert keras_hub_autodist.load_stats(backbone).weights_loaded == len(
+        backbone.weights
+    )
+
+
+@pytest.mark.parametrize(
+    "saved,loaded", [("bfloat16", "float32"), ("float32", "bfloat16")]
+)
+def test_dtype_casts_like_keras_hub(tmp_path, saved, loaded):
+    path = backbone_preset(tmp_path / saved, tiny_presets.GEMMA_MQA, dtype=saved)
+    single = keras_hub.models.Backbone.from_preset(path, dtype=loaded)
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, dtype=loaded, device_mesh={"batch": 2, "model": 4}
+    )
+    for mine, theirs in zip(backbone.weights, single.weights):
+        assert mine.dtype == theirs.dtype == loaded
+        np.testing.assert_array_equal(
+            np.asarray(mine.value.astype("float32")),
+            np.asarray(theirs.value.astype("float32")),
+        )
+
+
+def test_bfloat16_preset_keeps_its_dtype(tmp_path):
+    path = backbone_preset(tmp_path / "bf16", tiny_presets.GEMMA_MQA, dtype="bfloat16")
+    single = keras_hub.models.Backbone.from_preset(path, dtype="bfloat16")
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, dtype="bfloat16", device_mesh={"batch": 1, "model": 8}
+    )
+    for mine, theirs in zip(backbone.weights, single.weights):
+        assert mine.dtype == "bfloat16"
+        assert np.asarray(mine.value).tobytes() == np.asarray(theirs.value).tobytes()
+
+
+def test_load_weights_false_computes_initial_values(presets):
+    backbone = keras_hub.models.Backbone.from_preset(
+        presets["keras"], load_weights=False, device_mesh={"batch": 2, "model": 4}
+    )
+    stats = keras_hub_autodist.load_stats(backbone)
+    assert stats.weights_loaded == 0 and stats.initializers_skipped == 0
+    kernels = [v for v in backbone.weights if v.path.endswith("kernel")]
+    assert all(np.abs(np.asarray(v.value)).sum() > 0 for v in kernels)
+
+
+def test_variables_the_checkpoint_does_not_cover_get_their_initializer(
+    tiny_presets_dir,
+):
+    lm = keras_hub.models.CausalLM.from_preset(
+        tiny_presets_dir["gemma_mqa"], device_mesh={"batch": 2, "model": 4}
+    )
+    stats = keras_hub_autodist.load_stats(lm)
+    # Every skipped initial value was overwritten by the checkpoint; the
+    # compiled metrics' counters, which are not in it, were initialised
+    # (to zeros) after loading.
+    assert stats.weights_loaded == stats.initializers_skipped
+    assert stats.weights_loaded == len(lm.backbone.weights)
+    assert stats.initialized_after_load >= len(lm.metrics_variables) > 0
+    assert all(float(np.asarray(v.value)) == 0.0 for v in lm.metrics_variables)
+
+
+def test_lora_after_loading_and_reload_on_another_mesh(presets, tmp_path):
+    backbone = keras_hub.models.Backbone.from_preset(
+        presets["keras"], device_mesh={"batch": 2, "model": 4}, strategy="fsdp"
+    )
+    backbone.enable_lora(2)
+    lora = [v for v in backbone.trainable_weights if "lora" in v.path]
+    assert lora and all(len(v.value.sharding.device_set) == 8 for v in lora)
+    saved = str(tmp_path / "saved")
+    backbone.save_to_preset(saved)
+    again = keras_hub.models.Backbone.from_preset(
+        saved, device_mesh={"batch": 8, "model": 1}
+    )
+    values = {v.path: np.asarray(v.value) for v in backbone.weights}
+    for variable in again.weights:
+        np.testing.assert_array_equal(np.asarray(variable.value), values[variable.path])
+    assert_laid_out_as_planned(again, keras_hub_autodist.distribution_of(again)[0].device_mesh)
+
+
+def test_int8_quantized_preset(tmp_path):
+    """Loads like keras-hub where keras-hub loads it, else a clear error.
+
+    keras-hub 0.32 can't reload a quantized backbone saved with
+    `save_to_preset`, even on one device: the plugin then says what to do.
+    """
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(**tiny_presets.GEMMA_MQA)
+    backbone.quantize("int8")
+    path = str(tmp_path / "int8")
+    backbone.save_to_preset(path)
+    try:
+        single = keras_hub.models.Backbone.from_preset(path)
+    except ValueError:
+        single = None
+    if single is None:
+        with pytest.raises(
+            keras_hub_autodist.PresetError,
+            match=r'quantized preset.*quantize\("int8"\).*Received: preset=',
+        ):
+            keras_hub.models.Backbone.from_preset(
+                path, device_mesh={"batch": 2, "model": 4}
+            )
+        return
+    sharded = keras_hub.models.Backbone.from_preset(
+        path, device_mesh={"batch": 2, "model": 4}
+    )
+    assert any(v.dtype == "int8" for v in sharded.weights)
+    for mine, theirs in zip(sharded.weights, single.weights):
+        np.testing.assert_array_equal(np.asarray(mine.value), np.asarray(theirs.value))
+
+
+def test_quantize_after_a_sharded_load(presets):
+    backbone = keras_hub.models.Backbone.from_preset(
+        presets["keras"], device_mesh={"batch": 2, "model": 4}
+    )
+    backbone.quantize("int8")
+    assert any(v.dtype == "int8" for v in backbone.weights)
+
+
+MEDIUM_GEMMA = dict(
+    vocabulary_size=4096,
+    num_layers=2,
+    num_query_heads=8,
+    num_key_value_heads=8,
+    hidden_dim=256,
+    intermediate_dim=1024,
+    head_dim=32,
+)
+
+
+def sample_peaks(monkeypatch):
+    """Record per-device bytes after every allocation the loader makes."""
+    peaks = {}
+
+    def record():
+        for device, size in loading.per_device_bytes().items():
+            peaks[device] = max(peaks.get(device, 0), size)
+
+    put, placeholder = loading._Session.put, loading._placeholder
+
+    def recording_put(self, *args, **kwargs):
+        result = put(self, *args, **kwargs)
+        record()
+        return result
+
+    def recording_placeholder(*args, **kwargs):
+        result = placeholder(*args, **kwargs)
+        record()
+        return result
+
+    monkeypatch.setattr(loading._Session, "put", recording_put)
+    monkeypatch.setattr(loading, "_placeholder", recording_placeholder)
+    return peaks, record
+
+
+@pytest.mark.parametrize("shape,strategy", [((1, 8), "tp"), ((2, 4), "fsdp")])
+def test_peak_bytes_per_device_while_loading(tmp_path, monkeypatch, shape, strategy):
+    """No device holds more than its final share + its largest shard."""
+    path = backbone_preset(tmp_path / "medium", MEDIUM_GEMMA)
+    keras.utils.clear_session(free_memory=True)
+    baseline = loading.per_device_bytes()
+    peaks, _ = sample_peaks(monkeypatch)
+    mesh = mesh_of(shape)
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, device_mesh=mesh, strategy=strategy
+    )
+    _, plan = keras_hub_autodist.distribution_of(backbone)
+    largest_shard = max(row.device_bytes for row in plan.rows)
+    final = loading.per_device_bytes()
+    for device, peak in peaks.items():
+        share = final.get(device, 0) - baseline.get(device, 0)
+        assert share >= plan.max_device_bytes
+        grown = peak - baseline.get(device, 0)
+        assert grown <= share + largest_shard, (device, grown, share, largest_shard)
+
+
+def test_upstream_loading_overshoots_the_bound(tmp_path, monkeypatch):
+    """The control: keras-hub in a hand-made scope puts whole weights on
+    one device first, far over the bound the plugin keeps."""
+    path = backbone_preset(tmp_path / "medium", MEDIUM_GEMMA)
+    mesh = mesh_of((1, 8))
+    plan = keras_hub_autodist.plan(path, mesh, strategy="tp")
+    largest_shard = max(row.device_bytes for row in plan.rows)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=plan.layout_map(mesh), batch_dim_name="batch"
+    )
+    peaks = {}
+    original = keras.Variable.assign
+
+    def assign(variable, value):
+        result = original(variable, value)
+        for device, size in loading.per_device_bytes().items():
+            peaks[device] = max(peaks.get(device, 0), size)
+        return result
+
+    keras.utils.clear_session(free_memory=True)
+    monkeypatch.setattr(keras.Variable, "assign", assign)
+    with distribution.scope():
+        backbone = keras_hub.models.Backbone.from_preset(path)
+    monkeypatch.undo()
+    final = loading.per_device_bytes()
+    first = mesh.backend_mesh.devices.flat[0]
+    assert peaks[first] > final[first] + largest_shard
+    del backbone
+
+
+def test_hooks_are_removed_after_loading(presets):
+    before = dict(vars(keras.Variable))
+    keras_hub.models.Backbone.from_preset(
+        presets["keras"], device_mesh={"batch": 2, "model": 4}
+    )
+    assert dict(vars(keras.Variable)) == before
+    assert keras.Variable.assign is loading._original_assign
+    # Outside the plugin, weights load exactly as keras-hub loads them.
+    plain = keras_hub.models.Backbone.from_preset(presets["keras"])
+    assert all(v.value.sharding.num_devices == 1 for v in plain.weights)
+
+
+def test_hooks_are_removed_when_loading_fails(presets, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(presets["keras"]):
+        if name != "model.weights.h5":
+            data = open(os.path.join(presets["keras"], name), "rb").read()
+            (broken / name).write_bytes(data)
+    with open(broken / "model.weights.h5", "wb") as f:
+        f.write(b"not hdf5")
+    with pytest.raises(Exception):
+        keras_hub.models.Backbone.from_preset(
+            str(broken), device_mesh={"batch": 2, "model": 4}
+        )
+    assert keras.Variable.assign is loading._original_assign
+    assert not loading._sessions
+
+
+def test_progress_bar_on_a_terminal(presets, monkeypatch):
+    stream = io.StringIO()
+    stream.isatty = lambda: True
+    monkeypatch.setattr("sys.stderr", stream)
+    monkeypatch.setattr(loading, "PROGRESS_DELAY_SECONDS", 0.0)
+    keras_hub.models.Backbone.from_preset(
+        presets["keras"], device_mesh={"batch": 2, "model": 4}
+    )
+    text = stream.getvalue()
+    assert "Loading weights" in text
+    total = len(tiny_presets_weights(presets["keras"]))
+    assert f"{total}/{total} weights" in text
+    assert "MiB/s" in text
+
+
+def tiny_presets_weights(path):
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)["config"]
+    return keras_hub_autodist.plan(path, {"batch": 1}, dtype=config.get("dtype")).rows
+
+
+@pytest.mark.parametrize(
+    "env,tty,shown",
+    [("", False, False), ("0", True, False), ("off", True, False), ("", True, True)],
+)
+def test_progress_bar_switches(presets, monkeypatch, env, tty, shown):
+    stream = io.StringIO()
+    stream.isatty = lambda: tty
+    monkeypatch.setattr("sys.stderr", stream)
+    monkeypatch.setattr(loading, "PROGRESS_DELAY_SECONDS", 0.0)
+    monkeypatch.setenv(loading.PROGRESS_ENV, env)
+    keras_hub.models.Backbone.from_preset(
+        presets["keras"], device_mesh={"batch": 2, "model": 4}
+    )
+    assert ("Loading weights" in stream.getvalue()) == shown
+
+
+def test_progress_keyword_turns_it_off(presets, monkeypatch):
+    stream = io.StringIO()
+    stream.isatty = lambda: True
+    monkeypatch.setattr("sys.stderr", stream)
+    monkeypatch.setattr(loading, "PROGRESS_DELAY_SECONDS", 0.0)
+    keras_hub_autodist.from_preset(
+        keras_hub.models.Backbone,
+        presets["keras"],
+        device_mesh={"batch": 2, "model": 4},
+        progress=False,
+    )
+    assert stream.getvalue() == ""
+
+
+def test_verify_layouts_names_a_misplaced_variable(presets):
+    backbone = keras_hub.models.Backbone.from_preset(
+        presets["keras"], device_mesh={"batch": 2, "model": 4}, strategy="fsdp"
+    )
+    variable = backbone.weights[0]
+    variable._value = jax.device_put(np.asarray(variable.value), jax.devices()[0])
+    with pytest.raises(
+        keras_hub_autodist.LayoutMismatchError,
+        match=f"not laid out as planned.*Received: {variable.path}",
+    ):
+        loading.verify_layouts(backbone)
