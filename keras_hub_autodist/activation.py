@@ -169,7 +169,7 @@ def from_preset(
                         "quantized preset (keras-hub 0.32 can't reload a "
                         "quantized backbone saved with `save_to_preset`, on "
                         "one device either). Load the unquantized preset "
-                        "with `device_mesh=` and call `quantize(\"int8\")` on "
+                        'with `device_mesh=` and call `quantize("int8")` on '
                         f"the loaded model instead. Received: preset={preset!r}"
                         f" ({str(error).splitlines()[0]})"
                     ) from error

@@ -259,9 +259,7 @@ def _placeholder(shape, dtype, sharding) -> jax.Array:
     dtype = _numpy_dtype(dtype)
 
     def zeros(index):
-        local = tuple(
-            len(range(*s.indices(size))) for s, size in zip(index, shape)
-        )
+        local = tuple(len(range(*s.indices(size))) for s, size in zip(index, shape))
         return np.zeros(local, dtype)
 
     return jax.make_array_from_callback(tuple(shape), sharding, zeros)
