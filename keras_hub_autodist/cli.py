@@ -1,8 +1,16 @@
 """The `keras-hub-autodist` command: `plan` a preset on a mesh, or `demo`.
 
+`--help` imports nothing but the standard library and this package's light
+modules, and planning a local preset folder for a mesh given by axis sizes
+imports neither Keras, keras-hub nor JAX (see `keras_hub_autodist.plan`).
+Every error of the package, and the common ones of bad input (missing
+files, no network), is printed as one line `keras-hub-autodist: error: ...`
+with exit status 2; messages name the command's flags.
+
 Example:
 ```
 keras-hub-autodist plan ./gemma_2b --mesh batch=2,model=4 --strategy fsdp
+keras-hub-autodist plan ./gemma_7b --mesh auto --devices 8 --device-memory 40
 keras-hub-autodist demo
 ```
 """
@@ -10,51 +18,139 @@ keras-hub-autodist demo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
 
+PROG = "keras-hub-autodist"
+EXIT_USAGE = 2
+STRATEGIES = ["auto", "tp", "fsdp"]
+# Errors of bad input that are printed as one line rather than a traceback,
+# besides the package's own `AutodistError`s.
+USER_ERRORS = (OSError, ValueError, ImportError)
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        self.exit(2, f"keras-hub-autodist: error: {message}\n")
+        self.exit(EXIT_USAGE, f"{PROG}: error: {message}\n")
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """Parse `batch=2,model=4` into `{"batch": 2, "model": 4}`.
+def parse_mesh(text: str) -> dict[str, int] | str:
+    """Parse `batch=2,model=4` into `{"batch": 2, "model": 4}`; `auto` stays.
 
     Example:
     >>> parse_mesh("model=4,batch=2")
     {'model': 4, 'batch': 2}
     """
+    if text.strip() == "auto":
+        return "auto"
     mesh = {}
     for part in text.split(","):
         name, sep, size = part.partition("=")
-        if not sep or not name.strip() or not size.strip().isdigit():
+        name, size = name.strip(), size.strip()
+        if not sep or not name or not size.isdigit():
             raise argparse.ArgumentTypeError(
-                f"--mesh takes name=size pairs such as batch=2,model=4. "
-                f"Received: {text!r}"
+                "--mesh takes name=size pairs such as batch=2,model=4, or "
+                f"auto. Received: {text!r}"
             )
-        mesh[name.strip()] = int(size)
+        if name in mesh:
+            raise argparse.ArgumentTypeError(
+                f"--mesh names axis {name!r} twice; name each axis once, "
+                f"e.g. batch=2,model=4. Received: {text!r}"
+            )
+        mesh[name] = int(size)
     return mesh
 
 
+def parse_gib(text: str) -> int:
+    """Parse a positive number of GiB (`--device-memory 15.5`) into bytes.
+
+    Example:
+    >>> parse_gib("0.5")
+    536870912
+    """
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not math.isfinite(gib) or gib <= 0:
+        raise argparse.ArgumentTypeError(
+            "--device-memory takes a positive number of GiB per device, "
+            f"e.g. 16 or 15.75. Received: {text!r}"
+        )
+    return int(gib * 1024**3)
+
+
+def parse_devices(text: str) -> int:
+    """Parse a positive device count (`--devices 8`).
+
+    Example:
+    >>> parse_devices("8")
+    8
+    """
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--devices takes a positive number of devices. Received: {text!r}"
+        )
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The command's argument parser (no heavy imports).
+
+    Example:
+    >>> build_parser().parse_args(["plan", "./p", "--mesh", "batch=2"]).mesh
+    {'batch': 2}
+    """
     parser = _Parser(
-        prog="keras-hub-autodist",
+        prog=PROG,
         description="Plan and run keras-hub models on a device mesh.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    plan = commands.add_parser("plan", help="print a preset's layout on a mesh")
+    plan = commands.add_parser(
+        "plan",
+        help="print a preset's layout on a mesh",
+        description=(
+            "Print where each weight of a preset goes on a mesh, the "
+            "per-device memory, and whether training fits. A local folder "
+            "planned for a mesh given by axis sizes needs no devices and "
+            "imports neither Keras nor JAX."
+        ),
+    )
     plan.error = parser.error
     plan.add_argument("preset", help="local folder, hf://…, kaggle://… or name")
     plan.add_argument(
-        "--mesh", type=parse_mesh, required=True, help="e.g. batch=2,model=4"
+        "--mesh",
+        type=parse_mesh,
+        required=True,
+        help=(
+            "axis sizes, e.g. batch=2,model=4; or auto: split the devices "
+            "(--devices N, else all JAX devices of this machine) as "
+            "from_preset(device_mesh='auto') would"
+        ),
     )
-    plan.add_argument("--strategy", default="auto", choices=["auto", "tp", "fsdp"])
-    plan.add_argument("--batch-axis", default=None)
-    plan.add_argument("--model-axis", default=None)
+    plan.add_argument(
+        "--devices",
+        type=parse_devices,
+        default=None,
+        help="with --mesh auto: plan for N devices without asking JAX",
+    )
+    plan.add_argument("--strategy", default="auto", choices=STRATEGIES)
+    plan.add_argument("--batch-axis", default=None, help="if not batch/data")
+    plan.add_argument("--model-axis", default=None, help="if not model/tensor")
     plan.add_argument("--dtype", default=None, help="e.g. bfloat16")
+    plan.add_argument(
+        "--device-memory",
+        type=parse_gib,
+        default=None,
+        metavar="GIB",
+        help=(
+            "memory per device in GiB (default: "
+            "$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB, what the devices report, "
+            "or an assumed 16)"
+        ),
+    )
     demo = commands.add_parser(
         "demo", help="plan, LoRA fine-tune and generate (embedded tiny Gemma)"
     )
@@ -63,24 +159,51 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--mesh", type=parse_mesh, default=None, help="e.g. batch=2,model=4"
     )
-    demo.add_argument("--strategy", default="auto", choices=["auto", "tp", "fsdp"])
+    demo.add_argument("--strategy", default="auto", choices=STRATEGIES)
     demo.add_argument("--steps", type=int, default=3, help="epochs of fine-tuning")
     return parser
 
 
 def _run_plan(args) -> int:
+    from keras_hub_autodist.errors import MeshError
+    from keras_hub_autodist.plan import auto_mesh
     from keras_hub_autodist.plan import plan
+    from keras_hub_autodist.plan import plan_config
+    from keras_hub_autodist.plan import read_config
 
-    result = plan(
-        args.preset,
-        args.mesh,
+    options = dict(
         strategy=args.strategy,
         batch_axis=args.batch_axis,
         model_axis=args.model_axis,
         dtype=args.dtype,
+        device_memory=args.device_memory,
     )
+    if args.devices is not None:
+        if args.mesh != "auto":
+            raise MeshError(
+                "`--devices` goes with `--mesh auto`; a mesh given by axis "
+                "sizes has as many devices as their product. Received: "
+                f"--devices {args.devices} with --mesh "
+                + ",".join(f"{k}={v}" for k, v in args.mesh.items())
+            )
+        info = read_config(args.preset)
+        mesh, reason = auto_mesh(
+            info, args.devices, dtype=args.dtype, device_memory=args.device_memory
+        )
+        result = plan_config(info, mesh, **options)
+        result.mesh_reason = reason
+    else:
+        result = plan(args.preset, args.mesh, **options)
     print(result)
     return 0
+
+
+def _use_virtual_devices_without_accelerator() -> None:
+    from keras_hub_autodist.demo import has_accelerator
+    from keras_hub_autodist.demo import use_virtual_cpu_devices
+
+    if not has_accelerator():
+        use_virtual_cpu_devices(8)
 
 
 def _run_demo(args) -> int:
@@ -92,29 +215,45 @@ def _run_demo(args) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `keras-hub-autodist` command."""
-    args = build_parser().parse_args(argv)
+def _prepare_environment() -> None:
+    # Before anything imports Keras or TensorFlow: JAX, and no C++ log noise
+    # (CUDA driver probes) from TensorFlow when keras-hub imports it.
     os.environ.setdefault("KERAS_BACKEND", "jax")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if args.command == "demo":
-        from keras_hub_autodist.demo import has_accelerator
-        from keras_hub_autodist.demo import use_virtual_cpu_devices
 
-        if not has_accelerator():
-            use_virtual_cpu_devices(8)
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `keras-hub-autodist` command.
+
+    Returns the exit status: 0, or 2 after printing a one-line error.
+
+    Example:
+    ```python
+    main(["plan", "./gemma_2b", "--mesh", "batch=2,model=4"])
+    ```
+    """
+    args = build_parser().parse_args(argv)
+    _prepare_environment()
     from keras_hub_autodist.errors import AutodistError
+    from keras_hub_autodist.errors import cli_spelling
 
     try:
-        if args.command == "plan":
-            return _run_plan(args)
-        if args.command == "demo":
+        with cli_spelling():
+            if args.command == "plan":
+                return _run_plan(args)
+            _use_virtual_devices_without_accelerator()
             return _run_demo(args)
-    except (AutodistError, ValueError, FileNotFoundError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"keras-hub-autodist: error: {message}", file=sys.stderr)
-        return 2
-    return 0
+    except (AutodistError, *USER_ERRORS) as error:
+        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

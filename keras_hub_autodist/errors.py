@@ -3,7 +3,19 @@
 Every error says what it received and how to fix it. All of them derive from
 `AutodistError`, and from `ValueError` or `TypeError` so that existing
 `except ValueError` blocks keep working.
+
+Messages name options the way the caller passes them: keyword arguments
+(`batch_axis=`) from Python, flags (`--batch-axis`) from the
+`keras-hub-autodist` command, which runs inside `cli_spelling()`.
 """
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+_CLI_SPELLING = contextvars.ContextVar("keras_hub_autodist_cli", default=False)
 
 
 class AutodistError(Exception):
@@ -22,6 +34,19 @@ class PresetError(AutodistError, ValueError):
     """The preset can't be read (missing, or without `config.json`)."""
 
 
+class ConfigError(AutodistError, ValueError):
+    """A field of the preset's config is missing or has an invalid value."""
+
+
+class DTypeError(AutodistError, ValueError, TypeError):
+    """`dtype` is not a dtype or dtype policy Keras knows."""
+
+
+class PlanError(AutodistError, ValueError):
+    """An argument of a `LayoutPlan` method is invalid, or a handler gave
+    one layout-map key two layouts."""
+
+
 class UnsupportedArchitectureError(AutodistError, ValueError):
     """No layout handler is registered for the preset's backbone class."""
 
@@ -36,6 +61,54 @@ class BatchSizeError(AutodistError, ValueError):
 
 class DeviceMeshTypeError(AutodistError, TypeError):
     """`device_mesh` is of a type that can't describe a mesh."""
+
+
+@contextlib.contextmanager
+def cli_spelling() -> Iterator[None]:
+    """Within this context, error messages name command-line flags.
+
+    Example:
+    >>> with cli_spelling():
+    ...     option("batch_axis")
+    '`--batch-axis`'
+    """
+    token = _CLI_SPELLING.set(True)
+    try:
+        yield
+    finally:
+        _CLI_SPELLING.reset(token)
+
+
+def option(name: str, value: str | None = None) -> str:
+    """How the caller spells option `name` (and its `value`) in messages.
+
+    Args:
+        name: the keyword argument, e.g. `"batch_axis"`.
+        value: an optional value to show with it, already formatted.
+
+    Example:
+    >>> option("batch_axis", "'rows'")
+    "`batch_axis='rows'`"
+    """
+    if _CLI_SPELLING.get():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            return f"`{flag}`"
+        return f"`{flag} {value.strip(chr(39))}`"
+    return f"`{name}=`" if value is None else f"`{name}={value}`"
+
+
+def mesh_example(mesh: dict[str, int]) -> str:
+    """A mesh as the caller writes it: a dict in Python, `--mesh a=1,b=2`
+    on the command line.
+
+    Example:
+    >>> mesh_example({"batch": 1, "model": 8})
+    "{'batch': 1, 'model': 8}"
+    """
+    if _CLI_SPELLING.get():
+        return "--mesh " + ",".join(f"{k}={v}" for k, v in mesh.items())
+    return repr(mesh)
 
 
 class LayoutMismatchError(AutodistError, RuntimeError):

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping
-
-import keras
 
 from keras_hub_autodist.errors import DeviceMeshTypeError
 from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.errors import mesh_example
+from keras_hub_autodist.errors import option
 
 BATCH_AXIS_NAMES = ("batch", "data")
 MODEL_AXIS_NAMES = ("model", "tensor")
@@ -67,10 +68,49 @@ class MeshAxes:
         )
 
 
+def is_device_mesh(obj) -> bool:
+    """True for a `keras.distribution.DeviceMesh`, without importing Keras.
+
+    Nothing can be a `DeviceMesh` before Keras is imported, so planning for a
+    mesh given as a mapping never imports Keras (or JAX).
+
+    Example:
+    >>> is_device_mesh({"batch": 2})
+    False
+    """
+    keras = sys.modules.get("keras")
+    distribution = getattr(keras, "distribution", None)
+    mesh_cls = getattr(distribution, "DeviceMesh", None)
+    return mesh_cls is not None and isinstance(obj, mesh_cls)
+
+
+def _check_distinct_devices(names, shape, devices) -> None:
+    devices = list(devices)
+    seen = set()
+    repeated = [d for d in devices if d in seen or seen.add(d)]
+    if repeated:
+        raise MeshError(
+            "Each device may appear once in a mesh, but "
+            f"{len(devices) - len(seen)} of the {len(devices)} entries repeat "
+            f"a device (first: {repeated[0]}). List {len(devices)} distinct "
+            "devices, e.g. `keras.distribution.list_devices()`. Received: "
+            f"mesh axes {dict(zip(names, shape))}, devices={devices}"
+        )
+
+
 def mesh_shape(device_mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Return `(axis_names, shape)` of a `DeviceMesh` or a mapping."""
-    if isinstance(device_mesh, keras.distribution.DeviceMesh):
-        return tuple(device_mesh.axis_names), tuple(device_mesh.shape)
+    """Return `(axis_names, shape)` of a `DeviceMesh` or a mapping.
+
+    A `DeviceMesh` that lists a device more than once is a `MeshError`.
+    """
+    if is_device_mesh(device_mesh):
+        names = tuple(device_mesh.axis_names)
+        shape = tuple(device_mesh.shape)
+        devices = getattr(device_mesh, "devices", None)
+        if devices is not None:
+            flat = devices.ravel() if hasattr(devices, "ravel") else devices
+            _check_distinct_devices(names, shape, flat)
+        return names, shape
     if isinstance(device_mesh, Mapping):
         if not device_mesh:
             raise MeshError(
@@ -95,20 +135,21 @@ def mesh_shape(device_mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
             sizes.append(size)
         return tuple(names), tuple(sizes)
     raise DeviceMeshTypeError(
-        "`device_mesh` must be a `keras.distribution.DeviceMesh` or a "
-        "mapping of axis name to size such as {'batch': 2, 'model': 4}. "
+        "`device_mesh` must be a `keras.distribution.DeviceMesh`, a "
+        "mapping of axis name to size such as {'batch': 2, 'model': 4}, or "
+        "'auto' where a function accepts it. "
         f"Received: device_mesh={device_mesh!r} of type "
         f"{type(device_mesh).__name__}"
     )
 
 
-def _pick(names, requested, defaults, role, option):
+def _pick(names, requested, defaults, role, keyword):
     if requested is not None:
         if requested not in names:
             raise MeshError(
-                f"`{option}={requested!r}` is not an axis of the mesh. Pass "
-                f"one of {list(names)}. Received: {option}={requested!r}, "
-                f"mesh axes={list(names)}"
+                f"{option(keyword, repr(requested))} is not an axis of the "
+                f"mesh. Pass one of {list(names)} as the {role} axis. "
+                f"Received: {keyword}={requested!r}, mesh axes={list(names)}"
             )
         return requested
     for candidate in defaults:
@@ -147,16 +188,18 @@ def resolve_mesh_axes(
     received = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
     batch = _pick(names, batch_axis, BATCH_AXIS_NAMES, "batch", "batch_axis")
     if batch is None:
+        example = {"batch": 1, "model": math.prod(shape)}
         raise MeshError(
             "The mesh has no batch axis. Name one axis `batch` (or `data`), "
-            "or pass `batch_axis=`; for pure tensor parallelism add a batch "
-            "axis of size 1, e.g. {'batch': 1, 'model': 8}. "
+            f"or pass {option('batch_axis')}; for pure tensor parallelism add "
+            f"a batch axis of size 1, e.g. {mesh_example(example)}. "
             f"Received: mesh axes ({received})"
         )
     if model_axis is not None and model_axis == batch:
         raise MeshError(
-            f"`model_axis={model_axis!r}` is also the batch axis. Give the "
-            f"two roles different axes. Received: mesh axes ({received})"
+            f"{option('model_axis', repr(model_axis))} is also the batch "
+            "axis. Give the two roles different axes. Received: mesh axes "
+            f"({received})"
         )
     model = _pick(
         [n for n in names if n != batch],
@@ -170,21 +213,23 @@ def resolve_mesh_axes(
         raise MeshError(
             f"Mesh axis {rest[0]!r} has no role: it is neither the batch "
             "axis nor a model axis. Name it `model` or pass "
-            f"`model_axis={rest[0]!r}`. Received: mesh axes ({received})"
+            f"{option('model_axis', repr(rest[0]))}. Received: mesh axes "
+            f"({received})"
         )
     if len(rest) > 1:
         raise MeshError(
             f"Mesh axes {rest} have no role. A mesh has one batch axis, one "
             "model axis and at most one more axis (a second model axis that "
             "shards the hidden dimension). Merge or drop the extra axes, or "
-            "name the roles with `batch_axis=`/`model_axis=`. "
+            f"name the roles with {option('batch_axis')}/"
+            f"{option('model_axis')}. "
             f"Received: mesh axes ({received})"
         )
     hidden = rest[0] if rest else None
     return MeshAxes(names, shape, batch, model, hidden)
 
 
-def build_device_mesh(device_mesh, devices=None) -> keras.distribution.DeviceMesh:
+def build_device_mesh(device_mesh, devices=None):
     """Turn a mapping into a `DeviceMesh` over `devices` (default: all).
 
     A `DeviceMesh` is checked against the available devices and returned.
@@ -199,10 +244,13 @@ def build_device_mesh(device_mesh, devices=None) -> keras.distribution.DeviceMes
     >>> mesh.shape
     (2, 4)
     """
+    import keras
+
     names, shape = mesh_shape(device_mesh)
-    if isinstance(device_mesh, keras.distribution.DeviceMesh):
+    if is_device_mesh(device_mesh):
         return device_mesh
     available = keras.distribution.list_devices() if devices is None else devices
+    _check_distinct_devices(names, shape, available)
     if math.prod(shape) != len(available):
         raise MeshError(
             f"The mesh has {math.prod(shape)} devices "

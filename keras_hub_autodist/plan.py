@@ -1,30 +1,66 @@
-"""`LayoutPlan`: where every weight of a model goes on a mesh, and its cost."""
+"""`LayoutPlan`: where every weight of a model goes on a mesh, and its cost.
+
+Planning a local preset folder for a mesh given as a mapping imports neither
+Keras, keras-hub nor JAX: the config is read by `presets.read_local_config`
+and the handler found by class name. Keras is imported only where a Keras
+object is needed (`layout_map()`, `DeviceMesh`s) or the preset needs
+keras-hub's loaders (handles, built-in names, other formats).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
-
-import keras
-import ml_dtypes
-import numpy as np
+from typing import TYPE_CHECKING
 
 from keras_hub_autodist import rules
 from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
+from keras_hub_autodist.errors import UnsupportedArchitectureError
+from keras_hub_autodist.errors import option
 from keras_hub_autodist.mesh import MeshAxes
+from keras_hub_autodist.mesh import is_device_mesh
 from keras_hub_autodist.mesh import resolve_mesh_axes
 from keras_hub_autodist.presets import PresetConfig
+from keras_hub_autodist.presets import read_local_config
 from keras_hub_autodist.presets import read_preset_config
+from keras_hub_autodist.presets import validate_config
+from keras_hub_autodist.presets import validated_weights
 from keras_hub_autodist.presets import variable_dtype
+from keras_hub_autodist.registry import handler_by_name
 from keras_hub_autodist.registry import handler_for
+
+if TYPE_CHECKING:
+    import keras
 
 STRATEGY_CHOICES = ("auto",) + rules.STRATEGIES
 DEVICE_MEMORY_ENV = "KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB"
 # Bytes per parameter while training with Adam: the weight, its gradient and
 # the two moments, all in the variable dtype.
 ADAM_STATE_FACTOR = 4
+GIB = 1024**3
+ITEMSIZES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+# Where the per-device memory of a plan comes from (`LayoutPlan.device_memory_source`).
+MEMORY_GIVEN, MEMORY_ENV, MEMORY_REPORTED, MEMORY_ASSUMED = (
+    "given",
+    "env",
+    "reported",
+    "assumed",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +117,8 @@ class LayoutPlan:
         rows: list[PlanRow],
         device_memory_bytes: int,
         device_mesh=None,
+        device_memory_source: str = MEMORY_GIVEN,
+        mesh_reason: str = "",
     ):
         self.preset = preset
         self.backbone_class = backbone_class
@@ -92,6 +130,8 @@ class LayoutPlan:
         self.rows = list(rows)
         self.device_memory_bytes = device_memory_bytes
         self.device_mesh = device_mesh
+        self.device_memory_source = device_memory_source
+        self.mesh_reason = mesh_reason
 
     @property
     def batch_axis(self) -> str:
@@ -127,13 +167,22 @@ class LayoutPlan:
             optimizer: `"adam"` (two moments), `"sgd"` (none) or
                 `"sgd_momentum"` (one).
         """
-        factors = {"adam": 4, "sgd": 2, "sgd_momentum": 3}
+        factors = {"adam": ADAM_STATE_FACTOR, "sgd": 2, "sgd_momentum": 3}
         if optimizer not in factors:
-            raise ValueError(
+            raise PlanError(
                 f"Unknown optimizer for the memory estimate. Use one of "
                 f"{sorted(factors)}. Received: optimizer={optimizer!r}"
             )
         return factors[optimizer] * self.max_device_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether weights, gradients and Adam state fit each device.
+
+        Activations come on top: strategy `"auto"` keeps `"tp"` only while
+        this takes at most `rules.AUTO_TP_MEMORY_SHARE` of the memory.
+        """
+        return self.training_bytes_per_device("adam") <= self.device_memory_bytes
 
     @property
     def fallbacks(self) -> list[PlanRow]:
@@ -151,6 +200,8 @@ class LayoutPlan:
             device_mesh: a `keras.distribution.DeviceMesh` with the planned
                 axes. Required when the plan was made from a mapping.
         """
+        import keras
+
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         if not isinstance(mesh, keras.distribution.DeviceMesh):
             raise MeshError(
@@ -178,9 +229,12 @@ class LayoutPlan:
         for row in self.rows:
             previous = layouts.setdefault(row.pattern, row.spec)
             if previous != row.spec:
-                raise AssertionError(
+                raise PlanError(
                     f"Weights matching {row.pattern!r} got different layouts "
-                    f"({previous} and {row.spec}); this is a planner bug."
+                    f"({previous} and {row.spec}): one layout-map key can hold "
+                    f"one layout. The {self.architecture!r} handler must give "
+                    "weights of different shapes different patterns. "
+                    f"Received: pattern={row.pattern!r}, path={row.path!r}"
                 )
         for row in list(self.rows):
             if row.path.endswith("/kernel") and len(row.spec) >= 2:
@@ -189,25 +243,89 @@ class LayoutPlan:
                 layouts.setdefault(base + "lora_kernel_b", (None, row.spec[-1]))
         return layouts
 
+    def memory_note(self) -> str:
+        """Where the per-device memory of this plan comes from."""
+        if self.device_memory_source == MEMORY_REPORTED:
+            return "reported by the devices"
+        if self.device_memory_source == MEMORY_ENV:
+            return f"from ${DEVICE_MEMORY_ENV}"
+        if self.device_memory_source == MEMORY_ASSUMED:
+            return (
+                "assumed: no device reported its memory; give yours with "
+                f"{option('device_memory')}"
+            )
+        return "given"
+
+    def fit_advice(self) -> list[str]:
+        """What would make a plan that does not fit fit, most useful first."""
+        need = self.training_bytes_per_device("adam")
+        ratio = need / max(1, self.device_memory_bytes)
+        model = self.mesh_axes.model_axis or "model"
+        advice = [
+            f"put about {math.ceil(ratio)}x as many devices on the '{model}' axis"
+        ]
+        if self.strategy != "fsdp" and self.mesh_axes.size(self.batch_axis) > 1:
+            advice.append(
+                f"use {option('strategy', repr('fsdp'))} to shard weights and "
+                f"optimizer state over '{self.batch_axis}' too"
+            )
+        if self.dtype in ("float32", "float64"):
+            advice.append(
+                f"load with {option('dtype', repr('bfloat16'))} to halve every byte"
+            )
+        if self.device_memory_source == MEMORY_ASSUMED:
+            advice.append(
+                f"if your devices have more than "
+                f"{_format_bytes(self.device_memory_bytes)}, say so with "
+                f"{option('device_memory')}"
+            )
+        return advice
+
     def summary(self) -> str:
-        """Per-device totals, one line each."""
+        """Per-device totals, one line each, and whether the plan fits."""
         size = _format_bytes
         axes = self.mesh_axes
-        return "\n".join(
-            [
-                f"preset: {self.preset} ({self.backbone_class}, {self.architecture})",
-                f"mesh: {axes.describe()} (batch axis: {axes.batch_axis}, model "
-                f"axis: {axes.model_axis}, hidden axis: {axes.hidden_axis})",
-                f"strategy: {self.strategy} ({self.strategy_reason})",
-                f"parameters: {self.num_parameters:,} ({self.dtype}), "
-                f"{size(self.total_bytes)} in all",
-                f"per device: {size(self.max_device_bytes)} of parameters (ideal "
-                f"{size(self.ideal_device_bytes)}), about "
-                f"{size(self.training_bytes_per_device())} to train with Adam "
-                f"(of {size(self.device_memory_bytes)})",
-                f"fallbacks: {len(self.fallbacks)} weights",
-            ]
-        )
+        mesh_reason = f"; {self.mesh_reason}" if self.mesh_reason else ""
+        training = self.training_bytes_per_device()
+        lines = [
+            f"preset: {self.preset} ({self.backbone_class}, {self.architecture})",
+            f"mesh: {axes.describe()} (batch axis: {axes.batch_axis}, model "
+            f"axis: {axes.model_axis}, hidden axis: {axes.hidden_axis}"
+            f"{mesh_reason})",
+            f"strategy: {self.strategy} ({self.strategy_reason})",
+            f"parameters: {self.num_parameters:,} ({self.dtype}), "
+            f"{size(self.total_bytes)} in all",
+            f"per device: {size(self.max_device_bytes)} of parameters (ideal "
+            f"{size(self.ideal_device_bytes)}), about {size(training)} to "
+            f"train with Adam, of {size(self.device_memory_bytes)} "
+            f"({self.memory_note()})",
+            f"fallbacks: {len(self.fallbacks)} weights in "
+            f"{len({row.pattern for row in self.fallbacks})} rows of the table",
+        ]
+        share = training / max(1, self.device_memory_bytes)
+        if self.fits:
+            tight = (
+                ", which leaves little room for activations"
+                if share > rules.AUTO_TP_MEMORY_SHARE
+                else ", before activations"
+            )
+            lines.append(
+                f"fits: yes, weights+grads+Adam take {share:.0%} of each "
+                f"device's memory{tight}"
+            )
+        else:
+            where = (
+                "even the parameters alone do not fit; "
+                if self.max_device_bytes > self.device_memory_bytes
+                else "the parameters alone fit (inference), training does not; "
+            )
+            lines.append(
+                f"fits: NO, training with Adam needs {size(training)} per "
+                f"device, {share:.1f}x "
+                f"the {size(self.device_memory_bytes)} available; {where}to "
+                "fit: " + "; or ".join(self.fit_advice())
+            )
+        return "\n".join(lines)
 
     def table(self) -> str:
         """The weights grouped by layout-map key, with spec, bytes and notes."""
@@ -253,47 +371,95 @@ def _format_bytes(n: float) -> str:
         n /= 1024
 
 
-def device_memory_bytes(device_mesh=None, override: int | None = None) -> int:
-    """Per-device memory used by strategy `"auto"`.
+def _devices_of(device_mesh):
+    if not is_device_mesh(device_mesh):
+        return []
+    import numpy as np
 
-    In order: `override`; `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB`; the
-    smallest `bytes_limit` the backend reports for the mesh's devices; else
-    `rules.DEFAULT_DEVICE_MEMORY_BYTES` (16 GiB).
+    return list(np.ravel(device_mesh.backend_mesh.devices))
+
+
+def device_memory_info(devices=(), override=None) -> tuple[int, str]:
+    """Per-device memory for strategy `"auto"`, and where it comes from.
+
+    In order: `override` (`"given"`); `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB`
+    (`"env"`); the smallest `bytes_limit` that `devices` report
+    (`"reported"`); else `rules.DEFAULT_DEVICE_MEMORY_BYTES`, 16 GiB
+    (`"assumed"`).
+
+    Args:
+        devices: JAX devices to ask (only this process's devices answer).
+        override: bytes to use as-is.
+
+    Example:
+    >>> device_memory_info([], 8 * 1024**3)
+    (8589934592, 'given')
+    """
+    if override is not None:
+        if isinstance(override, bool) or not isinstance(override, (int, float)):
+            raise PlanError(
+                "`device_memory` is a number of bytes per device, e.g. "
+                f"16 * 1024**3. Received: device_memory={override!r}"
+            )
+        if not math.isfinite(override) or override <= 0:
+            raise PlanError(
+                f"{option('device_memory')} must be a positive amount of "
+                f"memory per device. Received: device_memory={override!r}"
+            )
+        return int(override), MEMORY_GIVEN
+    from_env = os.environ.get(DEVICE_MEMORY_ENV)
+    if from_env:
+        try:
+            value = float(from_env)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value <= 0:
+            raise MeshError(
+                f"${DEVICE_MEMORY_ENV} must be a number of GiB above 0, e.g. "
+                f"16. Received: {DEVICE_MEMORY_ENV}={from_env!r}"
+            )
+        return int(value * GIB), MEMORY_ENV
+    limits = []
+    for device in devices:
+        try:
+            # Only this process's devices can report (multi-host meshes).
+            if device not in device.client.local_devices():
+                continue
+            stats = device.memory_stats()
+        except Exception:  # backends without memory statistics
+            stats = None
+        if stats and stats.get("bytes_limit"):
+            limits.append(stats["bytes_limit"])
+    if limits:
+        return min(limits), MEMORY_REPORTED
+    return rules.DEFAULT_DEVICE_MEMORY_BYTES, MEMORY_ASSUMED
+
+
+def device_memory_bytes(device_mesh=None, override: int | None = None) -> int:
+    """Per-device memory used by strategy `"auto"` (see `device_memory_info`).
 
     Args:
         device_mesh: a `DeviceMesh` whose devices to ask, or `None`.
         override: bytes to use as-is.
+
+    Example:
+    >>> device_memory_bytes(None, 1024)
+    1024
     """
-    if override is not None:
-        return int(override)
-    from_env = os.environ.get(DEVICE_MEMORY_ENV)
-    if from_env:
-        try:
-            return int(float(from_env) * 1024**3)
-        except ValueError as error:
-            raise MeshError(
-                f"${DEVICE_MEMORY_ENV} must be a number of GiB, e.g. 16. "
-                f"Received: {DEVICE_MEMORY_ENV}={from_env!r}"
-            ) from error
-    if isinstance(device_mesh, keras.distribution.DeviceMesh):
-        limits = []
-        for device in np.ravel(device_mesh.backend_mesh.devices):
-            # Only this process's devices can report (multi-host meshes).
-            if device not in device.client.local_devices():
-                continue
-            try:
-                stats = device.memory_stats()
-            except Exception:  # backends without memory statistics
-                stats = None
-            if stats and stats.get("bytes_limit"):
-                limits.append(stats["bytes_limit"])
-        if limits:
-            return min(limits)
-    return rules.DEFAULT_DEVICE_MEMORY_BYTES
+    return device_memory_info(_devices_of(device_mesh), override)[0]
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype in ITEMSIZES:
+        return ITEMSIZES[dtype]
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
 
 
 def _rows_for(weights, mesh_axes, strategy, fields, dtype, kv_fallback):
-    itemsize = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).itemsize
+    itemsize = _itemsize(dtype)
     rows = []
     for weight in weights:
         spec, notes = rules.assign_mesh_axes(
@@ -320,14 +486,18 @@ def _rows_for(weights, mesh_axes, strategy, fields, dtype, kv_fallback):
 def _plan_rows(weights, mesh_axes, strategy, fields, dtype):
     """The rows and why K/V were laid out so, when their heads don't divide.
 
-    Unshardable K/V heads are replicated unless that costs too much memory,
-    in which case their head_dim is sharded.
+    When the query heads don't divide the model axis either, K/V follow the
+    query's layout: sharded on head_dim when the query is, else replicated.
+    Otherwise unshardable K/V heads are replicated unless that costs too
+    much memory, in which case their head_dim is sharded. The reason is
+    derived from the rows as laid out, so it always agrees with them.
     """
 
     def rows_with(kv_fallback):
         return _rows_for(weights, mesh_axes, strategy, fields, dtype, kv_fallback)
 
-    model_size = mesh_axes.size(mesh_axes.model_axis)
+    model_axis = mesh_axes.model_axis
+    model_size = mesh_axes.size(model_axis)
     heads = [w for w in weights if "heads" in w.axes]
     kv = [w for w in weights if "kv_heads" in w.axes]
     if model_size == 1 or not kv:
@@ -336,7 +506,14 @@ def _plan_rows(weights, mesh_axes, strategy, fields, dtype):
     if kv_heads % model_size == 0:
         return rows_with("replicate"), ""
     if heads and heads[0].shape[heads[0].axes.index("heads")] % model_size:
-        return rows_with("head_dim"), "query heads are sharded on head_dim, so are K/V"
+        sharded = rows_with("head_dim")
+        query = next(r for r in sharded if r.path == heads[0].path)
+        on_head_dim = query.spec[query.logical_axes.index("head_dim")] == model_axis
+        if on_head_dim:
+            return sharded, "query heads are sharded on head_dim, so are K/V"
+        # The query is replicated over the model axis; so are K/V, and their
+        # own notes say why.
+        return rows_with("replicate"), ""
     replicated, sharded = rows_with("replicate"), rows_with("head_dim")
     cost = sum(r.device_bytes for r in replicated) / max(
         1, sum(r.device_bytes for r in sharded)
@@ -356,6 +533,41 @@ def tp_fits(tp_plan: LayoutPlan) -> bool:
     return tp_plan.training_bytes_per_device("adam") <= budget
 
 
+def _handler_of(preset_config: PresetConfig):
+    if preset_config.backbone_cls is not None:
+        return handler_for(preset_config.backbone_cls)
+    handler = handler_by_name(preset_config.backbone_class)
+    if handler is None:
+        raise UnsupportedArchitectureError(
+            "keras_hub_autodist has no layout for "
+            f"{preset_config.backbone_class}. Read the preset with "
+            "`read_preset_config` so that its class's base classes are "
+            f"searched too. Received: preset={preset_config.preset!r}"
+        )
+    return handler
+
+
+def read_config(preset: str) -> PresetConfig:
+    """The preset's config, read without keras-hub whenever possible.
+
+    Local folders of a family with a handler registered by name are read by
+    `presets.read_local_config`; anything else goes through keras-hub's
+    loaders (`presets.read_preset_config`).
+
+    Args:
+        preset: as for `plan()`.
+
+    Example:
+    ```python
+    read_config("./gemma_2b").backbone_class
+    ```
+    """
+    info = read_local_config(preset)
+    if info is not None and handler_by_name(info.backbone_class) is not None:
+        return info
+    return read_preset_config(preset)
+
+
 def plan_config(
     preset_config: PresetConfig,
     device_mesh,
@@ -366,7 +578,13 @@ def plan_config(
     dtype=None,
     device_memory: int | None = None,
 ) -> LayoutPlan:
-    """`plan()` for a config already read with `read_preset_config`."""
+    """`plan()` for a config already read with `read_config`.
+
+    Example:
+    ```python
+    plan_config(read_config("./gemma_2b"), {"batch": 2, "model": 4})
+    ```
+    """
     if strategy not in STRATEGY_CHOICES:
         raise StrategyError(
             f"Unknown strategy. Use one of {list(STRATEGY_CHOICES)}. "
@@ -375,11 +593,12 @@ def plan_config(
     mesh_axes = resolve_mesh_axes(
         device_mesh, batch_axis=batch_axis, model_axis=model_axis
     )
-    handler = handler_for(preset_config.backbone_cls)
-    weights = handler.weights(preset_config.config)
+    handler = _handler_of(preset_config)
     fields = dict(handler.config_fields)
+    validate_config(preset_config, [*fields.values(), "num_layers"])
+    weights = validated_weights(handler, preset_config, fields)
     var_dtype = variable_dtype(preset_config.config, dtype)
-    capacity = device_memory_bytes(device_mesh, device_memory)
+    capacity, source = device_memory_info(_devices_of(device_mesh), device_memory)
 
     def build(chosen, reason):
         rows, kv_reason = _plan_rows(weights, mesh_axes, chosen, fields, var_dtype)
@@ -392,7 +611,7 @@ def plan_config(
             ]
         return LayoutPlan(
             preset=str(preset_config.preset),
-            backbone_class=preset_config.backbone_cls.__name__,
+            backbone_class=preset_config.backbone_class,
             architecture=handler.name,
             mesh_axes=mesh_axes,
             strategy=chosen,
@@ -400,27 +619,97 @@ def plan_config(
             dtype=var_dtype,
             rows=rows,
             device_memory_bytes=capacity,
-            device_mesh=device_mesh
-            if isinstance(device_mesh, keras.distribution.DeviceMesh)
-            else None,
+            device_mesh=device_mesh if is_device_mesh(device_mesh) else None,
+            device_memory_source=source,
         )
 
     if strategy != "auto":
         return build(strategy, "requested")
     tp = build("tp", "")
     need = tp.training_bytes_per_device("adam")
-    gib = 1024**3
+    budget = f"{rules.AUTO_TP_MEMORY_SHARE:.0%} of {capacity / GIB:.1f} GiB ({source})"
     if tp_fits(tp):
         tp.strategy_reason = (
-            f"auto: weights+grads+Adam {need / gib:.2f} GiB per device fit in "
-            f"{rules.AUTO_TP_MEMORY_SHARE:.0%} of {capacity / gib:.1f} GiB"
+            f"auto: weights+grads+Adam {need / GIB:.2f} GiB per device fit in {budget}"
+        )
+        return tp
+    if mesh_axes.size(mesh_axes.batch_axis) == 1:
+        tp.strategy_reason = (
+            f"auto: weights+grads+Adam need {need / GIB:.2f} GiB per device, "
+            f"over {budget}; fsdp would shard nothing more on a batch axis of "
+            "size 1"
         )
         return tp
     return build(
         "fsdp",
-        f"auto: with tp, weights+grads+Adam need {need / gib:.2f} GiB per "
-        f"device, over {rules.AUTO_TP_MEMORY_SHARE:.0%} of "
-        f"{capacity / gib:.1f} GiB",
+        f"auto: with tp, weights+grads+Adam need {need / GIB:.2f} GiB per "
+        f"device, over {budget}",
+    )
+
+
+def auto_mesh(
+    preset_config: PresetConfig,
+    num_devices: int,
+    *,
+    dtype=None,
+    device_memory: int | None = None,
+    devices=(),
+) -> tuple[dict[str, int], str]:
+    """The mesh `device_mesh="auto"` picks over `num_devices` devices.
+
+    The rule: the largest batch axis (the least tensor parallelism) whose
+    `"tp"` plan's weights, gradients and Adam state fit in
+    `rules.AUTO_TP_MEMORY_SHARE` of a device's memory; if none does, every
+    device on the model axis.
+
+    Args:
+        preset_config: the config read with `read_config`.
+        num_devices: how many devices the mesh spans.
+        dtype: as for `plan()`.
+        device_memory: as for `plan()`.
+        devices: JAX devices to ask for their memory, if any.
+
+    Returns:
+        `(mesh, reason)`: axis sizes such as `{"batch": 2, "model": 4}`, and
+        a sentence explaining them.
+
+    Example:
+    ```python
+    auto_mesh(read_config("./gemma_2b"), 8)
+    ```
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int):
+        raise MeshError(
+            "The number of devices is a positive integer. Received: "
+            f"devices={num_devices!r}"
+        )
+    if num_devices < 1:
+        raise MeshError(
+            f"The number of devices is a positive integer; pass "
+            f"{option('devices')}. Received: devices={num_devices!r}"
+        )
+    capacity, source = device_memory_info(list(devices), device_memory)
+    for batch in sorted(
+        (d for d in range(1, num_devices + 1) if num_devices % d == 0), reverse=True
+    ):
+        candidate = {"batch": batch, "model": num_devices // batch}
+        tp = plan_config(
+            preset_config,
+            candidate,
+            strategy="tp",
+            dtype=dtype,
+            device_memory=capacity,
+        )
+        if tp_fits(tp):
+            return candidate, (
+                f"auto over {num_devices} devices: the largest batch axis "
+                f"whose tp plan fits {rules.AUTO_TP_MEMORY_SHARE:.0%} of "
+                f"{capacity / GIB:.1f} GiB ({source})"
+            )
+    return {"batch": 1, "model": num_devices}, (
+        f"auto over {num_devices} devices: no tp plan fits "
+        f"{rules.AUTO_TP_MEMORY_SHARE:.0%} of {capacity / GIB:.1f} GiB "
+        f"({source}), so every device is on the model axis"
     )
 
 
@@ -437,36 +726,61 @@ def plan(
     """Plan the layout of a preset's weights on a device mesh.
 
     Reads only the preset's `config.json`; no weight is allocated and no
-    device is needed when the mesh is given as a mapping.
+    device is needed when the mesh is given as a mapping. A local folder
+    planned for a mapping imports neither Keras, keras-hub nor JAX.
 
     Args:
         preset: a local folder (Keras or Hugging Face format), `hf://…`,
             `kaggle://…` or a built-in preset name.
-        device_mesh: a `keras.distribution.DeviceMesh`, or a mapping of axis
-            name to size such as `{"batch": 2, "model": 4}`.
+        device_mesh: a `keras.distribution.DeviceMesh`, a mapping of axis
+            name to size such as `{"batch": 2, "model": 4}`, or `"auto"`
+            (all of JAX's devices, split as `auto_mesh` decides).
         strategy: `"tp"` (weights sharded over the model axes, replicated over
             the batch axis), `"fsdp"` (also sharded over the batch axis) or
             `"auto"` (`"tp"` when weights, gradients and Adam state take at
-            most 80% of a device's memory, else `"fsdp"`).
+            most 80% of a device's memory or the batch axis has size 1,
+            else `"fsdp"`).
         batch_axis: the mesh axis that splits batches, if not `batch`/`data`.
         model_axis: the mesh axis that shards weights, if not
             `model`/`tensor`.
         dtype: the dtype (policy) the model will be loaded with; defaults to
             the preset's.
-        device_memory: per-device bytes for `"auto"`; defaults to what the
-            backend reports, `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB`, or 16 GiB.
+        device_memory: per-device bytes; defaults to
+            `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB`, what the devices report,
+            or 16 GiB (`plan.memory_note()` says which).
 
     Returns:
-        A `LayoutPlan`.
+        A `LayoutPlan`; `plan.fits` tells whether training fits.
 
     Example:
     ```python
     plan = keras_hub_autodist.plan("./gemma_2b", {"batch": 16, "model": 16})
-    print(plan.max_device_bytes, plan.strategy)
+    print(plan.max_device_bytes, plan.strategy, plan.fits)
     ```
     """
-    return plan_config(
-        read_preset_config(preset),
+    preset_config = read_config(preset)
+    mesh_reason = ""
+    if isinstance(device_mesh, str):
+        if device_mesh != "auto":
+            raise MeshError(
+                "`device_mesh` takes a DeviceMesh, a mapping such as "
+                "{'batch': 2, 'model': 4}, or 'auto'. Received: "
+                f"device_mesh={device_mesh!r}"
+            )
+        import jax
+
+        devices = jax.devices()
+        device_mesh, mesh_reason = auto_mesh(
+            preset_config,
+            len(devices),
+            dtype=dtype,
+            device_memory=device_memory,
+            devices=devices,
+        )
+        if device_memory is None:
+            device_memory = device_memory_info(devices)[0]
+    result = plan_config(
+        preset_config,
         device_mesh,
         strategy=strategy,
         batch_axis=batch_axis,
@@ -474,6 +788,8 @@ def plan(
         dtype=dtype,
         device_memory=device_memory,
     )
+    result.mesh_reason = mesh_reason
+    return result
 
 
 def get_layout_map(preset: str, device_mesh, **options) -> keras.distribution.LayoutMap:
@@ -498,7 +814,7 @@ def get_layout_map(preset: str, device_mesh, **options) -> keras.distribution.La
         model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
     ```
     """
-    if not isinstance(device_mesh, keras.distribution.DeviceMesh):
+    if not is_device_mesh(device_mesh):
         raise MeshError(
             "`get_layout_map` builds a LayoutMap, which needs a real "
             "`keras.distribution.DeviceMesh`; use `plan()` to plan for a "

@@ -12,6 +12,10 @@ MyBackbone = "my_package.layouts:MY_HANDLER"
 Lookup walks the backbone class's MRO, so `Llama3Backbone` uses the handler
 registered for `LlamaBackbone`. The built-in handlers are registered the same
 way in this package's own `pyproject.toml`.
+
+Planning a local config does not import keras-hub, so it looks handlers up by
+class *name* (`handler_by_name`): a registered name, or a keras-hub subclass
+listed in `KNOWN_SUBCLASSES` with its registered base.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 
 ENTRY_POINT_GROUP = "keras_hub_autodist.architectures"
+# keras-hub backbones that subclass a registered one, by name, so that lookup
+# by name agrees with lookup by MRO without importing keras-hub. A test checks
+# each against keras-hub's classes.
+KNOWN_SUBCLASSES = {"Llama3Backbone": "LlamaBackbone"}
 DOCS_ADDING_AN_ARCHITECTURE = "docs/architectures.md#adding-an-architecture"
 
 
@@ -94,3 +102,28 @@ def handler_for(backbone_cls: type) -> Architecture:
         f"Received: backbone class {backbone_cls.__module__}."
         f"{backbone_cls.__qualname__}"
     )
+
+
+def handler_by_name(class_name: str) -> Architecture | None:
+    """The handler for a backbone class given by name, or `None`.
+
+    Finds handlers registered under `class_name` or, for the keras-hub
+    subclasses in `KNOWN_SUBCLASSES`, under their base class. `None` means
+    "ask `handler_for` with the class itself" (its MRO may still find one).
+
+    Args:
+        class_name: a backbone class name such as `"Llama3Backbone"`.
+
+    Example:
+    >>> handler_by_name("Llama3Backbone").name
+    'llama'
+    """
+    available = _entry_points()
+    name = class_name
+    while name is not None:
+        if name in available:
+            handler = _load(name)
+            if handler is not None:
+                return handler
+        name = KNOWN_SUBCLASSES.get(name)
+    return None

@@ -83,3 +83,24 @@ def test_mapping_becomes_device_mesh():
         "batch",
     )
     assert tuple(mesh.shape) == (4, 2)
+
+
+def test_device_mesh_listing_a_device_twice():
+    device = keras.distribution.list_devices()[0]
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), [device] * 8)
+    with pytest.raises(MeshError, match=r"7 of the 8 entries repeat a device"):
+        resolve_mesh_axes(mesh)
+    with pytest.raises(MeshError, match=r"appear once in a mesh.*Received"):
+        build_device_mesh({"batch": 2}, devices=[device, device])
+
+
+def test_messages_name_keywords_in_python_and_flags_in_the_cli():
+    from keras_hub_autodist.errors import cli_spelling
+
+    with pytest.raises(MeshError, match=r"pass `batch_axis=`.*\{'batch': 1"):
+        resolve_mesh_axes({"model": 8})
+    with cli_spelling():
+        with pytest.raises(MeshError, match=r"pass `--batch-axis`.*--mesh batch=1"):
+            resolve_mesh_axes({"model": 8})
+    with pytest.raises(MeshError, match=r"`model_axis='x'`"):
+        resolve_mesh_axes({"batch": 2, "x": 4})

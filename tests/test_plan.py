@@ -1,5 +1,6 @@
-"""The planner against the real configs in ../shared/presets (no weights)."""
+"""The planner against the real configs in tests/data/presets (no weights)."""
 
+import dataclasses
 import json
 import re
 import time
@@ -12,6 +13,7 @@ import pytest
 
 import keras_hub_autodist
 from keras_hub_autodist import MeshError
+from keras_hub_autodist import PlanError
 from keras_hub_autodist import PresetError
 from keras_hub_autodist import StrategyError
 from keras_hub_autodist import UnsupportedArchitectureError
@@ -315,3 +317,135 @@ def test_multimodal_checkpoint_is_refused(tmp_path):
         UnsupportedArchitectureError, match="text-only.*model_type='gemma3'"
     ):
         keras_hub_autodist.plan(str(tmp_path), {"batch": 8})
+
+
+def test_plan_says_when_it_does_not_fit():
+    # gemma_7b on model=3 needs ~56 GiB per device to train with Adam.
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_7b"), {"batch": 1, "model": 3}
+    )
+    assert not plan.fits
+    summary = plan.summary()
+    assert "fits: NO, training with Adam needs 56.41 GiB per device" in summary
+    assert "devices on the 'model' axis" in summary
+    assert "`dtype='bfloat16'`" in summary
+    assert "assumed: no device reported its memory" in summary
+    roomy = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_7b"),
+        {"batch": 1, "model": 3},
+        device_memory=80 * 1024**3,
+    )
+    assert roomy.fits and "fits: yes" in roomy.summary()
+    assert "of 80.00 GiB (given)" in roomy.summary()
+
+
+def test_plan_says_where_device_memory_comes_from(monkeypatch):
+    preset = str(pytest.shared / "gemma_2b")
+    assumed = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
+    assert assumed.device_memory_source == "assumed"
+    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB", "24")
+    from_env = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
+    assert from_env.device_memory_source == "env"
+    assert "$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB" in from_env.summary()
+
+
+def test_device_memory_reported_by_the_devices():
+    from keras_hub_autodist.plan import device_memory_info
+
+    class Device:
+        client = None
+
+        def memory_stats(self):
+            return {"bytes_limit": 12 * 1024**3}
+
+    device = Device()
+    device.client = type("Client", (), {"local_devices": lambda self: [device]})()
+    assert device_memory_info([device]) == (12 * 1024**3, "reported")
+    with pytest.raises(PlanError, match=r"Received: device_memory=-5"):
+        device_memory_info([], -5)
+
+
+def test_auto_never_picks_fsdp_on_a_batch_axis_of_one():
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_7b"), {"batch": 1, "model": 2}
+    )
+    assert plan.strategy == "tp"
+    assert "fsdp would shard nothing more on a batch axis of size 1" in (
+        plan.strategy_reason
+    )
+
+
+def _note_agrees_with_row(plan, row, fields_to_axis):
+    model = plan.mesh_axes.model_axis
+    for part in row.note.split("; "):
+        replicated = re.search(r"replicated over '(\w+)'", part)
+        if replicated:
+            assert replicated.group(1) not in row.spec, (row, part)
+        sharded = re.search(r"sharded (\w+)=\d+ over '(\w+)' instead", part)
+        if sharded:
+            logical = fields_to_axis[sharded.group(1)]
+            dim = row.logical_axes.index(logical)
+            assert row.spec[dim] == sharded.group(2), (row, part)
+        if "query heads are sharded on head_dim" in part:
+            layer = row.path.rsplit("/", 2)[0]
+            query = next(
+                r
+                for r in plan.rows
+                if r.path.startswith(layer) and "heads" in r.logical_axes
+            )
+            assert query.spec[query.logical_axes.index("head_dim")] == model
+            assert row.spec[row.logical_axes.index("head_dim")] == model, row
+        if "(K/V replicated" in part:
+            assert model not in row.spec, (row, part)
+        if "(K/V sharded on head_dim" in part:
+            assert row.spec[row.logical_axes.index("head_dim")] == model, row
+
+
+@pytest.mark.parametrize("model_size", [2, 3, 4, 6, 8, 16])
+@pytest.mark.parametrize("strategy", ["tp", "fsdp"])
+def test_every_note_agrees_with_its_row(real_configs, model_size, strategy):
+    for preset in real_configs:
+        plan = keras_hub_autodist.plan(
+            str(preset), {"batch": 2, "model": model_size}, strategy=strategy
+        )
+        handler = handler_for_plan(plan)
+        fields_to_axis = {f: a for a, f in handler.config_fields.items()}
+        for row in plan.rows:
+            if row.note:
+                _note_agrees_with_row(plan, row, fields_to_axis)
+
+
+def handler_for_plan(plan):
+    from keras_hub_autodist.registry import handler_by_name
+
+    return handler_by_name(plan.backbone_class)
+
+
+def test_query_replicated_means_no_head_dim_note():
+    # gemma_7b on model=3: neither 16 heads nor head_dim 256 divide by 3, so
+    # the query is replicated; K/V notes must not claim it is on head_dim.
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_7b"), {"batch": 1, "model": 3}, strategy="tp"
+    )
+    for row in plan.rows:
+        assert "query heads are sharded on head_dim" not in row.note, row
+
+
+def test_plan_errors_are_package_errors():
+    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2})
+    with pytest.raises(PlanError, match=r"Received: optimizer='lion'"):
+        plan.training_bytes_per_device("lion")
+    row = plan.rows[-1]
+    plan.rows.append(
+        dataclasses.replace(row, path=row.path + "x", spec=("batch",) * len(row.spec))
+    )
+    with pytest.raises(PlanError, match=r"got different layouts.*Received: pattern"):
+        plan._layouts()
+
+
+def test_plan_auto_mesh_over_the_visible_devices():
+    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), "auto")
+    assert plan.mesh_axes.num_devices == len(jax.devices())
+    assert "auto over 8 devices" in plan.mesh_reason
+    with pytest.raises(MeshError, match=r"Received: device_mesh='all'"):
+        keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), "all")
