@@ -1,10 +1,11 @@
 """One process of the multi-host check: 4 virtual CPU devices of an 8-device mesh.
 
-Usage: python multihost_worker.py PROCESS_ID PORT PRESET OUT.npz {local,wrong}
+Usage: python multihost_worker.py PROCESS_ID PORT PRESET OUT.npz {local,wrong,read}
 
 `local` feeds this process's own half of every global batch (the documented
 convention); `wrong` feeds the first half on both processes (a control that
-must give different results).
+must give different results); `read` loads the backbone with `fsdp` and
+writes, per process, the bytes it read from the weight file and the weights.
 """
 
 import os
@@ -35,11 +36,34 @@ def global_batches(vocabulary_size):
         yield x, np.roll(ids, -1, axis=1)
 
 
+def read_weights(process_id, preset, out):
+    """Load with fsdp on 2x4; save this process's bytes read and the weights."""
+    backbone = keras_hub.models.Backbone.from_preset(
+        preset, device_mesh={"batch": 2, "model": 4}, strategy="fsdp"
+    )
+    stats = keras_hub_autodist.load_stats(backbone)
+    _, plan = keras_hub_autodist.distribution_of(backbone)
+    weights = {
+        w.path: np.asarray(multihost_utils.process_allgather(w.value, tiled=True))
+        for w in backbone.weights
+    }
+    np.savez(
+        f"{out}.{process_id}.npz",
+        bytes_read=stats.bytes_read,
+        total_bytes=plan.total_bytes,
+        **weights,
+    )
+
+
 def main(process_id, port, preset, out, mode):
     keras.distribution.initialize(
         job_addresses=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
     )
     assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+    if mode == "read":
+        read_weights(process_id, preset, out)
+        jax.distributed.shutdown()
+        return
     lm = keras_hub.models.CausalLM.from_preset(
         preset, preprocessor=None, device_mesh={"batch": 2, "model": 4}
     )

@@ -64,6 +64,8 @@ def run_cluster(preset, out, mode, tmp_path):
     for pid, proc in enumerate(procs):
         text = (tmp_path / f"{mode}-{pid}.log").read_text()
         assert proc.returncode == 0, text[-4000:]
+    if mode == "read":
+        return [np.load(f"{out}.{pid}.npz") for pid in range(2)]
     return np.load(out)
 
 
@@ -96,3 +98,18 @@ def test_two_processes_match_one(tiny_presets_dir, tmp_path):
     # Control: both processes feed the first half; the run must differ.
     wrong = run_cluster(preset, tmp_path / "wrong.npz", "wrong", tmp_path)
     assert not np.allclose(wrong["losses"], losses, rtol=1e-5)
+
+
+def test_each_process_reads_only_its_slices(tiny_presets_dir, tmp_path):
+    """fsdp on 2x4 over 2 processes: each reads at most 55% of the weights'
+    bytes from the file, and the loaded weights equal one process's load."""
+    preset = tiny_presets_dir["gemma_mqa"]
+    results = run_cluster(preset, tmp_path / "read", "read", tmp_path)
+    reference = keras_hub.models.Backbone.from_preset(preset)
+    for result in results:
+        fraction = float(result["bytes_read"]) / float(result["total_bytes"])
+        assert 0 < fraction <= 0.55, fraction
+        for weight in reference.weights:
+            np.testing.assert_array_equal(
+                result[weight.path], np.asarray(weight.value), err_msg=weight.path
+            )
