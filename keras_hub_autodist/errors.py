@@ -36,3 +36,7 @@ class BatchSizeError(AutodistError, ValueError):
 
 class DeviceMeshTypeError(AutodistError, TypeError):
     """`device_mesh` is of a type that can't describe a mesh."""
+
+
+class SaveTargetError(AutodistError, ValueError):
+    """`save_to_preset` was given a path that can't hold a preset folder."""
