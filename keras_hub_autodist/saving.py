@@ -121,8 +121,6 @@ def save_atomically(
             if not os.path.isdir(target):
                 raise
             reason = f"the parent folder {parent!r} is not writable"
-        else:
-            _adopt_mode(staging, target)
     if reason is not None:
         warnings.warn(
             f"Saving into {target!r} in place, as keras-hub does, because "
@@ -133,8 +131,10 @@ def save_atomically(
             stacklevel=3,
         )
         staging, lock = _new_folder(target, _INSIDE_STAGING)
-    token = _STAGING.set((*_STAGING.get(), staging))
     try:
+        if reason is None:
+            _adopt_mode(staging, target)
+        token = _STAGING.set((*_STAGING.get(), staging))
         try:
             result = save(staging, *args, **kwargs)
         finally:
