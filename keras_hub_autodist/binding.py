@@ -10,9 +10,6 @@ batches, and leaves the global distribution as it found it.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
 from typing import NamedTuple
 
 import keras
@@ -20,6 +17,7 @@ import numpy as np
 
 from keras_hub_autodist.errors import BatchSizeError
 from keras_hub_autodist.plan import LayoutPlan
+from keras_hub_autodist.saving import save_atomically
 
 # Methods run inside the model's distribution scope.
 BOUND_METHODS = (
@@ -218,33 +216,6 @@ def generate_padded(generate, distribution, inputs, *args, **kwargs):
     else:
         outputs = keras.tree.map_structure(lambda leaf: leaf[:count], outputs)
     return outputs[0] if single else outputs
-
-
-def save_atomically(save, preset_dir, *args, **kwargs):
-    """Run `save(staging_dir, ...)`, then move the result to `preset_dir`.
-
-    An error while saving leaves `preset_dir` as it was (absent, or with its
-    old files): everything is written to a staging folder beside it first,
-    and moved into place only once the save completed.
-    """
-    target = os.path.abspath(os.fspath(preset_dir))
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(
-        prefix=f".{os.path.basename(target)}.saving-", dir=parent
-    )
-    try:
-        result = save(staging, *args, **kwargs)
-        if not os.path.exists(target) or not os.listdir(target):
-            if os.path.exists(target):
-                os.rmdir(target)
-            os.rename(staging, target)
-        else:
-            for name in os.listdir(staging):
-                os.replace(os.path.join(staging, name), os.path.join(target, name))
-        return result
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _scoped(name, method, distribution):

@@ -113,3 +113,7 @@ def mesh_example(mesh: dict[str, int]) -> str:
 
 class LayoutMismatchError(AutodistError, RuntimeError):
     """A loaded variable is not laid out as its plan says (a planner bug)."""
+
+
+class SaveTargetError(AutodistError, ValueError):
+    """`save_to_preset` was given a path that can't hold a preset folder."""
