@@ -1,7 +1,10 @@
-"""Peak host RSS and per-device bytes while loading a ~1B-parameter preset.
+"""Loading a ~1B-parameter preset, Keras and Hugging Face formats.
 
-Each load runs in its own process (so ru_maxrss is its own); a thread samples
-the bytes of live JAX arrays on every device during the load.
+Each load runs in a fresh process (`bench/load_child.py`), so its peak host
+RSS (`ru_maxrss`) is its own. Variants: keras-hub onto one device, keras-hub
+in a hand-made `ModelParallel` scope with its static Gemma map on `(2, 4)`,
+and autodist on `(1, 8)` with `tp` and on `(2, 4)` with `fsdp`. A last child
+only reads the weight file, for the floor.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+
+import numpy as np
 
 CONFIG = dict(
     vocabulary_size=32000,
@@ -20,84 +25,106 @@ CONFIG = dict(
     intermediate_dim=16384,
     head_dim=256,
 )
-
-CHILD = r"""
-import json, os, resource, sys, threading, time
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-import jax, keras, keras_hub, keras_hub_autodist
-path, variant = sys.argv[1], sys.argv[2]
-peak = {}
-stop = False
-def sample():
-    while not stop:
-        per_device = {}
-        for array in jax.live_arrays():
-            try:
-                for shard in array.addressable_shards:
-                    key = str(shard.device)
-                    per_device[key] = per_device.get(key, 0) + shard.data.nbytes
-            except Exception:
-                pass
-        for key, value in per_device.items():
-            peak[key] = max(peak.get(key, 0), value)
-        time.sleep(0.02)
-thread = threading.Thread(target=sample, daemon=True)
-thread.start()
-mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), keras.distribution.list_devices())
-start = time.perf_counter()
-if variant.startswith("autodist"):
-    strategy = variant.split()[-1]
-    t = time.perf_counter()
-    plan = keras_hub_autodist.plan(path, mesh, strategy=strategy)
-    plan_s = time.perf_counter() - t
-    backbone = keras_hub.models.Backbone.from_preset(path, device_mesh=mesh, strategy=strategy)
-else:
-    plan_s = 0.0
-    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-    with distribution.scope():
-        backbone = keras_hub.models.Backbone.from_preset(path)
-load_s = time.perf_counter() - start
-stop = True
-thread.join()
-final = {}
-largest = 0
-for w in backbone.weights:
-    largest = max(largest, w.value.nbytes)
-    for shard in w.value.addressable_shards:
-        final[str(shard.device)] = final.get(str(shard.device), 0) + shard.data.nbytes
-print(json.dumps(dict(variant=variant, load_s=load_s, plan_s=plan_s,
-    peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    peak_device=max(peak.values()), peak_device_name=max(peak, key=peak.get),
-    final_device=max(final.values()), largest_weight=largest,
-    params=backbone.count_params())))
-"""
+VARIANTS = [
+    "keras-hub one device",
+    "keras-hub hand-made scope (2,4)",
+    "autodist (1,8) tp",
+    "autodist (2,4) fsdp",
+    "read the file only",
+]
 
 
-def save_preset(root):
+def save_keras_preset(root: str) -> str:
     import keras
     import keras_hub
 
     keras.utils.set_random_seed(0)
-    path = os.path.join(root, "gemma_1b")
+    path = os.path.join(root, "gemma_1b_keras")
     keras_hub.models.GemmaBackbone(**CONFIG).save_to_preset(path)
     return path
 
 
-def run(root):
-    path = save_preset(root)
-    rows = []
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    for variant in ["autodist auto", "autodist fsdp", "hand-made scope"]:
-        result = subprocess.run(
-            [sys.executable, "-c", CHILD, path, variant],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=1200,
+def save_transformers_preset(root: str) -> str:
+    """The same shapes as a Hugging Face Gemma checkpoint, written by hand."""
+    from safetensors.numpy import save_file
+
+    c = CONFIG
+    d, heads, kv, hd = (
+        c["hidden_dim"],
+        c["num_query_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    )
+    ffw = c["intermediate_dim"] // 2
+    path = os.path.join(root, "gemma_1b_transformers")
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "model_type": "gemma",
+        "architectures": ["GemmaForCausalLM"],
+        "vocab_size": c["vocabulary_size"],
+        "num_hidden_layers": c["num_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "hidden_size": d,
+        "intermediate_size": ffw,
+        "head_dim": hd,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "float32",
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    rng = np.random.default_rng(0)
+
+    def weight(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype("float32")
+
+    tensors = {"model.embed_tokens.weight": weight(c["vocabulary_size"], d)}
+    tensors["model.norm.weight"] = weight(d)
+    for i in range(c["num_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": weight(heads * hd, d),
+                p + "self_attn.k_proj.weight": weight(kv * hd, d),
+                p + "self_attn.v_proj.weight": weight(kv * hd, d),
+                p + "self_attn.o_proj.weight": weight(d, heads * hd),
+                p + "mlp.gate_proj.weight": weight(ffw, d),
+                p + "mlp.up_proj.weight": weight(ffw, d),
+                p + "mlp.down_proj.weight": weight(d, ffw),
+                p + "input_layernorm.weight": weight(d),
+                p + "post_attention_layernorm.weight": weight(d),
+            }
         )
-        if result.returncode:
-            raise RuntimeError(result.stderr[-3000:])
-        rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def _child(path: str, variant: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["KERAS_HUB_AUTODIST_PROGRESS"] = "0"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.load_child", path, variant],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run(root: str) -> list[dict]:
+    rows = []
+    for format, save in (
+        ("keras", save_keras_preset),
+        ("transformers", save_transformers_preset),
+    ):
+        path = save(root)
+        for variant in VARIANTS:
+            print(f"  {format}: {variant}", flush=True)
+            rows.append({"format": format, **_child(path, variant)})
     return rows

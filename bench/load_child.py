@@ -1,0 +1,179 @@
+"""One load of `bench/loading.py`, in its own process.
+
+Usage: python -m bench.load_child PRESET VARIANT
+
+Prints one JSON line: load seconds, peak and final bytes per device (each
+buffer counted once), the largest single shard, peak and baseline host RSS,
+bytes read and the weight file's size.
+"""
+
+import os
+
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import glob  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import h5py  # noqa: E402
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_hub_autodist  # noqa: E402
+from keras_hub_autodist import loading  # noqa: E402
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def weight_files(path):
+    return sorted(glob.glob(os.path.join(path, "*.h5"))) + sorted(
+        glob.glob(os.path.join(path, "*.safetensors"))
+    )
+
+
+def read_file_only(path):
+    """Read every tensor of the weight files once, as a loader must."""
+    total = 0
+    for name in weight_files(path):
+        if name.endswith(".h5"):
+            with h5py.File(name, "r") as f:
+
+                def visit(_, node):
+                    nonlocal total
+                    if isinstance(node, h5py.Dataset):
+                        total += np.asarray(node[()]).nbytes
+
+                f.visititems(visit)
+        else:
+            from safetensors import safe_open
+
+            with safe_open(name, framework="np") as f:
+                for key in f.keys():
+                    total += f.get_tensor(key).nbytes
+    return total
+
+
+class Sampler:
+    """Per-device bytes sampled every 20 ms, and at each loader allocation."""
+
+    def __init__(self):
+        self.peak = {}
+        self.stop = False
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def record(self):
+        for device, size in loading.per_device_bytes().items():
+            self.peak[str(device)] = max(self.peak.get(str(device), 0), size)
+
+    def loop(self):
+        while not self.stop:
+            self.record()
+            time.sleep(0.02)
+
+    def hook_loader(self):
+        put, placeholder = loading._Session.put, loading._placeholder
+
+        def recording_put(session, *args, **kwargs):
+            result = put(session, *args, **kwargs)
+            self.record()
+            return result
+
+        def recording_placeholder(*args, **kwargs):
+            result = placeholder(*args, **kwargs)
+            self.record()
+            return result
+
+        loading._Session.put = recording_put
+        loading._placeholder = recording_placeholder
+
+
+def main(path, variant):
+    files = weight_files(path)
+    file_bytes = sum(os.path.getsize(f) for f in files)
+    baseline_rss = rss_now()
+    if variant == "read the file only":
+        start = time.perf_counter()
+        read = read_file_only(path)
+        seconds = time.perf_counter() - start
+        print(
+            json.dumps(
+                dict(
+                    variant=variant,
+                    load_s=seconds,
+                    bytes_read=read,
+                    file_bytes=file_bytes,
+                )
+            )
+        )
+        return
+    devices = keras.distribution.list_devices()
+    sampler = Sampler()
+    sampler.hook_loader()
+    sampler.thread.start()
+    start = time.perf_counter()
+    largest_shard = None
+    if variant == "keras-hub one device":
+        backbone = keras_hub.models.Backbone.from_preset(path)
+    elif variant.startswith("keras-hub hand-made scope"):
+        mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices)
+        layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+        distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+        with distribution.scope():
+            backbone = keras_hub.models.Backbone.from_preset(path)
+    else:
+        shape = (1, 8) if "(1,8)" in variant else (2, 4)
+        strategy = variant.split()[-1]
+        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+        backbone = keras_hub.models.Backbone.from_preset(
+            path, device_mesh=mesh, strategy=strategy
+        )
+    seconds = time.perf_counter() - start
+    sampler.stop = True
+    sampler.thread.join()
+    sampler.record()
+    final = {str(d): b for d, b in loading.per_device_bytes().items()}
+    shards = []
+    for weight in backbone.weights:
+        for shard in weight.value.addressable_shards:
+            shards.append(shard.data.nbytes)
+    largest_shard = max(shards)
+    largest_weight = max(w.value.nbytes for w in backbone.weights)
+    stats = keras_hub_autodist.load_stats(backbone)
+    over = {d: sampler.peak[d] - final.get(d, 0) for d in sampler.peak}
+    worst = max(over, key=over.get)
+    print(
+        json.dumps(
+            dict(
+                variant=variant,
+                load_s=seconds,
+                params=backbone.count_params(),
+                peak_device=sampler.peak[worst],
+                final_device=final.get(worst, 0),
+                worst_device=worst,
+                largest_shard=largest_shard,
+                largest_weight=largest_weight,
+                final_local=sum(final.values()),
+                baseline_rss=baseline_rss,
+                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                bytes_read=(stats.bytes_read or stats.bytes_received)
+                if stats
+                else None,
+                file_bytes=file_bytes,
+            )
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
