@@ -75,9 +75,26 @@ def assert_laid_out_as_planned(backbone, mesh):
         )
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("format", ["keras", "transformers"])
+# The default session rotates formats and strategies over the four meshes;
+# the integration session (`slow`) runs the whole matrix.
+ROTATION = [
+    ("keras", (1, 8), "tp"),
+    ("transformers", (2, 4), "fsdp"),
+    ("keras", (4, 2), "fsdp"),
+    ("transformers", (8, 1), "tp"),
+]
+MATRIX = [
+    pytest.param(*case, marks=[pytest.mark.slow] if case not in ROTATION else [])
+    for case in [
+        (format, shape, strategy)
+        for format in ("keras", "transformers")
+        for shape in MESHES
+        for strategy in STRATEGIES
+    ]
+]
+
+
+@pytest.mark.parametrize("format,shape,strategy", MATRIX)
 def test_load_equals_single_device_and_follows_the_plan(
     presets, references, format, shape, strategy
 ):
