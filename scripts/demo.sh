@@ -14,4 +14,7 @@ if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install --quiet --disable-pip-version-check .
+# TensorFlow (imported by keras-hub) logs CUDA and oneDNN notices to stderr
+# unless this is set before it starts.
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}"
 exec .venv/bin/keras-hub-autodist demo "$@"
