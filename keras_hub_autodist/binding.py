@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from keras_hub_autodist.errors import BatchSizeError
+from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.plan import LayoutPlan
 
 # Methods run inside the model's distribution scope.
@@ -66,7 +67,7 @@ def distribution_of(model) -> Binding:
     """
     binding = getattr(model, _BINDING_ATTR, None)
     if binding is None:
-        raise ValueError(
+        raise NotBoundError(
             "This model is not bound to a distribution: load it with "
             "`from_preset(..., device_mesh=mesh)`. Received: model of type "
             f"{type(model).__name__}"

@@ -36,3 +36,19 @@ class BatchSizeError(AutodistError, ValueError):
 
 class DeviceMeshTypeError(AutodistError, TypeError):
     """`device_mesh` is of a type that can't describe a mesh."""
+
+
+class PluginOffError(AutodistError, TypeError):
+    """`device_mesh=` was passed while keras-hub-autodist is not active."""
+
+
+class ArgumentError(AutodistError, TypeError):
+    """`from_preset` received arguments keras-hub's own would reject."""
+
+
+class ModelClassError(AutodistError, TypeError):
+    """A class without keras-hub's `from_preset` was passed."""
+
+
+class NotBoundError(AutodistError, ValueError):
+    """The model was not loaded with `device_mesh=`."""
