@@ -282,12 +282,16 @@ def test_plugin_is_off_with_environment_switch(fresh_venv):
         import sys
         import keras_hub
         func = keras_hub.models.Backbone.__dict__["from_preset"].__func__
-        print(hasattr(func, "__keras_hub_autodist_original__"),
+        try:
+            keras_hub.models.Backbone.from_preset("./x", device_mesh={"batch": 2})
+        except TypeError as error:
+            print(type(error).__name__)
+        print(hasattr(func, "__keras_hub_autodist_guard__"),
               "keras_hub_autodist" in sys.modules)
     """
     result = _run(fresh_venv, code, {"KERAS_HUB_AUTODIST": "0", "KERAS_BACKEND": "jax"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["False", "False"]
+    assert result.stdout.split() == ["PluginOffError", "True", "False"]
 
 
 @pytest.mark.venv
