@@ -213,7 +213,7 @@ def pad_batch(data, multiple: int, scale: bool):
     return pad(x), pad(y), keras.tree.map_structure(weights, pad(sample_weight))
 
 
-def _batch_sizes(x, batch_size):
+def _batch_sizes(x, batch_size, steps=None):
     """Rows of each batch `predict` makes of `x`, or None if unknown."""
     if hasattr(x, "element_spec") and hasattr(x, "map"):
         import tensorflow as tf
@@ -221,6 +221,7 @@ def _batch_sizes(x, batch_size):
         def rows(*element):
             return tf.shape(tf.nest.flatten(element)[0])[0]
 
+        x = x if steps is None else x.take(steps)
         return [int(n) for n in x.map(rows)]
     count = _sample_count(x)
     if count is None:
@@ -240,7 +241,7 @@ def _real_rows(sizes, multiple):
 
 def predict_unpadded(predict, multiple, x=None, batch_size=None, **kwargs):
     """`predict` of a model whose batches are padded; padded rows dropped."""
-    sizes = _batch_sizes(x, batch_size)
+    sizes = _batch_sizes(x, batch_size, kwargs.get("steps"))
     outputs = predict(x, batch_size=batch_size, **kwargs)
     if not sizes or all(size % multiple == 0 for size in sizes):
         return outputs

@@ -83,9 +83,10 @@ def test_arrays_with_a_partial_last_batch_match_single_device(preset):
 def test_fit_tf_data_without_drop_remainder_and_partial_validation(preset):
     x, y = data(preset, 10)
     vx, vy = data(preset, 6, seed=1)
-    results = []
+    results, models = [], []
     for mesh in ({}, {"device_mesh": MESH}):
         lm = causal_lm(preset, **mesh)
+        models.append(lm)
         history = lm.fit(
             tf.data.Dataset.from_tensor_slices((x, y)).batch(4),
             validation_data=(vx, vy),
@@ -96,6 +97,12 @@ def test_fit_tf_data_without_drop_remainder_and_partial_validation(preset):
         results.append((weights(lm), history.history))
     assert_same_weights(results[1][0], results[0][0])
     assert np.isfinite(results[1][1]["val_loss"][0])
+    # predict on a dataset with a partial batch: its padded rows are dropped.
+    np.testing.assert_allclose(
+        models[1].predict(tf.data.Dataset.from_tensor_slices(vx).batch(4), verbose=0),
+        models[0](vx),
+        atol=1e-5,
+    )
 
 
 def test_generate_inputs_by_keyword(preset):
