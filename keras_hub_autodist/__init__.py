@@ -25,6 +25,7 @@ import sys
 # (keras not imported, KERAS_BACKEND unset), choose JAX. No effect otherwise.
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from keras_hub_autodist.errors import ArgumentError  # noqa: E402
 from keras_hub_autodist.errors import AutodistError  # noqa: E402
 from keras_hub_autodist.errors import BackendError  # noqa: E402
 from keras_hub_autodist.errors import BatchSizeError  # noqa: E402
@@ -33,8 +34,12 @@ from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
 from keras_hub_autodist.errors import DTypeError  # noqa: E402
 from keras_hub_autodist.errors import LayoutMismatchError  # noqa: E402
 from keras_hub_autodist.errors import MeshError  # noqa: E402
+from keras_hub_autodist.errors import ModelClassError  # noqa: E402
+from keras_hub_autodist.errors import NotBoundError  # noqa: E402
 from keras_hub_autodist.errors import PlanError  # noqa: E402
+from keras_hub_autodist.errors import PluginOffError  # noqa: E402
 from keras_hub_autodist.errors import PresetError  # noqa: E402
+from keras_hub_autodist.errors import SaveTargetError  # noqa: E402
 from keras_hub_autodist.errors import StrategyError  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
 
@@ -57,28 +62,33 @@ _LAZY = {
 }
 
 __all__ = [
+    "activate",
+    "ArgumentError",
     "AutodistError",
-    "Binding",
     "BackendError",
     "BatchSizeError",
+    "Binding",
     "ConfigError",
-    "DTypeError",
     "DeviceMeshTypeError",
+    "distribution_of",
+    "DTypeError",
+    "from_preset",
+    "get_layout_map",
     "LayoutMismatchError",
     "LayoutPlan",
+    "load_stats",
     "LoadStats",
     "MeshError",
+    "ModelClassError",
+    "NotBoundError",
+    "plan",
     "PlanError",
+    "PluginOffError",
     "PresetError",
+    "SaveTargetError",
     "StrategyError",
     "UnsupportedArchitectureError",
     "__version__",
-    "activate",
-    "distribution_of",
-    "from_preset",
-    "get_layout_map",
-    "load_stats",
-    "plan",
 ]
 
 

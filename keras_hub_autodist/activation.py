@@ -3,22 +3,27 @@
 `activate()` wraps `keras_hub.models.Backbone.from_preset` and
 `keras_hub.models.Task.from_preset` (so every subclass, and calls on base
 classes such as `CausalLM.from_preset`). Without `device_mesh` the original
-runs unchanged. It is idempotent, and does nothing when
-`KERAS_HUB_AUTODIST=0`. The startup hook installed with the package calls it
-when `keras_hub` is first imported; `import keras_hub_autodist` calls it too.
+runs unchanged. It is idempotent. The startup hook installed with the package
+calls it when `keras_hub` is first imported, unless `KERAS_HUB_AUTODIST` is
+switched off (then the hook installs a guard that rejects `device_mesh=`);
+`import keras_hub_autodist` calls it whatever the environment says.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import inspect
+import sys
 import warnings
 
 import keras
 
+from keras_hub_autodist import errors
 from keras_hub_autodist.binding import bind
+from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.loading import attach_load_stats
 from keras_hub_autodist.loading import sharded_loading
@@ -32,8 +37,14 @@ from keras_hub_autodist.presets import is_network_error
 from keras_hub_autodist.presets import is_quantized
 from keras_hub_autodist.presets import read_preset_config
 
-SWITCH_ENV = "KERAS_HUB_AUTODIST"
+# Shared with the startup hook (startup/keras_hub_autodist_hook.py).
 _ORIGINAL_ATTR = "__keras_hub_autodist_original__"
+_GUARD_ATTR = "__keras_hub_autodist_guard__"
+
+# The startup hook may have loaded errors.py on its own (to raise
+# PluginOffError without activating the plugin); the package then shares that
+# module, and it must be the package's attribute too.
+sys.modules[__package__].errors = errors
 
 DEVICE_MESH_DOC = """
         Distribution (added by keras-hub-autodist):
@@ -44,6 +55,8 @@ DEVICE_MESH_DOC = """
             strategy: `"auto"` (default), `"tp"` or `"fsdp"`.
             batch_axis: mesh axis of the batch, if not `batch`/`data`.
             model_axis: mesh axis of the weights, if not `model`/`tensor`.
+            progress: show a progress bar while loading (default: on a
+                terminal, unless `KERAS_HUB_AUTODIST_PROGRESS=0`).
 """
 
 
@@ -130,6 +143,7 @@ def from_preset(
     ```
     """
     require_jax_backend()
+    original = _original_from_preset(cls)
     preset_config = read_preset_config(preset)
     dtype = kwargs.get("dtype")
     if isinstance(device_mesh, str):
@@ -150,7 +164,6 @@ def from_preset(
         dtype=dtype,
     )
     distribution = _distribution_for(layout_plan, mesh)
-    original = _original_from_preset(cls)
 
     def load(source):
         loading = sharded_loading(
@@ -199,10 +212,33 @@ def _original_from_preset(cls):
         if method is not None:
             func = method.__func__
             return getattr(func, _ORIGINAL_ATTR, func)
-    raise TypeError(
-        f"{cls.__name__} has no from_preset. Pass a keras-hub Backbone or "
-        f"Task class. Received: cls={cls!r}"
+    raise ModelClassError(
+        f"{getattr(cls, '__name__', cls)} has no from_preset. Pass a keras-hub "
+        f"Backbone or Task class. Received: cls={cls!r}"
     )
+
+
+def _keywords_of(original, cls, preset, args, kwargs):
+    """`args` and `kwargs` as keywords, rejected as `original` would reject them.
+
+    keras-hub 0.32's `from_preset(cls, preset, load_weights=True, **kwargs)`
+    takes one positional argument after `preset`.
+    """
+    signature = inspect.signature(original)
+    try:
+        signature.bind(cls, preset, *args, **kwargs)
+    except TypeError as error:
+        raise ArgumentError(
+            f"{cls.__name__}.from_preset{signature}: {error}. Pass options as "
+            f"keywords, e.g. load_weights=False. Received: args={args!r}, "
+            f"keywords={sorted(kwargs)}"
+        ) from None
+    names = [
+        p.name
+        for p in list(signature.parameters.values())[2:]
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return {**kwargs, **dict(zip(names, args))}
 
 
 def _with_device_mesh(original):
@@ -215,13 +251,17 @@ def _with_device_mesh(original):
         strategy=None,
         batch_axis=None,
         model_axis=None,
+        progress=None,
         **kwargs,
     ):
         if device_mesh is None:
             given = {
                 k: v
                 for k, v in dict(
-                    strategy=strategy, batch_axis=batch_axis, model_axis=model_axis
+                    strategy=strategy,
+                    batch_axis=batch_axis,
+                    model_axis=model_axis,
+                    progress=progress,
                 ).items()
                 if v is not None
             }
@@ -232,15 +272,16 @@ def _with_device_mesh(original):
                     f"2, 'model': 4}}. Received: {given} without device_mesh"
                 )
             return original(cls, preset, *args, **kwargs)
-        if args:
-            kwargs["load_weights"] = args[0]
+        if args or kwargs:
+            kwargs = _keywords_of(original, cls, preset, args, kwargs)
         return from_preset(
             cls,
             preset,
             device_mesh=device_mesh,
-            strategy=strategy or "auto",
+            strategy="auto" if strategy is None else strategy,
             batch_axis=batch_axis,
             model_axis=model_axis,
+            progress=progress,
             **kwargs,
         )
 
@@ -249,25 +290,28 @@ def _with_device_mesh(original):
     return from_preset_with_mesh
 
 
-def is_enabled() -> bool:
-    """False when `KERAS_HUB_AUTODIST=0` switches the plugin off."""
-    return os.environ.get(SWITCH_ENV, "1").strip() not in ("0", "false", "False")
-
-
 def activate() -> bool:
     """Add `device_mesh=` to keras-hub's `from_preset`; idempotent.
 
+    Runs whatever `KERAS_HUB_AUTODIST` says: that switch only stops the
+    startup hook. A guard the hook left (see the hook's docstring) is
+    replaced.
+
     Returns:
-        True if `from_preset` now takes `device_mesh=`.
+        True: `from_preset` now takes `device_mesh=`.
+
+    Example:
+    ```python
+    import keras_hub_autodist  # calls activate()
+    ```
     """
-    if not is_enabled():
-        return False
     import keras_hub
 
     for base in (keras_hub.models.Backbone, keras_hub.models.Task):
         func = base.__dict__["from_preset"].__func__
-        if getattr(func, _ORIGINAL_ATTR, None) is None:
-            base.from_preset = classmethod(_with_device_mesh(func))
+        original = getattr(func, _ORIGINAL_ATTR, None)
+        if original is None or getattr(func, _GUARD_ATTR, False):
+            base.from_preset = classmethod(_with_device_mesh(original or func))
     return True
 
 

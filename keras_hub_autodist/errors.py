@@ -117,3 +117,19 @@ class LayoutMismatchError(AutodistError, RuntimeError):
 
 class SaveTargetError(AutodistError, ValueError):
     """`save_to_preset` was given a path that can't hold a preset folder."""
+
+
+class PluginOffError(AutodistError, TypeError):
+    """`device_mesh=` was passed while keras-hub-autodist is not active."""
+
+
+class ArgumentError(AutodistError, TypeError):
+    """`from_preset` received arguments keras-hub's own would reject."""
+
+
+class ModelClassError(AutodistError, TypeError):
+    """A class without keras-hub's `from_preset` was passed."""
+
+
+class NotBoundError(AutodistError, ValueError):
+    """The model was not loaded with `device_mesh=`."""

@@ -1,5 +1,6 @@
 """The plugin: `device_mesh=` on from_preset, the startup hook, the off switch."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -34,9 +35,176 @@ def test_deactivate_restores_the_original():
         activation.activate()
 
 
-def test_switched_off_by_environment(monkeypatch):
+def load_hook(monkeypatch, switch):
+    """This checkout's startup hook, run as at start-up with `switch` set.
+
+    The installed copy of the hook was imported when the interpreter started;
+    this loads startup/keras_hub_autodist_hook.py under another name.
+    """
+    monkeypatch.setenv("KERAS_HUB_AUTODIST", switch)
+    path = os.path.join(ROOT, "startup", "keras_hub_autodist_hook.py")
+    spec = importlib.util.spec_from_file_location("hook_under_test", path)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)  # keras_hub is imported: acts at once
+    return hook
+
+
+def from_preset_func(base=keras_hub.models.Backbone):
+    return base.__dict__["from_preset"].__func__
+
+
+@pytest.fixture
+def plugin_off(monkeypatch):
+    """keras-hub as the startup hook leaves it with the plugin switched off."""
+    activation.deactivate()
+    try:
+        yield load_hook(monkeypatch, "off")
+    finally:
+        activation.activate()
+
+
+def test_explicit_activation_ignores_the_environment_switch(monkeypatch):
     monkeypatch.setenv("KERAS_HUB_AUTODIST", "0")
-    assert activation.activate() is False
+    activation.deactivate()
+    try:
+        assert activation.activate() is True
+        assert from_preset_func().__keras_hub_autodist_original__
+    finally:
+        activation.activate()
+
+
+@pytest.mark.parametrize(
+    "value, off",
+    [("0", True), ("off", True), ("OFF", True), ("No", True), (" false ", True)]
+    + [("n", True), ("1", False), ("on", False), ("", False), ("yes", False)],
+)
+def test_switch_spellings(monkeypatch, value, off):
+    hook = load_hook(monkeypatch, "1")
+    assert hook.switched_off({"KERAS_HUB_AUTODIST": value}) is off
+
+
+def test_switched_off_device_mesh_raises(plugin_off, tiny_presets_dir):
+    assert from_preset_func().__keras_hub_autodist_guard__
+    preset = tiny_presets_dir["gemma_mqa"]
+    with pytest.raises(
+        keras_hub_autodist.errors.PluginOffError,
+        match=r"KERAS_HUB_AUTODIST='off' switched.*`import keras_hub_autodist`.*"
+        r"unset KERAS_HUB_AUTODIST\. Received: device_mesh=\{'batch': 8\}",
+    ):
+        keras_hub.models.Backbone.from_preset(preset, device_mesh={"batch": 8})
+    with pytest.raises(TypeError, match="Received: strategy='tp'"):
+        keras_hub.models.CausalLM.from_preset(preset, strategy="tp")
+    # Everything else passes through to keras-hub.
+    backbone = keras_hub.models.Backbone.from_preset(preset, load_weights=False)
+    assert isinstance(backbone, keras_hub.models.GemmaBackbone)
+
+
+def test_explicit_activation_replaces_the_guard(plugin_off):
+    assert activation.activate()
+    func = from_preset_func(keras_hub.models.Task)
+    assert not getattr(func, "__keras_hub_autodist_guard__", False)
+    original = func.__keras_hub_autodist_original__
+    assert not hasattr(original, "__keras_hub_autodist_original__")
+
+
+def test_python_dash_s_guard_then_explicit_import():
+    # `python -S` runs no .pth file: the hook is run by hand here, as the .pth
+    # would with the plugin switched off; then `import keras_hub_autodist`.
+    code = f"""
+        import importlib.util, os, sys
+        os.environ["KERAS_BACKEND"] = "jax"
+        os.environ["KERAS_HUB_AUTODIST"] = "no"
+        assert "keras_hub_autodist_hook" not in sys.modules
+        spec = importlib.util.spec_from_file_location(
+            "keras_hub_autodist_hook",
+            {os.path.join(ROOT, "startup", "keras_hub_autodist_hook.py")!r})
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        import keras_hub
+        try:
+            keras_hub.models.CausalLM.from_preset("./x", device_mesh={{"batch": 8}})
+        except TypeError as error:
+            caught = error
+        print(type(caught).__name__, "keras_hub_autodist" in sys.modules)
+        import keras_hub_autodist
+        func = keras_hub.models.Task.__dict__["from_preset"].__func__
+        print(isinstance(caught, keras_hub_autodist.AutodistError),
+              keras_hub_autodist.errors.PluginOffError is type(caught),
+              hasattr(func, "__keras_hub_autodist_guard__"),
+              keras_hub_autodist.__file__.startswith({ROOT!r}))
+    """
+    purelib = sysconfig.get_paths()["purelib"]
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        "PYTHONPATH": os.pathsep.join([ROOT, purelib]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=os.path.dirname(ROOT),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.split("\n")
+    assert lines[0].split() == ["PluginOffError", "False"]
+    assert lines[1].split() == ["True", "True", "False", "True"]
+
+
+def test_positional_arguments_rejected_as_keras_hub_does(tiny_presets_dir):
+    preset = tiny_presets_dir["gemma_mqa"]
+    mesh = {"batch": 8}
+    cls = keras_hub.models.CausalLM
+    with pytest.raises(TypeError, match="positional"):
+        cls.from_preset(preset, True, False)  # keras-hub's own error
+    with pytest.raises(
+        keras_hub_autodist.errors.ArgumentError,
+        match=r"too many positional arguments. Pass options as keywords.*"
+        r"Received: args=\(True, False\)",
+    ):
+        cls.from_preset(preset, True, False, device_mesh=mesh)
+    with pytest.raises(
+        keras_hub_autodist.errors.ArgumentError,
+        match="multiple values for argument 'load_weights'",
+    ):
+        cls.from_preset(preset, True, load_weights=False, device_mesh=mesh)
+
+
+def test_positional_load_weights_is_kept(tiny_presets_dir, monkeypatch):
+    seen = {}
+
+    def spy(cls, preset, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(activation, "from_preset", spy)
+    with pytest.raises(RuntimeError, match="stop before loading"):
+        keras_hub.models.CausalLM.from_preset(
+            tiny_presets_dir["gemma_mqa"], False, device_mesh={"batch": 8}
+        )
+    assert seen["load_weights"] is False
+
+
+def test_empty_strategy_is_an_error(tiny_presets_dir):
+    with pytest.raises(keras_hub_autodist.StrategyError, match="strategy=''"):
+        keras_hub.models.CausalLM.from_preset(
+            tiny_presets_dir["gemma_mqa"], device_mesh={"batch": 8}, strategy=""
+        )
+
+
+def test_package_errors_for_bad_classes_and_unbound_models(tiny_presets_dir):
+    with pytest.raises(
+        keras_hub_autodist.errors.ModelClassError,
+        match="int has no from_preset.*Received: cls=<class 'int'>",
+    ):
+        keras_hub_autodist.from_preset(
+            int, tiny_presets_dir["gemma_mqa"], device_mesh={"batch": 8}
+        )
+    with pytest.raises(
+        keras_hub_autodist.errors.NotBoundError,
+        match="not bound to a distribution.*Received: model of type object",
+    ):
+        keras_hub_autodist.distribution_of(object())
 
 
 def _run(python, code, env=None):
@@ -114,12 +282,16 @@ def test_plugin_is_off_with_environment_switch(fresh_venv):
         import sys
         import keras_hub
         func = keras_hub.models.Backbone.__dict__["from_preset"].__func__
-        print(hasattr(func, "__keras_hub_autodist_original__"),
+        try:
+            keras_hub.models.Backbone.from_preset("./x", device_mesh={"batch": 2})
+        except TypeError as error:
+            print(type(error).__name__)
+        print(hasattr(func, "__keras_hub_autodist_guard__"),
               "keras_hub_autodist" in sys.modules)
     """
     result = _run(fresh_venv, code, {"KERAS_HUB_AUTODIST": "0", "KERAS_BACKEND": "jax"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["False", "False"]
+    assert result.stdout.split() == ["PluginOffError", "True", "False"]
 
 
 @pytest.mark.venv
