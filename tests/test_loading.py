@@ -210,6 +210,7 @@ def test_lora_after_loading_and_reload_on_another_mesh(presets, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_int8_quantized_preset(tmp_path):
     """Loads like keras-hub where keras-hub loads it, else a clear error.
 
@@ -240,14 +241,6 @@ def test_int8_quantized_preset(tmp_path):
     assert any(v.dtype == "int8" for v in sharded.weights)
     for mine, theirs in zip(sharded.weights, single.weights):
         np.testing.assert_array_equal(np.asarray(mine.value), np.asarray(theirs.value))
-
-
-def test_quantize_after_a_sharded_load(presets):
-    backbone = keras_hub.models.Backbone.from_preset(
-        presets["keras"], device_mesh={"batch": 2, "model": 4}
-    )
-    backbone.quantize("int8")
-    assert any(v.dtype == "int8" for v in backbone.weights)
 
 
 MEDIUM_GEMMA = dict(
