@@ -483,14 +483,25 @@ def _rows_for(weights, mesh_axes, strategy, fields, dtype, kv_fallback):
     return rows
 
 
-def _plan_rows(weights, mesh_axes, strategy, fields, dtype):
+def _plan_rows(weights, mesh_axes, strategy, fields, dtype, device_memory=None):
     """The rows and why K/V were laid out so, when their heads don't divide.
 
     When the query heads don't divide the model axis either, K/V follow the
     query's layout: sharded on head_dim when the query is, else replicated.
-    Otherwise unshardable K/V heads are replicated unless that costs too
-    much memory, in which case their head_dim is sharded. The reason is
-    derived from the rows as laid out, so it always agrees with them.
+    Otherwise unshardable K/V heads are replicated over the model axis (the
+    Megatron choice: no collective beyond the query's), unless
+
+    - the plan with replicated K/V does not fit `device_memory` (weights,
+      gradients and Adam state, the `LayoutPlan.fits` rule) while the plan
+      with K/V sharded on head_dim does, or
+    - replicating K/V would break the planner's per-device parameter target
+      (`rules.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
+      `rules.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp") while
+      sharding head_dim keeps it,
+
+    in which case their head_dim is sharded, at the price of extra
+    collectives in attention. The reason is derived from the rows as laid
+    out, so it always agrees with them.
     """
 
     def rows_with(kv_fallback):
@@ -515,14 +526,46 @@ def _plan_rows(weights, mesh_axes, strategy, fields, dtype):
         # own notes say why.
         return rows_with("replicate"), ""
     replicated, sharded = rows_with("replicate"), rows_with("head_dim")
-    cost = sum(r.device_bytes for r in replicated) / max(
-        1, sum(r.device_bytes for r in sharded)
+    capacity = (
+        rules.DEFAULT_DEVICE_MEMORY_BYTES if device_memory is None else device_memory
     )
-    if cost <= rules.KV_REPLICATION_TOLERANCE:
-        return replicated, f"K/V replicated: costs {cost:.3f}x per device"
-    return sharded, (
-        f"K/V sharded on head_dim: replicating would cost {cost:.3f}x per "
-        f"device (> {rules.KV_REPLICATION_TOLERANCE})"
+
+    def training(rows):
+        return ADAM_STATE_FACTOR * sum(r.device_bytes for r in rows)
+
+    if strategy == "fsdp":
+        target, shards = rules.FSDP_DEVICE_BYTES_TARGET, mesh_axes.num_devices
+    else:
+        target, shards = rules.TP_DEVICE_BYTES_TARGET, model_size
+
+    def ideal_ratio(rows):
+        """Per-device parameter bytes over the ideal the target refers to."""
+        total = sum(r.bytes for r in rows)
+        return sum(r.device_bytes for r in rows) / (total / shards)
+
+    need, need_sharded = training(replicated), training(sharded)
+    where = f"'{model_axis}'"
+    if need > capacity and need_sharded <= capacity:
+        return sharded, (
+            f"K/V sharded on head_dim: replicating them over {where} would need "
+            f"{need / GIB:.2f} GiB > {capacity / GIB:.2f} GiB per device "
+            f"(weights+grads+Adam), sharded needs {need_sharded / GIB:.2f} GiB"
+        )
+    ratio = ideal_ratio(replicated)
+    if ratio > target and ideal_ratio(sharded) <= target:
+        return sharded, (
+            f"K/V sharded on head_dim: replicating them over {where} would hold "
+            f"{ratio:.3f}x the ideal per-device parameter bytes, over the "
+            f"{target:.2f}x {strategy} target"
+        )
+    return replicated, (
+        f"K/V replicated over {where}: fewer collectives; weights+grads+Adam "
+        f"{need / GIB:.2f} GiB per device "
+        + (
+            f"fit in {capacity / GIB:.2f} GiB"
+            if need <= capacity
+            else f"(neither K/V layout fits {capacity / GIB:.2f} GiB)"
+        )
     )
 
 
@@ -601,7 +644,9 @@ def plan_config(
     capacity, source = device_memory_info(_devices_of(device_mesh), device_memory)
 
     def build(chosen, reason):
-        rows, kv_reason = _plan_rows(weights, mesh_axes, chosen, fields, var_dtype)
+        rows, kv_reason = _plan_rows(
+            weights, mesh_axes, chosen, fields, var_dtype, capacity
+        )
         if kv_reason:
             rows = [
                 dataclasses.replace(r, note=f"{r.note} ({kv_reason})")
