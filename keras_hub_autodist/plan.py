@@ -184,6 +184,104 @@ class LayoutPlan:
         """
         return self.training_bytes_per_device("adam") <= self.device_memory_bytes
 
+    def activation_bytes_per_device(self, batch_size: int, sequence_length: int) -> int:
+        """Estimated per-device bytes of the activations a training step
+        saves for its backward pass.
+
+        Counted in the plan's dtype, for a decoder of `L` blocks with hidden
+        size `d`, `H` query and `K` key/value heads of size `h`, gated MLP
+        width `F` (per up-projection, `U` of them), vocabulary `V`, on
+        `b = batch_size / size of the batch axis` sequences of `s` tokens:
+
+        - per block: `4·b·s·d` (block input, attention-norm output, residual
+          after attention, MLP-norm output), `b·s·(2H + 2K)·h` (query, key,
+          value, attention context), `2·b·H·s²` (attention scores and their
+          softmax), `2·U·b·s·F` (up-projections, activation, product);
+        - after the blocks: `2·b·s·d` (final norm in and out) and `3·b·s·V`
+          (logits, their softmax and their gradient).
+
+        Each term is divided by the shards the plan gives it on the model
+        axes: head terms by those of the query (or key/value) kernel's head
+        dimensions, MLP terms by those of the up-projection's `mlp`
+        dimension, logits by those of the output embedding's vocabulary;
+        the residual stream is replicated over the model axes. Gradients
+        and optimizer state are not included (`training_bytes_per_device`).
+
+        Args:
+            batch_size: the global batch size, split over the batch axis.
+            sequence_length: tokens per sequence.
+
+        Example:
+        ```python
+        plan = keras_hub_autodist.plan("./gemma_2b", {"batch": 2, "model": 4})
+        plan.activation_bytes_per_device(batch_size=8, sequence_length=2048)
+        ```
+        """
+        for name, value in (
+            ("batch_size", batch_size),
+            ("sequence_length", sequence_length),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(
+                    f"`{name}` must be a positive integer for the activation "
+                    f"estimate. Received: {name}={value!r}"
+                )
+        parallel = {"vocab", "heads", "kv_heads", "head_dim", "mlp"}
+
+        def dim(row, logical):
+            return row.shape[row.logical_axes.index(logical)]
+
+        def model_shards(row):
+            """Shards of a row's parallel dimensions on non-batch axes."""
+            return math.prod(
+                self.mesh_axes.size(axis)
+                for axis, logical in zip(row.spec, row.logical_axes)
+                if axis and axis != self.batch_axis and logical in parallel
+            )
+
+        def first(condition):
+            return next((r for r in self.rows if condition(r)), None)
+
+        query = first(lambda r: "query" in r.path and "heads" in r.logical_axes)
+        key = first(lambda r: "kv_heads" in r.logical_axes)
+        ups = [r for r in self.rows if r.logical_axes == ("embed", "mlp")]
+        vocab = [r for r in self.rows if "vocab" in r.logical_axes]
+        if query is None or not ups or not vocab:
+            raise PlanError(
+                "The activation estimate needs a decoder's query, MLP and "
+                f"embedding weights; the {self.architecture!r} plan lacks one. "
+                f"Received: architecture={self.architecture!r}"
+            )
+        # The output projection: the untied reverse embedding if any.
+        output = vocab[-1]
+        layers = sum(1 for r in self.rows if r.pattern == query.pattern)
+        per_layer_ups = len(ups) // max(1, layers)
+        b = batch_size / self.mesh_axes.size(self.batch_axis)
+        s = sequence_length
+        d = dim(output, "embed")
+        h = dim(query, "head_dim")
+        heads = dim(query, "heads")
+        kv_heads = dim(key, "kv_heads") if key is not None else heads
+        width = dim(ups[0], "mlp")
+        q_shards = model_shards(query)
+        kv_shards = model_shards(key) if key is not None else q_shards
+        # Scores split only where the heads are (head_dim is contracted).
+        head_axis = query.spec[query.logical_axes.index("heads")]
+        score_shards = (
+            self.mesh_axes.size(head_axis)
+            if head_axis and head_axis != self.batch_axis
+            else 1
+        )
+        block = (
+            4 * b * s * d
+            + 2 * b * s * heads * h / q_shards
+            + 2 * b * s * kv_heads * h / kv_shards
+            + 2 * b * heads * s * s / score_shards
+            + 2 * per_layer_ups * b * s * width / model_shards(ups[0])
+        )
+        head = 2 * b * s * d + 3 * b * s * dim(output, "vocab") / model_shards(output)
+        return int((layers * block + head) * _itemsize(self.dtype))
+
     @property
     def fallbacks(self) -> list[PlanRow]:
         """The rows whose preferred layout could not be used."""
