@@ -1,4 +1,10 @@
-"""Tiny-but-realistic configs and the distributions compared."""
+"""Tiny-but-realistic configs and the distributions compared.
+
+Real proportions where they matter to communication: a 32k vocabulary (the
+embedding and logits dominate a small model's traffic, as in real ones),
+Gemma with multi-query attention, Llama 3 with grouped-query attention and
+untied embeddings; few, narrow layers so compiles stay fast.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import keras
 import keras_hub
 import numpy as np
 
+from bench import references
 from bench.static_maps import STATIC_MAPS
 
 SEQ = 32
@@ -15,7 +22,7 @@ CONFIGS = {
     "gemma_mqa": (
         keras_hub.models.GemmaBackbone,
         dict(
-            vocabulary_size=1024,
+            vocabulary_size=32768,
             num_layers=2,
             num_query_heads=8,
             num_key_value_heads=1,
@@ -28,7 +35,7 @@ CONFIGS = {
     "llama_gqa_untied": (
         keras_hub.models.Llama3Backbone,
         dict(
-            vocabulary_size=1024,
+            vocabulary_size=32768,
             num_layers=2,
             num_query_heads=8,
             num_key_value_heads=2,
@@ -66,33 +73,56 @@ def batch(vocabulary_size, seed=0):
     )
 
 
-def mesh_of(shape):
+def mesh_of(shape, axis_names=("batch", "model")):
+    """A DeviceMesh over the 8 devices; `shape` follows `axis_names`."""
     return keras.distribution.DeviceMesh(
-        shape, ("batch", "model"), keras.distribution.list_devices()
+        shape, axis_names, keras.distribution.list_devices()
     )
 
 
-def load(variant, name, path, shape):
+_WEIGHTS = {}
+
+
+def weight_shapes(name):
+    """`(path, shape)` of every backbone weight, from a model built once."""
+    if name not in _WEIGHTS:
+        cls, config = CONFIGS[name]
+        backbone = cls(**config)
+        _WEIGHTS[name] = [(w.path, tuple(w.shape)) for w in backbone.weights]
+    return _WEIGHTS[name]
+
+
+def load(variant, name, path, shape, axis_names=("batch", "model")):
     """Load a CausalLM for one variant; returns (model, distribution or None).
 
-    Variants: `autodist_tp`, `autodist_fsdp`, `static` (keras-hub's map in a
-    hand-made scope; None when it can't load), `replicated` (weights on every
-    device, batch split over the batch axis).
+    Variants: `autodist_tp`, `autodist_fsdp`; `megatron` and `zero3` (the
+    hand-written layouts of `bench.references`); `static` (keras-hub's map
+    in a hand-made scope; None when it can't load); `replicated` (weights
+    on every device, batch split over the batch axis).
     """
     cls = CAUSAL_LM[CONFIGS[name][0]]
+    mesh = mesh_of(shape, axis_names)
     if variant.startswith("autodist"):
         strategy = variant.split("_")[1]
         lm = cls.from_preset(
-            path, preprocessor=None, device_mesh=mesh_of(shape), strategy=strategy
+            path, preprocessor=None, device_mesh=mesh, strategy=strategy
         )
         import keras_hub_autodist
 
         return lm, keras_hub_autodist.distribution_of(lm).distribution
-    mesh = mesh_of(shape)
+    backbone_name = CONFIGS[name][0].__name__
     if variant == "static":
-        layout_map = STATIC_MAPS[CONFIGS[name][0].__name__](mesh)
-    else:
+        layout_map = STATIC_MAPS[backbone_name](mesh)
+    elif variant == "megatron":
+        layout_map = references.megatron_layout_map(
+            backbone_name, CONFIGS[name][1], mesh
+        )
+    elif variant == "zero3":
+        layout_map = references.zero3_layout_map(weight_shapes(name), mesh)
+    elif variant == "replicated":
         layout_map = keras.distribution.LayoutMap(mesh)
+    else:
+        raise ValueError(f"Unknown variant {variant!r}")
     distribution = keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch"
     )
@@ -100,6 +130,8 @@ def load(variant, name, path, shape):
         with distribution.scope():
             lm = cls.from_preset(path, preprocessor=None)
     except Exception as error:  # keras-hub's static map can't load this shape
+        if variant != "static":
+            raise
         return None, f"{type(error).__name__}"
     return lm, distribution
 

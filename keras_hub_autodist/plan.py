@@ -184,6 +184,104 @@ class LayoutPlan:
         """
         return self.training_bytes_per_device("adam") <= self.device_memory_bytes
 
+    def activation_bytes_per_device(self, batch_size: int, sequence_length: int) -> int:
+        """Estimated per-device bytes of the activations a training step
+        saves for its backward pass.
+
+        Counted in the plan's dtype, for a decoder of `L` blocks with hidden
+        size `d`, `H` query and `K` key/value heads of size `h`, gated MLP
+        width `F` (per up-projection, `U` of them), vocabulary `V`, on
+        `b = batch_size / size of the batch axis` sequences of `s` tokens:
+
+        - per block: `4·b·s·d` (block input, attention-norm output, residual
+          after attention, MLP-norm output), `b·s·(2H + 2K)·h` (query, key,
+          value, attention context), `2·b·H·s²` (attention scores and their
+          softmax), `2·U·b·s·F` (up-projections, activation, product);
+        - after the blocks: `2·b·s·d` (final norm in and out) and `3·b·s·V`
+          (logits, their softmax and their gradient).
+
+        Each term is divided by the shards the plan gives it on the model
+        axes: head terms by those of the query (or key/value) kernel's head
+        dimensions, MLP terms by those of the up-projection's `mlp`
+        dimension, logits by those of the output embedding's vocabulary;
+        the residual stream is replicated over the model axes. Gradients
+        and optimizer state are not included (`training_bytes_per_device`).
+
+        Args:
+            batch_size: the global batch size, split over the batch axis.
+            sequence_length: tokens per sequence.
+
+        Example:
+        ```python
+        plan = keras_hub_autodist.plan("./gemma_2b", {"batch": 2, "model": 4})
+        plan.activation_bytes_per_device(batch_size=8, sequence_length=2048)
+        ```
+        """
+        for name, value in (
+            ("batch_size", batch_size),
+            ("sequence_length", sequence_length),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(
+                    f"`{name}` must be a positive integer for the activation "
+                    f"estimate. Received: {name}={value!r}"
+                )
+        parallel = {"vocab", "heads", "kv_heads", "head_dim", "mlp"}
+
+        def dim(row, logical):
+            return row.shape[row.logical_axes.index(logical)]
+
+        def model_shards(row):
+            """Shards of a row's parallel dimensions on non-batch axes."""
+            return math.prod(
+                self.mesh_axes.size(axis)
+                for axis, logical in zip(row.spec, row.logical_axes)
+                if axis and axis != self.batch_axis and logical in parallel
+            )
+
+        def first(condition):
+            return next((r for r in self.rows if condition(r)), None)
+
+        query = first(lambda r: "query" in r.path and "heads" in r.logical_axes)
+        key = first(lambda r: "kv_heads" in r.logical_axes)
+        ups = [r for r in self.rows if r.logical_axes == ("embed", "mlp")]
+        vocab = [r for r in self.rows if "vocab" in r.logical_axes]
+        if query is None or not ups or not vocab:
+            raise PlanError(
+                "The activation estimate needs a decoder's query, MLP and "
+                f"embedding weights; the {self.architecture!r} plan lacks one. "
+                f"Received: architecture={self.architecture!r}"
+            )
+        # The output projection: the untied reverse embedding if any.
+        output = vocab[-1]
+        layers = sum(1 for r in self.rows if r.pattern == query.pattern)
+        per_layer_ups = len(ups) // max(1, layers)
+        b = batch_size / self.mesh_axes.size(self.batch_axis)
+        s = sequence_length
+        d = dim(output, "embed")
+        h = dim(query, "head_dim")
+        heads = dim(query, "heads")
+        kv_heads = dim(key, "kv_heads") if key is not None else heads
+        width = dim(ups[0], "mlp")
+        q_shards = model_shards(query)
+        kv_shards = model_shards(key) if key is not None else q_shards
+        # Scores split only where the heads are (head_dim is contracted).
+        head_axis = query.spec[query.logical_axes.index("heads")]
+        score_shards = (
+            self.mesh_axes.size(head_axis)
+            if head_axis and head_axis != self.batch_axis
+            else 1
+        )
+        block = (
+            4 * b * s * d
+            + 2 * b * s * heads * h / q_shards
+            + 2 * b * s * kv_heads * h / kv_shards
+            + 2 * b * heads * s * s / score_shards
+            + 2 * per_layer_ups * b * s * width / model_shards(ups[0])
+        )
+        head = 2 * b * s * d + 3 * b * s * dim(output, "vocab") / model_shards(output)
+        return int((layers * block + head) * _itemsize(self.dtype))
+
     @property
     def fallbacks(self) -> list[PlanRow]:
         """The rows whose preferred layout could not be used."""
@@ -483,14 +581,25 @@ def _rows_for(weights, mesh_axes, strategy, fields, dtype, kv_fallback):
     return rows
 
 
-def _plan_rows(weights, mesh_axes, strategy, fields, dtype):
+def _plan_rows(weights, mesh_axes, strategy, fields, dtype, device_memory=None):
     """The rows and why K/V were laid out so, when their heads don't divide.
 
     When the query heads don't divide the model axis either, K/V follow the
     query's layout: sharded on head_dim when the query is, else replicated.
-    Otherwise unshardable K/V heads are replicated unless that costs too
-    much memory, in which case their head_dim is sharded. The reason is
-    derived from the rows as laid out, so it always agrees with them.
+    Otherwise unshardable K/V heads are replicated over the model axis (the
+    Megatron choice: no collective beyond the query's), unless
+
+    - the plan with replicated K/V does not fit `device_memory` (weights,
+      gradients and Adam state, the `LayoutPlan.fits` rule) while the plan
+      with K/V sharded on head_dim does, or
+    - replicating K/V would break the planner's per-device parameter target
+      (`rules.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
+      `rules.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp") while
+      sharding head_dim keeps it,
+
+    in which case their head_dim is sharded, at the price of extra
+    collectives in attention. The reason is derived from the rows as laid
+    out, so it always agrees with them.
     """
 
     def rows_with(kv_fallback):
@@ -515,14 +624,46 @@ def _plan_rows(weights, mesh_axes, strategy, fields, dtype):
         # own notes say why.
         return rows_with("replicate"), ""
     replicated, sharded = rows_with("replicate"), rows_with("head_dim")
-    cost = sum(r.device_bytes for r in replicated) / max(
-        1, sum(r.device_bytes for r in sharded)
+    capacity = (
+        rules.DEFAULT_DEVICE_MEMORY_BYTES if device_memory is None else device_memory
     )
-    if cost <= rules.KV_REPLICATION_TOLERANCE:
-        return replicated, f"K/V replicated: costs {cost:.3f}x per device"
-    return sharded, (
-        f"K/V sharded on head_dim: replicating would cost {cost:.3f}x per "
-        f"device (> {rules.KV_REPLICATION_TOLERANCE})"
+
+    def training(rows):
+        return ADAM_STATE_FACTOR * sum(r.device_bytes for r in rows)
+
+    if strategy == "fsdp":
+        target, shards = rules.FSDP_DEVICE_BYTES_TARGET, mesh_axes.num_devices
+    else:
+        target, shards = rules.TP_DEVICE_BYTES_TARGET, model_size
+
+    def ideal_ratio(rows):
+        """Per-device parameter bytes over the ideal the target refers to."""
+        total = sum(r.bytes for r in rows)
+        return sum(r.device_bytes for r in rows) / (total / shards)
+
+    need, need_sharded = training(replicated), training(sharded)
+    where = f"'{model_axis}'"
+    if need > capacity and need_sharded <= capacity:
+        return sharded, (
+            f"K/V sharded on head_dim: replicating them over {where} would need "
+            f"{need / GIB:.2f} GiB > {capacity / GIB:.2f} GiB per device "
+            f"(weights+grads+Adam), sharded needs {need_sharded / GIB:.2f} GiB"
+        )
+    ratio = ideal_ratio(replicated)
+    if ratio > target and ideal_ratio(sharded) <= target:
+        return sharded, (
+            f"K/V sharded on head_dim: replicating them over {where} would hold "
+            f"{ratio:.3f}x the ideal per-device parameter bytes, over the "
+            f"{target:.2f}x {strategy} target"
+        )
+    return replicated, (
+        f"K/V replicated over {where}: fewer collectives; weights+grads+Adam "
+        f"{need / GIB:.2f} GiB per device "
+        + (
+            f"fit in {capacity / GIB:.2f} GiB"
+            if need <= capacity
+            else f"(neither K/V layout fits {capacity / GIB:.2f} GiB)"
+        )
     )
 
 
@@ -601,7 +742,9 @@ def plan_config(
     capacity, source = device_memory_info(_devices_of(device_mesh), device_memory)
 
     def build(chosen, reason):
-        rows, kv_reason = _plan_rows(weights, mesh_axes, chosen, fields, var_dtype)
+        rows, kv_reason = _plan_rows(
+            weights, mesh_axes, chosen, fields, var_dtype, capacity
+        )
         if kv_reason:
             rows = [
                 dataclasses.replace(r, note=f"{r.note} ({kv_reason})")

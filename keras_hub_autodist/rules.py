@@ -47,10 +47,13 @@ FSDP_AXIS_PREFERENCE = (
 )
 
 # With grouped/multi-query attention whose key/value heads don't divide the
-# model axis, key/value kernels are replicated over it (the standard,
-# communication-free choice) while that costs at most this factor in
-# per-device parameter bytes over sharding their head_dim instead.
-KV_REPLICATION_TOLERANCE = 1.03
+# model axis, key/value kernels are replicated over it (the Megatron choice:
+# no collective beyond the query's) unless that plan does not fit the device
+# memory, or breaks one of these per-device parameter targets, while sharding
+# their head_dim does not. "tp": at most this factor x total bytes / model-axis
+# size; "fsdp": at most this factor x total bytes / devices.
+TP_DEVICE_BYTES_TARGET = 1.10
+FSDP_DEVICE_BYTES_TARGET = 1.05
 
 # Under strategy "auto", "tp" is chosen while parameters, gradients and the
 # two Adam moments fit in this share of a device's memory; the rest is left

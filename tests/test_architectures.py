@@ -175,7 +175,8 @@ def test_layout_map_is_a_keras_layout_map():
     layout_map = layout_plan.layout_map()
     assert isinstance(layout_map, keras.distribution.LayoutMap)
     # One kv head never goes on the model axis; in this tiny model K/V are a
-    # large share of the weights, so their head_dim is sharded instead.
+    # large share of the weights: replicating them would break the tp target
+    # of per-device bytes, so their head_dim is sharded instead.
     layout = layout_map["decoder_block_1/attention/key/kernel"]
     assert layout.axes == (None, None, "model")
     key_row = next(
@@ -183,6 +184,7 @@ def test_layout_map_is_a_keras_layout_map():
     )
     assert "num_key_value_heads=1 does not divide by model=4" in key_row.note
     assert "sharded head_dim=8 over 'model' instead" in key_row.note
+    assert "x the ideal per-device parameter bytes, over the 1.10x tp" in (key_row.note)
     assert layout_map["decoder_block_1/attention/query/kernel"].axes == (
         "model",
         None,

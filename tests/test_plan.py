@@ -449,3 +449,78 @@ def test_plan_auto_mesh_over_the_visible_devices():
     assert "auto over 8 devices" in plan.mesh_reason
     with pytest.raises(MeshError, match=r"Received: device_mesh='all'"):
         keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), "all")
+
+
+def _kv_row(plan):
+    return next(r for r in plan.rows if "kv_heads" in r.logical_axes)
+
+
+def test_kv_replicated_when_it_fits_and_keeps_the_target():
+    # gemma3_1b (one kv head) on model=4: replicated K/V hold 1.046x the
+    # ideal tp bytes, within the 1.10x target and far from 16 GiB; the old
+    # 3% tolerance sharded head_dim here (extra collectives in attention).
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma3_1b"), {"batch": 1, "model": 4}, strategy="tp"
+    )
+    row = _kv_row(plan)
+    assert row.spec == (None, None, None)
+    assert re.search(
+        r"\(K/V replicated over 'model': fewer collectives; weights\+grads\+Adam "
+        r"3\.90 GiB per device fit in 16\.00 GiB\)",
+        row.note,
+    ), row.note
+    assert plan.max_device_bytes <= 1.10 * plan.total_bytes / 4
+
+
+def test_kv_sharded_on_head_dim_when_replicated_does_not_fit():
+    preset = str(pytest.shared / "gemma3_1b")
+    mesh = {"batch": 1, "model": 4}
+    replicated = keras_hub_autodist.plan(preset, mesh, strategy="tp")
+    need = replicated.training_bytes_per_device("adam")
+    # Between the head_dim plan's need and the replicated plan's.
+    plan = keras_hub_autodist.plan(
+        preset, mesh, strategy="tp", device_memory=need - 1024**2
+    )
+    row = _kv_row(plan)
+    assert row.spec == (None, None, "model")
+    assert plan.fits and replicated.fits  # replicated fits 16 GiB
+    assert re.search(
+        r"\(K/V sharded on head_dim: replicating them over 'model' would need "
+        r"3\.90 GiB > 3\.90 GiB per device \(weights\+grads\+Adam\), sharded "
+        r"needs 3\.7\d GiB\)",
+        row.note,
+    ), row.note
+
+
+def test_kv_replicated_when_neither_layout_fits():
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma3_1b"),
+        {"batch": 1, "model": 4},
+        strategy="tp",
+        device_memory=1024**3,
+    )
+    row = _kv_row(plan)
+    assert row.spec == (None, None, None)
+    assert "(neither K/V layout fits 1.00 GiB)" in row.note
+    assert not plan.fits
+
+
+@pytest.mark.parametrize(
+    "preset, mesh, strategy, ratio",
+    [
+        ("gemma2_2b", {"batch": 1, "model": 8}, "tp", "1.329x"),
+        ("llama3_8b", {"batch": 16, "model": 16}, "fsdp", "1.502x"),
+    ],
+)
+def test_kv_sharded_on_head_dim_when_replicated_breaks_the_target(
+    preset, mesh, strategy, ratio
+):
+    # Replicating K/V here would hold `ratio` x the ideal per-device bytes:
+    # the per-device parameter targets win over the collectives saved.
+    plan = keras_hub_autodist.plan(str(pytest.shared / preset), mesh, strategy=strategy)
+    row = _kv_row(plan)
+    assert row.spec[row.logical_axes.index("head_dim")] == "model"
+    assert (
+        f"replicating them over 'model' would hold {ratio} the ideal per-device "
+        f"parameter bytes, over the" in row.note
+    ), row.note
