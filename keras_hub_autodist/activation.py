@@ -21,6 +21,7 @@ import keras
 from keras_hub_autodist import errors
 from keras_hub_autodist.binding import bind
 from keras_hub_autodist.errors import ArgumentError
+from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import ModelClassError
@@ -57,6 +58,8 @@ DEVICE_MESH_DOC = """
             model_axis: mesh axis of the weights, if not `model`/`tensor`.
             progress: show a progress bar while loading (default: on a
                 terminal, unless `KERAS_HUB_AUTODIST_PROGRESS=0`).
+            strict: `True` (default): a weight that no layout rule matches
+                is an error; `False`: a warning, the weight is replicated.
 """
 
 
@@ -109,6 +112,7 @@ def from_preset(
     batch_axis: str | None = None,
     model_axis: str | None = None,
     progress: bool | None = None,
+    strict: bool = True,
     **kwargs,
 ):
     """Load `cls` from `preset`, laid out on `device_mesh` and bound to it.
@@ -129,6 +133,12 @@ def from_preset(
         model_axis: the mesh axis that shards weights.
         progress: show a progress bar while loading; by default on a
             terminal, unless `$KERAS_HUB_AUTODIST_PROGRESS=0`.
+        strict: every weight of the built model must match exactly one rule
+            of the plan: with `True` a weight that matches none raises
+            `UnplannedWeightError`; with `False` it warns
+            (`UnplannedWeightWarning`) and the weight stays replicated. A
+            weight built with another shape than planned always raises
+            `WeightShapeError`.
         **kwargs: passed to `cls.from_preset` (`dtype`, `load_weights`, …).
 
     Returns:
@@ -163,6 +173,7 @@ def from_preset(
         model_axis=model_axis,
         dtype=dtype,
     )
+    check = layout_plan.weight_check(strict=strict)
     distribution = _distribution_for(layout_plan, mesh)
 
     def load(source):
@@ -171,11 +182,14 @@ def from_preset(
             total_weights=len(layout_plan.rows),
             total_bytes=layout_plan.total_bytes,
             progress=progress,
+            check_variable=check.created,
         )
         with distribution.scope(), loading as stats:
             try:
                 model = original(cls, source, **kwargs)
             except ValueError as error:
+                if isinstance(error, AutodistError):
+                    raise
                 if is_quantized(preset_config.config):
                     raise PresetError(
                         "keras-hub could not load the weights of this "
@@ -187,6 +201,7 @@ def from_preset(
                         f" ({str(error).splitlines()[0]})"
                     ) from error
                 raise
+        check.built(model.weights)
         verify_layouts(model)
         attach_load_stats(model, stats)
         return model
@@ -252,6 +267,7 @@ def _with_device_mesh(original):
         batch_axis=None,
         model_axis=None,
         progress=None,
+        strict=None,
         **kwargs,
     ):
         if device_mesh is None:
@@ -262,6 +278,7 @@ def _with_device_mesh(original):
                     batch_axis=batch_axis,
                     model_axis=model_axis,
                     progress=progress,
+                    strict=strict,
                 ).items()
                 if v is not None
             }
@@ -282,6 +299,7 @@ def _with_device_mesh(original):
             batch_axis=batch_axis,
             model_axis=model_axis,
             progress=progress,
+            strict=True if strict is None else strict,
             **kwargs,
         )
 

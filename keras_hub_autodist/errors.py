@@ -133,3 +133,21 @@ class ModelClassError(AutodistError, TypeError):
 
 class NotBoundError(AutodistError, ValueError):
     """The model was not loaded with `device_mesh=`."""
+
+
+class PlanInputError(PresetError, TypeError):
+    """`plan()`/`get_layout_map()` got something that is neither a preset,
+    a config dict nor a backbone (or task) instance."""
+
+
+class UnplannedWeightError(AutodistError, ValueError):
+    """A weight of the built model matches no layout rule, or more than one."""
+
+
+class WeightShapeError(AutodistError, ValueError):
+    """A weight is built with another shape than the plan computed for it
+    (the model was built from a different config than the one planned)."""
+
+
+class UnplannedWeightWarning(UserWarning):
+    """With `strict=False`: weights that match no rule stay replicated."""

@@ -192,9 +192,12 @@ def _numpy_dtype(dtype) -> np.dtype:
 class _Session:
     """The state of one sharded load (one thread, one `from_preset`)."""
 
-    def __init__(self, *, skip_initializers: bool, progress: _Progress):
+    def __init__(
+        self, *, skip_initializers: bool, progress: _Progress, check_variable=None
+    ):
         self.thread = threading.get_ident()
         self.skip_initializers = skip_initializers
+        self.check_variable = check_variable
         self.progress = progress
         self.stats = LoadStats()
         self.pending = {}  # id(variable) -> (weakref to variable, initializer)
@@ -300,6 +303,10 @@ def _assign(variable, value):
 
 def _initialize_with_initializer(variable, initializer):
     session = _active_session()
+    if session is not None and session.check_variable is not None:
+        # Before Keras lays the variable out: a wrong shape is reported
+        # here rather than as JAX's error for an indivisible dimension.
+        session.check_variable(variable.path, variable._shape)
     if session is None or not session.skip_initializers:
         return _original_initialize(variable, initializer)
     variable._initialize_layout()
@@ -372,6 +379,7 @@ def sharded_loading(
     total_weights: int = 0,
     total_bytes: int = 0,
     progress: bool | None = None,
+    check_variable=None,
 ):
     """Load weights straight into their shards while the context is active.
 
@@ -384,6 +392,9 @@ def sharded_loading(
         total_bytes: their bytes, for the progress bar.
         progress: show a progress bar (`None`: on a terminal, unless
             `$KERAS_HUB_AUTODIST_PROGRESS=0`).
+        check_variable: called with the path and shape of each variable
+            created with an initializer, before it is laid out or
+            allocated; it may raise (e.g. `WeightCheck.created`).
 
     Yields:
         The `LoadStats` of the load, filled in as it goes.
@@ -395,7 +406,9 @@ def sharded_loading(
     ```
     """
     bar = _Progress(total_weights, total_bytes, progress_enabled(progress))
-    session = _Session(skip_initializers=load_weights, progress=bar)
+    session = _Session(
+        skip_initializers=load_weights, progress=bar, check_variable=check_variable
+    )
     start = time.perf_counter()
     _sessions.append(session)
     try:

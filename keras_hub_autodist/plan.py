@@ -10,25 +10,39 @@ keras-hub's loaders (handles, built-in names, other formats).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
+import re
+import sys
+import warnings
+from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
+from typing import Any
 
 from keras_hub_autodist import rules
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import StrategyError
+from keras_hub_autodist.errors import UnplannedWeightError
+from keras_hub_autodist.errors import UnplannedWeightWarning
 from keras_hub_autodist.errors import UnsupportedArchitectureError
+from keras_hub_autodist.errors import WeightShapeError
 from keras_hub_autodist.errors import option
 from keras_hub_autodist.mesh import MeshAxes
 from keras_hub_autodist.mesh import is_device_mesh
 from keras_hub_autodist.mesh import resolve_mesh_axes
 from keras_hub_autodist.presets import PresetConfig
+from keras_hub_autodist.presets import read_config_dict
 from keras_hub_autodist.presets import read_local_config
+from keras_hub_autodist.presets import read_local_config_dict
 from keras_hub_autodist.presets import read_preset_config
 from keras_hub_autodist.presets import validate_config
 from keras_hub_autodist.presets import validated_weights
 from keras_hub_autodist.presets import variable_dtype
+from keras_hub_autodist.registry import DOCS_ADDING_AN_ARCHITECTURE
 from keras_hub_autodist.registry import handler_by_name
 from keras_hub_autodist.registry import handler_for
 
@@ -119,6 +133,7 @@ class LayoutPlan:
         device_mesh=None,
         device_memory_source: str = MEMORY_GIVEN,
         mesh_reason: str = "",
+        config_fields: Mapping[str, str] | None = None,
     ):
         self.preset = preset
         self.backbone_class = backbone_class
@@ -132,6 +147,8 @@ class LayoutPlan:
         self.device_mesh = device_mesh
         self.device_memory_source = device_memory_source
         self.mesh_reason = mesh_reason
+        # Logical axis -> the config field that sets it, for messages.
+        self.config_fields = dict(config_fields or {})
 
     @property
     def batch_axis(self) -> str:
@@ -341,6 +358,21 @@ class LayoutPlan:
                 layouts.setdefault(base + "lora_kernel_b", (None, row.spec[-1]))
         return layouts
 
+    def weight_check(self, *, strict: bool = True) -> WeightCheck:
+        """A `WeightCheck` of built variables against this plan.
+
+        Args:
+            strict: whether a weight that matches no rule is an error
+                (`True`) or a warning, the weight staying replicated.
+
+        Example:
+        ```python
+        check = plan.weight_check()
+        check.built(model.weights)
+        ```
+        """
+        return WeightCheck(self, strict=strict)
+
     def memory_note(self) -> str:
         """Where the per-device memory of this plan comes from."""
         if self.device_memory_source == MEMORY_REPORTED:
@@ -459,6 +491,164 @@ class LayoutPlan:
             f"<LayoutPlan preset={self.preset!r} backbone={self.backbone_class} "
             f"mesh=({self.mesh_axes.describe()}) strategy={self.strategy!r} "
             f"max_device_bytes={self.max_device_bytes}>"
+        )
+
+
+class WeightCheck:
+    """Checks a built model's variables against a plan's layout-map keys.
+
+    Every weight must match exactly one key of `plan.layout_map()` (the
+    rules), as Keras' `LayoutMap` matches them: an exact key first, else the
+    keys that `re.fullmatch` the path. A weight that no key matches would be
+    replicated silently by `ModelParallel`; one that matches several makes
+    Keras fail. A weight planned by path must be built with the planned
+    shape.
+
+    Build one with `LayoutPlan.weight_check()`.
+
+    Args:
+        plan: the `LayoutPlan`.
+        strict: whether unmatched weights are an error (`True`) or a
+            warning, the weights staying replicated (`False`).
+
+    Example:
+    ```python
+    check = plan.weight_check(strict=False)
+    check.created("decoder_block_0/attention/query/kernel", (8, 2048, 256))
+    check.built(backbone.weights)  # warns for unplanned weights
+    ```
+    """
+
+    def __init__(self, plan: LayoutPlan, *, strict: bool = True):
+        if not isinstance(strict, bool):
+            raise PlanError(
+                "`strict` is True (a weight that no layout rule matches is an "
+                "error) or False (a warning; the weight stays replicated). "
+                f"Received: strict={strict!r}"
+            )
+        self.plan = plan
+        self.strict = strict
+        self._keys = list(plan._layouts())
+        self._key_set = set(self._keys)
+        self._compiled = [re.compile(key) for key in self._keys]
+        self._rows = {row.path: row for row in plan.rows}
+
+    def matching_keys(self, path: str) -> list[str]:
+        """The layout-map keys that match `path`, as Keras' `LayoutMap`
+        matches them: an identical key alone, else every key that
+        `re.fullmatch`es it."""
+        if path in self._key_set:
+            return [path]
+        return [k for k, c in zip(self._keys, self._compiled) if c.fullmatch(path)]
+
+    def created(self, path: str, shape: Iterable[int]) -> None:
+        """Check one variable as it is created, before it is laid out.
+
+        Raises:
+            WeightShapeError: its path is planned with another shape.
+            UnplannedWeightError: its path matches several keys.
+        """
+        shape = tuple(int(size) for size in shape)
+        row = self._rows.get(path)
+        if row is not None and row.shape != shape:
+            raise self._shape_error(row, shape)
+        keys = self.matching_keys(path)
+        if len(keys) > 1:
+            raise self._unplanned_error([], {path: keys})
+
+    def built(self, variables: Iterable[Any]) -> list[str]:
+        """Check every variable of a built model (objects with `.path` and
+        `.shape`, e.g. `model.weights`).
+
+        Returns:
+            The paths of the weights that match no key (replicated), when
+            `strict=False`.
+
+        Raises:
+            WeightShapeError: a planned weight has another shape.
+            UnplannedWeightError: a weight matches several keys, or (when
+                `strict`) none.
+        """
+        unmatched, ambiguous = [], {}
+        for variable in variables:
+            path = variable.path
+            shape = tuple(int(size) for size in variable.shape)
+            row = self._rows.get(path)
+            if row is not None and row.shape != shape:
+                raise self._shape_error(row, shape)
+            keys = self.matching_keys(path)
+            if not keys:
+                unmatched.append(f"{path} {shape}")
+            elif len(keys) > 1:
+                ambiguous[path] = keys
+        if ambiguous or (unmatched and self.strict):
+            raise self._unplanned_error(unmatched, ambiguous)
+        if unmatched:
+            warnings.warn(
+                f"keras_hub_autodist: {len(unmatched)} weights of the "
+                f"{self.plan.backbone_class} model match no rule of the "
+                f"{self.plan.architecture!r} layout and stay replicated on "
+                f"every device (strict=False): {', '.join(unmatched[:10])}",
+                UnplannedWeightWarning,
+                stacklevel=3,
+            )
+        return [entry.split(" ")[0] for entry in unmatched]
+
+    def _where(self) -> str:
+        return (
+            f"the {self.plan.architecture!r} layout of "
+            f"{self.plan.backbone_class} (planned from {self.plan.preset})"
+        )
+
+    def _unplanned_error(self, unmatched, ambiguous) -> UnplannedWeightError:
+        parts = []
+        if unmatched:
+            parts.append(
+                f"{len(unmatched)} weights match no rule of {self._where()}, "
+                "so Keras would silently replicate them on every device: "
+                + ", ".join(unmatched[:10])
+            )
+        if ambiguous:
+            parts.append(
+                f"{len(ambiguous)} weights match several rules of "
+                f"{self._where()}, so no single layout applies: "
+                + ", ".join(f"{p} (keys {k})" for p, k in list(ambiguous.items())[:5])
+            )
+        fix = (
+            f"Report it to the {self.plan.architecture!r} handler's authors "
+            "with the preset's config.json, or give these weights a rule "
+            f"(see {DOCS_ADDING_AN_ARCHITECTURE})"
+        )
+        if unmatched and not ambiguous:
+            fix += f", or pass {option('strict', 'False')} to load them replicated"
+        received = list(ambiguous) + [u.split(" ")[0] for u in unmatched]
+        return UnplannedWeightError(
+            f"{'; '.join(parts)}. {fix}. Received: weights {received[:10]}"
+        )
+
+    def _shape_error(self, row: PlanRow, shape: tuple) -> WeightShapeError:
+        differs = []
+        if len(shape) == len(row.shape):
+            for index, (planned, built) in enumerate(zip(row.shape, shape)):
+                if planned != built:
+                    axis = row.logical_axes[index]
+                    field = self.plan.config_fields.get(axis)
+                    source = f", set by `{field}`" if field else ""
+                    differs.append(
+                        f"dimension {index} ({axis}{source}): planned "
+                        f"{planned}, built {built}"
+                    )
+        detail = f" ({'; '.join(differs)})" if differs else ""
+        return WeightShapeError(
+            f"Weight {row.path!r} of {self.plan.backbone_class} is built with "
+            f"shape {shape}, but the plan, made from the config of "
+            f"{self.plan.preset}, gives it {row.shape}{detail}. The model is "
+            "being built from another config than the one planned: most "
+            "likely the preset's task.json holds a backbone config that "
+            "disagrees with its config.json (keras-hub builds a task from "
+            "task.json). Make the two agree, e.g. save the model again with "
+            "`save_to_preset`. Received: "
+            f"built shape {shape}, planned shape {row.shape} for {row.path!r}"
         )
 
 
@@ -688,12 +878,58 @@ def _handler_of(preset_config: PresetConfig):
     return handler
 
 
-def read_config(preset: str) -> PresetConfig:
-    """The preset's config, read without keras-hub whenever possible.
+def _path_string(path: os.PathLike) -> str:
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    # A path object is a folder: spell it as one, never as a preset name.
+    if not os.path.isabs(text) and not text.startswith((".", "~")):
+        text = os.path.join(os.curdir, text)
+    return text
 
-    Local folders of a family with a handler registered by name are read by
-    `presets.read_local_config`; anything else goes through keras-hub's
-    loaders (`presets.read_preset_config`).
+
+def _instance_config(model) -> PresetConfig:
+    """The backbone class and config of a keras-hub backbone or task."""
+    keras_hub = sys.modules.get("keras_hub")
+    models = getattr(keras_hub, "models", None)
+    if models is None or not isinstance(model, (models.Backbone, models.Task)):
+        raise PlanInputError(
+            "`plan()` and `get_layout_map()` take a preset (a folder path, "
+            "`hf://…`, `kaggle://…` or a preset name), a config dict (a "
+            "config.json's contents, or {'class_name': 'GemmaBackbone', "
+            "'config': backbone.get_config()}) or a keras-hub backbone or "
+            f"task instance. Received: preset={model!r} of type "
+            f"{type(model).__name__}"
+        )
+    label = f"<{type(model).__name__} instance>"
+    backbone = model
+    if isinstance(model, models.Task):
+        backbone = getattr(model, "backbone", None)
+        if not isinstance(backbone, models.Backbone):
+            raise PlanInputError(
+                f"This {type(model).__name__} has no keras-hub backbone to "
+                "plan; pass the backbone, a preset or a config dict. "
+                f"Received: preset={label}, backbone={backbone!r}"
+            )
+    config = dict(backbone.get_config())
+    # Constructor arguments some get_config() forget (keras-hub 0.32's
+    # LlamaBackbone drops `tie_word_embeddings`) are read from the instance.
+    for name in inspect.signature(type(backbone).__init__).parameters:
+        value = getattr(backbone, name, None)
+        if name not in config and isinstance(value, (bool, int, float, str)):
+            config[name] = value
+    return PresetConfig(label, type(backbone), config, "keras")
+
+
+def read_config(preset) -> PresetConfig:
+    """The config to plan, read without keras-hub whenever possible.
+
+    Local folders and config dicts of a family with a handler registered by
+    name are read without Keras (`presets.read_local_config`,
+    `presets.read_local_config_dict`); anything else goes through
+    keras-hub's loaders (`presets.read_preset_config`,
+    `presets.read_config_dict`). A backbone (or task) instance gives its
+    class and `get_config()`.
 
     Args:
         preset: as for `plan()`.
@@ -703,10 +939,22 @@ def read_config(preset: str) -> PresetConfig:
     read_config("./gemma_2b").backbone_class
     ```
     """
-    info = read_local_config(preset)
-    if info is not None and handler_by_name(info.backbone_class) is not None:
-        return info
-    return read_preset_config(preset)
+    if isinstance(preset, os.PathLike):
+        preset = _path_string(preset)
+    if isinstance(preset, str):
+        info = read_local_config(preset)
+        if info is not None and handler_by_name(info.backbone_class) is not None:
+            return info
+        return read_preset_config(preset)
+    if isinstance(preset, Mapping):
+        info = read_local_config_dict(preset)
+        if info is not None and (
+            info.backbone_cls is not None
+            or handler_by_name(info.backbone_class) is not None
+        ):
+            return info
+        return read_config_dict(preset)
+    return _instance_config(preset)
 
 
 def plan_config(
@@ -764,6 +1012,7 @@ def plan_config(
             device_memory_bytes=capacity,
             device_mesh=device_mesh if is_device_mesh(device_mesh) else None,
             device_memory_source=source,
+            config_fields=fields,
         )
 
     if strategy != "auto":
@@ -857,7 +1106,7 @@ def auto_mesh(
 
 
 def plan(
-    preset: str,
+    preset,
     device_mesh,
     *,
     strategy: str = "auto",
@@ -870,11 +1119,20 @@ def plan(
 
     Reads only the preset's `config.json`; no weight is allocated and no
     device is needed when the mesh is given as a mapping. A local folder
-    planned for a mapping imports neither Keras, keras-hub nor JAX.
+    (or config dict) of a built-in family planned for a mapping imports
+    neither Keras, keras-hub nor JAX.
 
     Args:
-        preset: a local folder (Keras or Hugging Face format), `hf://…`,
-            `kaggle://…` or a built-in preset name.
+        preset: what to plan: a preset, i.e. a local folder (Keras or
+            Hugging Face format; a string or a `pathlib.Path`), `hf://…`,
+            `kaggle://…` or a built-in preset name; a config dict, i.e. a
+            Keras preset's `config.json` (with `registered_name`), a Hugging
+            Face `config.json` (with `model_type`) or
+            `{"class_name": "GemmaBackbone", "config": backbone.get_config()}`
+            (`class_name` may be the class itself); or a keras-hub backbone
+            or task instance (its backbone's class and `get_config()`).
+            `plan.preset` then reads e.g. `"<GemmaBackbone instance>"` or
+            `"<config dict>"`.
         device_mesh: a `keras.distribution.DeviceMesh`, a mapping of axis
             name to size such as `{"batch": 2, "model": 4}`, or `"auto"`
             (all of JAX's devices, split as `auto_mesh` decides).
@@ -899,6 +1157,7 @@ def plan(
     ```python
     plan = keras_hub_autodist.plan("./gemma_2b", {"batch": 16, "model": 16})
     print(plan.max_device_bytes, plan.strategy, plan.fits)
+    plan = keras_hub_autodist.plan(backbone, {"batch": 2, "model": 4})
     ```
     """
     preset_config = read_config(preset)
@@ -935,7 +1194,7 @@ def plan(
     return result
 
 
-def get_layout_map(preset: str, device_mesh, **options) -> keras.distribution.LayoutMap:
+def get_layout_map(preset, device_mesh, **options) -> keras.distribution.LayoutMap:
     """A config-aware `LayoutMap` for users who keep their own scope.
 
     The drop-in for `GemmaBackbone.get_layout_map(mesh)`: it reads the
@@ -943,7 +1202,8 @@ def get_layout_map(preset: str, device_mesh, **options) -> keras.distribution.La
     are laid out correctly.
 
     Args:
-        preset: as for `plan()`.
+        preset: as for `plan()`: a preset (string or path), a config dict,
+            or a backbone or task instance.
         device_mesh: a `keras.distribution.DeviceMesh`.
         **options: `strategy`, `batch_axis`, `model_axis`, `dtype`,
             `device_memory`, as for `plan()`.

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.errors import DTypeError
+from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 
@@ -152,7 +153,10 @@ def read_preset_config(preset: str) -> PresetConfig:
     ```
     """
     loader = _loader_for(preset)
-    raw = loader.config
+    return _config_from_loader(loader, loader.config, preset)
+
+
+def _config_from_loader(loader, raw: Mapping, preset) -> PresetConfig:
     if "registered_name" in raw:
         backbone_cls = loader.check_backbone_class()
         return PresetConfig(preset, backbone_cls, _keras_config(raw, preset), "keras")
@@ -425,6 +429,168 @@ def read_local_config(preset: str) -> PresetConfig | None:
         name, config = convert_hf_config(raw, preset)
         return PresetConfig(preset, None, config, "transformers", name)
     return None
+
+
+# --- Config dicts: the contents of a config.json, or get_config() + class. --
+
+CONFIG_DICT = "<config dict>"
+HF_CONFIG_DICT = "<Hugging Face config dict>"
+
+
+def config_dict_kind(raw: Mapping) -> str:
+    """Which form of config dict `raw` is: `"keras"` (a Keras preset's
+    `config.json`, with `registered_name`), `"class"` (`class_name` and
+    `config`, e.g. a backbone's `get_config()` with its class) or
+    `"transformers"` (a Hugging Face `config.json`, with `model_type`).
+
+    Raises:
+        PlanInputError: for a mapping of none of these forms.
+
+    Example:
+    >>> config_dict_kind({"model_type": "llama"})
+    'transformers'
+    """
+    if "registered_name" in raw:
+        return "keras"
+    if "class_name" in raw:
+        return "class"
+    if "model_type" in raw:
+        return "transformers"
+    raise PlanInputError(
+        "A config dict must say which backbone it configures. Pass a Keras "
+        "preset's config.json as a dict (with `registered_name`, e.g. "
+        "'keras_hub>GemmaBackbone'), a Hugging Face config.json as a dict "
+        "(with `model_type`), or a backbone's config with its class: "
+        "{'class_name': 'GemmaBackbone', 'config': backbone.get_config()}; "
+        "or pass the backbone itself. Received: a dict with keys "
+        f"{sorted(map(str, raw))[:12]}"
+    )
+
+
+def config_dict_label(raw: Mapping) -> str:
+    """How a plan made from the config dict `raw` names its source.
+
+    Example:
+    >>> config_dict_label({"model_type": "llama"})
+    '<Hugging Face config dict>'
+    """
+    return HF_CONFIG_DICT if config_dict_kind(raw) == "transformers" else CONFIG_DICT
+
+
+def _class_config(raw: Mapping, label: str) -> dict:
+    config = raw.get("config")
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            "With `class_name`, a config dict holds the backbone's arguments "
+            "under `config`: {'class_name': 'GemmaBackbone', 'config': "
+            "backbone.get_config()}. Received: "
+            f"config={config!r} in preset={label!r}"
+        )
+    return dict(config)
+
+
+def read_local_config_dict(raw: Mapping) -> PresetConfig | None:
+    """Read a config dict without Keras or keras-hub, when possible.
+
+    The dict forms are those of `config_dict_kind`. Returns `None` when
+    keras-hub is needed (a registered name outside keras-hub, a Hugging Face
+    `model_type` not in `HF_CONVERSIONS`); `read_config_dict` reads those.
+
+    Args:
+        raw: the config dict; it is not modified.
+
+    Example:
+    >>> read_local_config_dict({"class_name": "GemmaBackbone",
+    ...     "config": {"num_layers": 2}}).backbone_class
+    'GemmaBackbone'
+    """
+    kind = config_dict_kind(raw)
+    label = config_dict_label(raw)
+    if kind == "keras":
+        package, _, name = str(raw["registered_name"]).partition(">")
+        if package != "keras_hub" or not name:
+            return None
+        return PresetConfig(label, None, _keras_config(raw, label), "keras", name)
+    if kind == "class":
+        class_name = raw["class_name"]
+        config = _class_config(raw, label)
+        if isinstance(class_name, type):
+            return PresetConfig(label, class_name, config, "keras")
+        if not isinstance(class_name, str) or not class_name:
+            raise PlanInputError(
+                "`class_name` names the backbone class, e.g. 'GemmaBackbone', "
+                "or is the class itself. Received: "
+                f"class_name={class_name!r} in preset={label!r}"
+            )
+        return PresetConfig(label, None, config, "keras", class_name)
+    _reject_vision_towers(raw, label)
+    if raw["model_type"] not in HF_CONVERSIONS:
+        return None
+    name, config = convert_hf_config(raw, label)
+    return PresetConfig(label, None, config, "transformers", name)
+
+
+def read_config_dict(raw: Mapping) -> PresetConfig:
+    """Read a config dict with keras-hub: the backbone class is resolved.
+
+    Keras preset dicts are resolved through their `registered_name`,
+    `class_name` strings among keras-hub's backbones, and Hugging Face dicts
+    are converted by keras-hub's converter for their `model_type`, exactly
+    as `from_preset` would for a folder holding that `config.json`.
+
+    Args:
+        raw: the config dict (see `config_dict_kind`); it is not modified.
+
+    Example:
+    ```python
+    read_config_dict(json.load(open("gemma_2b/config.json"))).backbone_cls
+    ```
+    """
+    kind = config_dict_kind(raw)
+    label = config_dict_label(raw)
+    import keras
+    import keras_hub  # noqa: F401  (registers keras-hub's classes)
+    from keras_hub.src.utils import preset_utils
+
+    if kind == "class":
+        info = read_local_config_dict(raw)
+        if info.backbone_cls is not None:
+            return info
+        name = info.backbone_class
+        cls = keras.saving.get_registered_object(f"keras_hub>{name}")
+        if cls is None:
+            raise PlanInputError(
+                f"keras-hub has no backbone class named {name!r}. Give the "
+                "class itself, {'class_name': MyBackbone, 'config': ...}, or "
+                "pass the backbone instance. Received: "
+                f"class_name={name!r} in preset={label!r}"
+            )
+        return PresetConfig(label, cls, info.config, "keras")
+    if kind == "keras":
+        loader = preset_utils.KerasPresetLoader(label, dict(raw))
+        try:
+            cls = loader.check_backbone_class()
+        except ValueError as error:
+            raise PlanInputError(
+                f"No class is registered with Keras as "
+                f"{raw['registered_name']!r}: import the package that "
+                "defines it first, or pass the backbone instance. Received: "
+                f"registered_name={raw['registered_name']!r} in "
+                f"preset={label!r}"
+            ) from error
+        return PresetConfig(label, cls, _keras_config(raw, label), "keras")
+    _reject_vision_towers(raw, label)
+    from keras_hub.src.utils.transformers import preset_loader
+
+    try:
+        loader = preset_loader.TransformersPresetLoader(label, dict(raw))
+    except ValueError as error:
+        raise UnsupportedArchitectureError(
+            "keras-hub has no converter for Hugging Face "
+            f"model_type={raw['model_type']!r}, so no keras-hub backbone "
+            f"exists for it. Received: preset={label!r}"
+        ) from error
+    return _config_from_loader(loader, raw, label)
 
 
 # --- Validation of the fields the architectures read. ----------------------

@@ -1,17 +1,28 @@
-"""Find the architecture handler of a backbone class through entry points.
+"""Find the architecture handler of a backbone class.
 
-Handlers are registered in the entry-point group
-`keras_hub_autodist.architectures`; the entry-point *name* is a backbone class
-name and its *value* the handler object, e.g. in a `pyproject.toml`:
+Handlers come from two places, looked up the same way:
+
+- the built-in families, registered in code in `BUILTIN_ARCHITECTURES`
+  (so a source checkout plans without being installed);
+- other packages, through the entry-point group
+  `keras_hub_autodist.architectures`. The entry-point *name* is a backbone
+  class name and its *value* the handler object, e.g. in a `pyproject.toml`:
 
 ```toml
 [project.entry-points."keras_hub_autodist.architectures"]
 MyBackbone = "my_package.layouts:MY_HANDLER"
 ```
 
+Discovery is cached (`clear_cache()` forgets it after installing a plugin)
+and handlers are imported on first use. A plugin that fails to import is
+skipped with a warning. When two registrations share a name, a warning says
+which one is used: a built-in always wins over a plugin, and among plugins
+the first one found on `sys.path` wins. An entry point naming exactly the
+built-in handler (e.g. the metadata of an older install of this package) is
+not a conflict and is ignored silently.
+
 Lookup walks the backbone class's MRO, so `Llama3Backbone` uses the handler
-registered for `LlamaBackbone`. The built-in handlers are registered the same
-way in this package's own `pyproject.toml`.
+registered for `LlamaBackbone`.
 
 Planning a local config does not import keras-hub, so it looks handlers up by
 class *name* (`handler_by_name`): a registered name, or a keras-hub subclass
@@ -28,30 +39,70 @@ from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 
 ENTRY_POINT_GROUP = "keras_hub_autodist.architectures"
+# The built-in families: backbone class name -> "module:object" of the
+# handler, loaded exactly like an entry point's value.
+BUILTIN_ARCHITECTURES = {
+    "GemmaBackbone": "keras_hub_autodist.architectures.gemma:GEMMA",
+    "Gemma3Backbone": "keras_hub_autodist.architectures.gemma3:GEMMA3",
+    "LlamaBackbone": "keras_hub_autodist.architectures.llama:LLAMA",
+    "MistralBackbone": "keras_hub_autodist.architectures.llama:MISTRAL",
+}
+BUILTIN_SOURCE = "built-in"
 # keras-hub backbones that subclass a registered one, by name, so that lookup
 # by name agrees with lookup by MRO without importing keras-hub. A test checks
 # each against keras-hub's classes.
 KNOWN_SUBCLASSES = {"Llama3Backbone": "LlamaBackbone"}
 DOCS_ADDING_AN_ARCHITECTURE = "docs/architectures.md#adding-an-architecture"
 
+# Registrations that failed to load: name -> "value (ErrorType: message)".
+_failed: dict[str, str] = {}
+
+
+def _source_of(entry_point: metadata.EntryPoint) -> str:
+    dist = getattr(entry_point, "dist", None)
+    name = getattr(dist, "name", None) if dist is not None else None
+    return f"plugin {name}" if name else "plugin"
+
 
 @functools.cache
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    found = {}
+def _registrations() -> dict[str, tuple[metadata.EntryPoint, str]]:
+    """Name -> (entry point, source) of every handler, built-ins first."""
+    found = {
+        name: (metadata.EntryPoint(name, value, ENTRY_POINT_GROUP), BUILTIN_SOURCE)
+        for name, value in BUILTIN_ARCHITECTURES.items()
+    }
     for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(entry_point.name, entry_point)
+        previous = found.get(entry_point.name)
+        if previous is None:
+            found[entry_point.name] = (entry_point, _source_of(entry_point))
+            continue
+        kept, kept_source = previous
+        if kept.value == entry_point.value:
+            continue  # the same handler registered twice: no conflict
+        warnings.warn(
+            f"keras_hub_autodist: two architecture handlers are registered "
+            f"for {entry_point.name!r}: {kept.value} ({kept_source}) and "
+            f"{entry_point.value} ({_source_of(entry_point)}). Using "
+            f"{kept.value} ({kept_source}): built-in handlers win over "
+            "plugins, and the first plugin found on sys.path wins over later "
+            "ones. To lay out a built-in family differently, register your "
+            "handler for a subclass of its backbone. Received: entry point "
+            f"{entry_point.name} = {entry_point.value}",
+            stacklevel=2,
+        )
     return found
 
 
 @functools.cache
 def _load(name: str) -> Architecture | None:
-    entry_point = _entry_points()[name]
+    entry_point, source = _registrations()[name]
     try:
         handler = entry_point.load()
     except Exception as error:  # a broken plugin must not break the others
+        _failed[name] = f"{entry_point.value} ({type(error).__name__}: {error})"
         warnings.warn(
             f"keras_hub_autodist: the architecture handler {name!r} "
-            f"({entry_point.value}) failed to load and is skipped: "
+            f"({entry_point.value}, {source}) failed to load and is skipped: "
             f"{type(error).__name__}: {error}",
             stacklevel=3,
         )
@@ -62,19 +113,53 @@ def _load(name: str) -> Architecture | None:
 
 
 def registered_architectures() -> list[str]:
-    """Names of the backbone classes that have a handler installed.
+    """Names of the backbone classes that have a handler (built-in or plugin).
 
     Example:
     >>> "GemmaBackbone" in registered_architectures()
     True
     """
-    return sorted(_entry_points())
+    return sorted(_registrations())
+
+
+def architecture_sources() -> dict[str, str]:
+    """Where each registered handler comes from: `"built-in"` or
+    `"plugin <distribution>"`.
+
+    Example:
+    >>> architecture_sources()["GemmaBackbone"]
+    'built-in'
+    """
+    return {name: source for name, (_, source) in sorted(_registrations().items())}
 
 
 def clear_cache() -> None:
     """Forget discovered entry points (after installing a plugin)."""
-    _entry_points.cache_clear()
+    _registrations.cache_clear()
     _load.cache_clear()
+    _failed.clear()
+
+
+def unsupported_error(class_name: str, received: str) -> UnsupportedArchitectureError:
+    """The error for a backbone class without a handler, listing the
+    registered ones (and any plugin that failed to load).
+
+    Args:
+        class_name: the backbone class name.
+        received: what the caller passed, for the `Received:` part.
+    """
+    supported = [name for name in registered_architectures() if name not in _failed]
+    broken = "".join(
+        f" Failed to load (see the warnings): {name} = {why}."
+        for name, why in sorted(_failed.items())
+    )
+    return UnsupportedArchitectureError(
+        f"keras_hub_autodist has no layout for {class_name}. "
+        f"Supported backbones: {', '.join(supported)}.{broken} "
+        "To add one, register a handler in the entry-point group "
+        f"'{ENTRY_POINT_GROUP}' (see {DOCS_ADDING_AN_ARCHITECTURE}). "
+        f"Received: {received}"
+    )
 
 
 def handler_for(backbone_cls: type) -> Architecture:
@@ -88,19 +173,15 @@ def handler_for(backbone_cls: type) -> Architecture:
     >>> handler_for(keras_hub.models.Llama3Backbone).name
     'llama'
     """
-    available = _entry_points()
+    available = _registrations()
     for klass in backbone_cls.__mro__:
         if klass.__name__ in available:
             handler = _load(klass.__name__)
             if handler is not None:
                 return handler
-    raise UnsupportedArchitectureError(
-        f"keras_hub_autodist has no layout for {backbone_cls.__name__}. "
-        f"Supported backbones: {', '.join(registered_architectures())}. "
-        "To add one, register a handler in the entry-point group "
-        f"'{ENTRY_POINT_GROUP}' (see {DOCS_ADDING_AN_ARCHITECTURE}). "
-        f"Received: backbone class {backbone_cls.__module__}."
-        f"{backbone_cls.__qualname__}"
+    raise unsupported_error(
+        backbone_cls.__name__,
+        f"backbone class {backbone_cls.__module__}.{backbone_cls.__qualname__}",
     )
 
 
@@ -118,7 +199,7 @@ def handler_by_name(class_name: str) -> Architecture | None:
     >>> handler_by_name("Llama3Backbone").name
     'llama'
     """
-    available = _entry_points()
+    available = _registrations()
     name = class_name
     while name is not None:
         if name in available:

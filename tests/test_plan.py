@@ -277,7 +277,7 @@ def test_preset_without_config_json(tmp_path):
         keras_hub_autodist.plan(str(tmp_path), {"batch": 8})
     with pytest.raises(PresetError, match=r"Received: preset=.*does-not-exist"):
         keras_hub_autodist.plan(str(tmp_path / "does-not-exist"), {"batch": 8})
-    with pytest.raises(PresetError, match="A preset is a string"):
+    with pytest.raises(PresetError, match=r"take a preset.*Received: preset=42"):
         keras_hub_autodist.plan(42, {"batch": 8})
 
 

@@ -1,9 +1,10 @@
 """Per-family weight tables: weight path → shape and logical axes.
 
 Each module here describes one family of keras-hub backbones from its config
-alone; no mesh logic lives here. Handlers are registered through the
-`keras_hub_autodist.architectures` entry-point group (see `pyproject.toml`),
-the built-ins exactly like third-party ones.
+alone; no mesh logic lives here. The built-ins are registered in code
+(`registry.BUILTIN_ARCHITECTURES`) and loaded exactly like third-party
+handlers, which come through the `keras_hub_autodist.architectures`
+entry-point group.
 """
 
 from keras_hub_autodist.architectures.base import Architecture

@@ -1,0 +1,153 @@
+"""Every weight of the built model matches exactly one rule of the plan."""
+
+import json
+import shutil
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tiny_presets
+
+import keras_hub_autodist
+from keras_hub_autodist import MeshError
+from keras_hub_autodist import PlanError
+from keras_hub_autodist.architectures.base import WeightSpec
+from keras_hub_autodist.architectures.gemma import GEMMA
+from keras_hub_autodist.errors import UnplannedWeightError
+from keras_hub_autodist.errors import UnplannedWeightWarning
+from keras_hub_autodist.errors import WeightShapeError
+
+
+@pytest.fixture(scope="module")
+def backbone_preset(tmp_path_factory):
+    """A bare GemmaBackbone preset (8 query heads, 1 key/value head)."""
+    path = tmp_path_factory.mktemp("strict") / "gemma"
+    keras.utils.set_random_seed(0)
+    keras_hub.models.GemmaBackbone(**tiny_presets.GEMMA_MQA).save_to_preset(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def causal_lm_preset(tmp_path_factory):
+    return tiny_presets.gemma_preset(tmp_path_factory.mktemp("strict") / "lm")
+
+
+def _set_query_heads(node, heads):
+    """Set `num_query_heads` of every GemmaBackbone config inside `node`."""
+    if isinstance(node, dict):
+        if node.get("class_name") == "GemmaBackbone":
+            node["config"]["num_query_heads"] = heads
+        for value in node.values():
+            _set_query_heads(value, heads)
+    elif isinstance(node, list):
+        for value in node:
+            _set_query_heads(value, heads)
+
+
+def test_task_json_disagreeing_with_config_json(causal_lm_preset, tmp_path):
+    """config.json plans 8 query heads; task.json builds 4."""
+    copy = tmp_path / "lm"
+    shutil.copytree(causal_lm_preset, copy)
+    task = json.loads((copy / "task.json").read_text())
+    _set_query_heads(task, 4)
+    (copy / "task.json").write_text(json.dumps(task))
+    with pytest.raises(
+        WeightShapeError,
+        match=r"'decoder_block_0/attention/query/kernel' of GemmaBackbone is built "
+        r"with shape \(4, 32, 8\), but the plan.*gives it \(8, 32, 8\) \(dimension "
+        r"0 \(heads, set by `num_query_heads`\): planned 8, built 4\).*task\.json"
+        r".*config\.json.*Received: built shape \(4, 32, 8\), planned shape "
+        r"\(8, 32, 8\)",
+    ):
+        keras_hub.models.GemmaCausalLM.from_preset(
+            str(copy), device_mesh={"batch": 1, "model": 8}
+        )
+
+
+@pytest.fixture
+def gemma_without_final_norm(monkeypatch):
+    """The Gemma handler with one weight missing from its table."""
+    weights = GEMMA.weights
+    monkeypatch.setattr(
+        GEMMA,
+        "weights",
+        lambda config: [
+            w for w in weights(config) if w.path != "final_normalization/scale"
+        ],
+    )
+
+
+def test_an_unplanned_weight_is_an_error(backbone_preset, gemma_without_final_norm):
+    with pytest.raises(
+        UnplannedWeightError,
+        match=r"1 weights match no rule of the 'gemma' layout of GemmaBackbone.*"
+        r"silently replicate.*final_normalization/scale \(32,\).*"
+        r"`strict=False`.*Received: weights \['final_normalization/scale'\]",
+    ):
+        keras_hub.models.Backbone.from_preset(
+            backbone_preset, device_mesh={"batch": 2, "model": 4}
+        )
+
+
+def test_strict_false_warns_and_replicates(backbone_preset, gemma_without_final_norm):
+    with pytest.warns(
+        UnplannedWeightWarning,
+        match=r"1 weights of the GemmaBackbone model match no rule of the 'gemma' "
+        r"layout and stay replicated.*final_normalization/scale",
+    ):
+        backbone = keras_hub.models.Backbone.from_preset(
+            backbone_preset, device_mesh={"batch": 2, "model": 4}, strict=False
+        )
+    norm = next(w for w in backbone.weights if w.path == "final_normalization/scale")
+    assert norm.value.sharding.is_fully_replicated
+    reference = keras_hub.models.Backbone.from_preset(backbone_preset)
+    expected = next(
+        w for w in reference.weights if w.path == "final_normalization/scale"
+    )
+    np.testing.assert_array_equal(np.asarray(norm.value), np.asarray(expected.value))
+
+
+def test_a_weight_matching_two_rules_is_an_error(backbone_preset, monkeypatch):
+    weights = GEMMA.weights
+    overlapping = WeightSpec(
+        "decoder_block_0/attention/any/kernel",
+        r"decoder_block_\d+/attention/(query|key)/kernel",
+        (32, 8),
+        ("embed", "head_dim"),
+    )
+    monkeypatch.setattr(
+        GEMMA, "weights", lambda config: weights(config) + [overlapping]
+    )
+    with pytest.raises(
+        UnplannedWeightError,
+        match=r"match several rules of the 'gemma' layout of GemmaBackbone.*"
+        r"decoder_block_0/attention/query/kernel \(keys .*Received: weights",
+    ):
+        keras_hub.models.Backbone.from_preset(
+            backbone_preset, device_mesh={"batch": 2, "model": 4}, strict=False
+        )
+
+
+def test_strict_needs_a_device_mesh(backbone_preset):
+    with pytest.raises(
+        MeshError, match=r"strict= only apply with `device_mesh=`.*'strict': False"
+    ):
+        keras_hub.models.Backbone.from_preset(backbone_preset, strict=False)
+    with pytest.raises(PlanError, match=r"Received: strict='no'"):
+        keras_hub_autodist.from_preset(
+            keras_hub.models.Backbone,
+            backbone_preset,
+            device_mesh={"batch": 2, "model": 4},
+            strict="no",
+        )
+
+
+def test_weight_check_of_a_plan_without_loading(backbone_preset):
+    plan = keras_hub_autodist.plan(backbone_preset, {"batch": 2, "model": 4})
+    check = plan.weight_check()
+    check.created("decoder_block_1/attention/key/kernel", (1, 32, 8))
+    with pytest.raises(WeightShapeError, match=r"planned shape \(1, 32, 8\)"):
+        check.created("decoder_block_1/attention/key/kernel", (2, 32, 8))
+    # LoRA kernels get rules too.
+    assert check.matching_keys("decoder_block_1/attention/key/lora_kernel_a")
