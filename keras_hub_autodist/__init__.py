@@ -37,11 +37,15 @@ from keras_hub_autodist.errors import MeshError  # noqa: E402
 from keras_hub_autodist.errors import ModelClassError  # noqa: E402
 from keras_hub_autodist.errors import NotBoundError  # noqa: E402
 from keras_hub_autodist.errors import PlanError  # noqa: E402
+from keras_hub_autodist.errors import PlanInputError  # noqa: E402
 from keras_hub_autodist.errors import PluginOffError  # noqa: E402
 from keras_hub_autodist.errors import PresetError  # noqa: E402
 from keras_hub_autodist.errors import SaveTargetError  # noqa: E402
 from keras_hub_autodist.errors import StrategyError  # noqa: E402
+from keras_hub_autodist.errors import UnplannedWeightError  # noqa: E402
+from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
+from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
 
 # `plan` is imported eagerly (it is light): the function must shadow the
 # submodule of the same name, which a lazy import would not do.
@@ -83,11 +87,15 @@ __all__ = [
     "NotBoundError",
     "plan",
     "PlanError",
+    "PlanInputError",
     "PluginOffError",
     "PresetError",
     "SaveTargetError",
     "StrategyError",
+    "UnplannedWeightError",
+    "UnplannedWeightWarning",
     "UnsupportedArchitectureError",
+    "WeightShapeError",
     "__version__",
 ]
 
