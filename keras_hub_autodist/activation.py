@@ -32,7 +32,7 @@ from keras_hub_autodist.loading import verify_layouts
 from keras_hub_autodist.mesh import build_device_mesh
 from keras_hub_autodist.plan import LayoutPlan
 from keras_hub_autodist.plan import plan_config
-from keras_hub_autodist.plan import tp_fits
+from keras_hub_autodist.plan import resolve_auto_mesh
 from keras_hub_autodist.presets import cached_kaggle_snapshot
 from keras_hub_autodist.presets import is_network_error
 from keras_hub_autodist.presets import is_quantized
@@ -72,26 +72,6 @@ def require_jax_backend() -> None:
             "KERAS_BACKEND=jax before importing keras. Received: "
             f"backend={backend!r}"
         )
-
-
-def auto_device_mesh(preset_config, *, dtype=None, devices=None) -> dict[str, int]:
-    """Choose a mesh for `device_mesh="auto"`.
-
-    The rule: over all devices, the largest batch axis (so the least tensor
-    parallelism) for which the `"tp"` plan's weights, gradients and Adam
-    state fit in 80% of a device's memory. If none fits, the whole mesh is
-    the model axis (`{"batch": 1, "model": n}`) and strategy `"auto"` then
-    picks `"fsdp"` where needed.
-    """
-    devices = keras.distribution.list_devices() if devices is None else devices
-    count = len(devices)
-    for batch in sorted(
-        (d for d in range(1, count + 1) if count % d == 0), reverse=True
-    ):
-        candidate = {"batch": batch, "model": count // batch}
-        if tp_fits(plan_config(preset_config, candidate, strategy="tp", dtype=dtype)):
-            return candidate
-    return {"batch": 1, "model": count}
 
 
 def _distribution_for(layout_plan: LayoutPlan, mesh):
@@ -157,13 +137,7 @@ def from_preset(
     preset_config = read_preset_config(preset)
     dtype = kwargs.get("dtype")
     if isinstance(device_mesh, str):
-        if device_mesh != "auto":
-            raise MeshError(
-                "`device_mesh` takes a DeviceMesh, a mapping such as "
-                "{'batch': 2, 'model': 4}, or 'auto'. Received: "
-                f"device_mesh={device_mesh!r}"
-            )
-        device_mesh = auto_device_mesh(preset_config, dtype=dtype)
+        device_mesh, _, _ = resolve_auto_mesh(preset_config, device_mesh, dtype=dtype)
     mesh = build_device_mesh(device_mesh)  # validates before listing devices
     layout_plan = plan_config(
         preset_config,

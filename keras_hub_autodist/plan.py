@@ -1105,6 +1105,47 @@ def auto_mesh(
     )
 
 
+def resolve_auto_mesh(
+    preset_config: PresetConfig,
+    device_mesh: str,
+    *,
+    dtype=None,
+    device_memory: int | None = None,
+) -> tuple[dict[str, int], str, int]:
+    """Turn `device_mesh="auto"` into axis sizes over all of JAX's devices.
+
+    Shared by `plan()` and `from_preset`; any other string is a `MeshError`.
+
+    Returns:
+        `(mesh, reason, device_memory)`: the axis sizes `auto_mesh` picks,
+        its reason, and the per-device memory it planned with.
+
+    Example:
+    ```python
+    resolve_auto_mesh(read_config("./gemma_2b"), "auto")
+    ```
+    """
+    if device_mesh != "auto":
+        raise MeshError(
+            "`device_mesh` takes a DeviceMesh, a mapping such as "
+            "{'batch': 2, 'model': 4}, or 'auto'. Received: "
+            f"device_mesh={device_mesh!r}"
+        )
+    import jax
+
+    devices = jax.devices()
+    mesh, reason = auto_mesh(
+        preset_config,
+        len(devices),
+        dtype=dtype,
+        device_memory=device_memory,
+        devices=devices,
+    )
+    if device_memory is None:
+        device_memory = device_memory_info(devices)[0]
+    return mesh, reason, device_memory
+
+
 def plan(
     preset,
     device_mesh,
@@ -1163,24 +1204,9 @@ def plan(
     preset_config = read_config(preset)
     mesh_reason = ""
     if isinstance(device_mesh, str):
-        if device_mesh != "auto":
-            raise MeshError(
-                "`device_mesh` takes a DeviceMesh, a mapping such as "
-                "{'batch': 2, 'model': 4}, or 'auto'. Received: "
-                f"device_mesh={device_mesh!r}"
-            )
-        import jax
-
-        devices = jax.devices()
-        device_mesh, mesh_reason = auto_mesh(
-            preset_config,
-            len(devices),
-            dtype=dtype,
-            device_memory=device_memory,
-            devices=devices,
+        device_mesh, mesh_reason, device_memory = resolve_auto_mesh(
+            preset_config, device_mesh, dtype=dtype, device_memory=device_memory
         )
-        if device_memory is None:
-            device_memory = device_memory_info(devices)[0]
     result = plan_config(
         preset_config,
         device_mesh,
