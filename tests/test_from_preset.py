@@ -90,18 +90,35 @@ ROTATION = [
 ]
 
 
-@pytest.mark.parametrize(
-    "name, mesh, strategy",
-    ROTATION,
-    ids=[f"{p}-{mesh_id(m)}-{s}" for p, m, s in ROTATION],
-)
+# The default session covers every mesh once; the five extra cases (each
+# preset on another mesh) and the full matrix run in the integration session.
+ROTATION_CASES = [
+    pytest.param(
+        *case,
+        id=f"{case[0]}-{mesh_id(case[1])}-{case[2]}",
+        marks=[pytest.mark.slow] if i >= len(MESHES) else [],
+    )
+    for i, case in enumerate(ROTATION)
+]
+
+
+@pytest.mark.parametrize("name, mesh, strategy", ROTATION_CASES)
 def test_sgd_training_matches_single_device(tiny_presets_dir, name, mesh, strategy):
     assert_same_training(
         tiny_presets_dir[name], "sgd", device_mesh=mesh, strategy=strategy
     )
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=[] if name in ("gemma_mqa", "llama3_untied") else [pytest.mark.slow],
+        )
+        for name in PRESETS
+    ],
+)
 def test_adam_losses_match_single_device(tiny_presets_dir, name):
     mesh = MESHES[PRESETS.index(name) % len(MESHES)]
     assert_same_training(
@@ -438,6 +455,7 @@ def test_error_bad_device_mesh_string(tiny_presets_dir):
         )
 
 
+@pytest.mark.slow
 def test_quantize_runs_in_the_models_scope(tiny_presets_dir):
     preset = tiny_presets_dir["llama3_untied"]
     single = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None)
