@@ -24,6 +24,7 @@ from bench import loading  # noqa: E402
 from bench import memory  # noqa: E402
 from bench import models  # noqa: E402
 from bench import report  # noqa: E402
+from bench import seqpar  # noqa: E402
 from bench import steptime  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
@@ -39,6 +40,8 @@ def main():
         paths = models.save_presets(root)
         print("communication...", flush=True)
         results["comms"] = comms.run(paths)
+        print("sequence parallelism...", flush=True)
+        results["seqpar"] = seqpar.run(paths)
         print("step time...", flush=True)
         results["steptime"] = steptime.run(paths)
         print("generation...", flush=True)

@@ -106,6 +106,8 @@ def write(results, md_path, img_dir):
         "",
     ]
     lines += comms_section(results["comms"], comms_plot)
+    if "seqpar" in results:
+        lines += seqpar_section(results["seqpar"])
     lines += [
         "## 3. Training step time (ratios)",
         "",
@@ -315,6 +317,27 @@ def comms_section(rows: list[dict], plot) -> list[str]:
         "",
     ]
     return lines
+
+
+def seqpar_section(row: dict) -> list[str]:
+    """Temporary bytes of the train step with and without sequence parallelism."""
+    verdict = "met" if row["met"] else "**not met**"
+    ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}"
+    return [
+        "### Sequence parallelism",
+        "",
+        f"Compiled SGD train step of {row['model']} on {row['mesh']}, batch "
+        f"{row['batch']} x {row['sequence_length']} tokens, strategy `tp`; per-device",
+        "temporary bytes from XLA's `memory_analysis()`.",
+        "",
+        "| without | with `sequence_parallel=True` | ratio |",
+        "|---|---|---|",
+        f"| {_mib(row['temp_without'])} | {_mib(row['temp_with'])} | {ratio} |",
+        "",
+        f"Target: temporaries with sequence parallelism <= 0.3 x without: {verdict}"
+        f" ({ratio}).",
+        "",
+    ]
 
 
 def loading_section(rows: list[dict]) -> list[str]:

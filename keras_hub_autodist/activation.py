@@ -60,6 +60,8 @@ DEVICE_MESH_DOC = """
                 terminal, unless `KERAS_HUB_AUTODIST_PROGRESS=0`).
             strict: `True` (default): a weight that no layout rule matches
                 is an error; `False`: a warning, the weight is replicated.
+            sequence_parallel: shard residual-stream activations on the
+                sequence over the model axis (default `False`).
 """
 
 
@@ -93,6 +95,7 @@ def from_preset(
     model_axis: str | None = None,
     progress: bool | None = None,
     strict: bool = True,
+    sequence_parallel: bool = False,
     **kwargs,
 ):
     """Load `cls` from `preset`, laid out on `device_mesh` and bound to it.
@@ -119,6 +122,10 @@ def from_preset(
             (`UnplannedWeightWarning`) and the weight stays replicated. A
             weight built with another shape than planned always raises
             `WeightShapeError`.
+        sequence_parallel: Megatron-style sequence parallelism: the
+            activations tensor parallelism replicates (norms, residual adds,
+            dropout) are sharded on the sequence over the model axis (see
+            `plan()`).
         **kwargs: passed to `cls.from_preset` (`dtype`, `load_weights`, …).
 
     Returns:
@@ -146,6 +153,7 @@ def from_preset(
         batch_axis=batch_axis,
         model_axis=model_axis,
         dtype=dtype,
+        sequence_parallel=sequence_parallel,
     )
     check = layout_plan.weight_check(strict=strict)
     distribution = _distribution_for(layout_plan, mesh)
@@ -242,6 +250,7 @@ def _with_device_mesh(original):
         model_axis=None,
         progress=None,
         strict=None,
+        sequence_parallel=None,
         **kwargs,
     ):
         if device_mesh is None:
@@ -253,6 +262,7 @@ def _with_device_mesh(original):
                     model_axis=model_axis,
                     progress=progress,
                     strict=strict,
+                    sequence_parallel=sequence_parallel,
                 ).items()
                 if v is not None
             }
@@ -274,6 +284,7 @@ def _with_device_mesh(original):
             model_axis=model_axis,
             progress=progress,
             strict=True if strict is None else strict,
+            sequence_parallel=False if sequence_parallel is None else sequence_parallel,
             **kwargs,
         )
 

@@ -134,6 +134,8 @@ class LayoutPlan:
         device_memory_source: str = MEMORY_GIVEN,
         mesh_reason: str = "",
         config_fields: Mapping[str, str] | None = None,
+        sequence_parallel: bool = False,
+        sequence_parallel_outputs: Iterable[str] = (),
     ):
         self.preset = preset
         self.backbone_class = backbone_class
@@ -149,6 +151,35 @@ class LayoutPlan:
         self.mesh_reason = mesh_reason
         # Logical axis -> the config field that sets it, for messages.
         self.config_fields = dict(config_fields or {})
+        self._sequence_parallel = bool(sequence_parallel)
+        self._sequence_parallel_outputs = tuple(sequence_parallel_outputs)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether residual-stream activations are sharded on the sequence
+        over the model axis (set by `plan(..., sequence_parallel=True)`)."""
+        return self._sequence_parallel
+
+    def activation_layouts(self) -> dict[str, tuple]:
+        """Layout-map keys of layer outputs (`<layer path>/output`) → spec.
+
+        Empty unless the plan is sequence parallel and its model axis has
+        more than one device; then each residual-stream output of the
+        family (`Architecture.sequence_parallel_outputs`) is laid out
+        `(batch axis, model axis, None)` on `[batch, sequence, hidden]`.
+
+        Example:
+        ```python
+        plan = keras_hub_autodist.plan(
+            "./gemma_2b", {"batch": 2, "model": 4}, sequence_parallel=True)
+        plan.activation_layouts()["final_normalization/output"]
+        # ('batch', 'model', None)
+        ```
+        """
+        spec = rules.sequence_parallel_spec(self.mesh_axes)
+        if not self._sequence_parallel or spec is None:
+            return {}
+        return {pattern: spec for pattern in self._sequence_parallel_outputs}
 
     @property
     def batch_axis(self) -> str:
@@ -221,7 +252,8 @@ class LayoutPlan:
         axes: head terms by those of the query (or key/value) kernel's head
         dimensions, MLP terms by those of the up-projection's `mlp`
         dimension, logits by those of the output embedding's vocabulary;
-        the residual stream is replicated over the model axes. Gradients
+        the residual stream is replicated over the model axis, or split over
+        it with `sequence_parallel`. Gradients
         and optimizer state are not included (`training_bytes_per_device`).
 
         Args:
@@ -289,14 +321,21 @@ class LayoutPlan:
             if head_axis and head_axis != self.batch_axis
             else 1
         )
+        # The residual stream: split on the sequence with sequence parallelism.
+        split = (
+            self.mesh_axes.size(self.mesh_axes.model_axis)
+            if self.activation_layouts()
+            else 1
+        )
+        stream = b * s * d / split
         block = (
-            4 * b * s * d
+            4 * stream
             + 2 * b * s * heads * h / q_shards
             + 2 * b * s * kv_heads * h / kv_shards
             + 2 * b * heads * s * s / score_shards
             + 2 * per_layer_ups * b * s * width / model_shards(ups[0])
         )
-        head = 2 * b * s * d + 3 * b * s * dim(output, "vocab") / model_shards(output)
+        head = 2 * stream + 3 * b * s * dim(output, "vocab") / model_shards(output)
         return int((layers * block + head) * _itemsize(self.dtype))
 
     @property
@@ -335,9 +374,45 @@ class LayoutPlan:
                 f"planned one. Received: axes {got[0]} with shape {got[1]}"
             )
         layout_map = keras.distribution.LayoutMap(mesh)
-        for pattern, spec in self._layouts().items():
+        layouts = self._layouts()
+        activations = self.activation_layouts()
+        self._check_activation_keys(layouts, activations)
+        for pattern, spec in {**layouts, **activations}.items():
             layout_map[pattern] = spec
         return layout_map
+
+    def _check_activation_keys(self, layouts, activations) -> None:
+        """Layer-output keys and weight keys share one `LayoutMap`, whose
+        keys are regexes matched against variable paths and layer-output
+        paths alike: no key of one kind may match a path of the other."""
+        weight_paths = [row.path for row in self.rows]
+        weight_paths += [
+            path.rsplit("/", 1)[0] + suffix
+            for path in weight_paths
+            if path.endswith("/kernel")
+            for suffix in ("/lora_kernel_a", "/lora_kernel_b")
+        ]
+        for key in activations:
+            hits = [path for path in weight_paths if re.fullmatch(key, path)]
+            if not key.endswith("/output") or hits:
+                raise PlanError(
+                    f"The sequence-parallel key {key!r} must match layer "
+                    "outputs (`<layer path>/output`) only, but it matches "
+                    f"weight paths {hits[:3]}. Fix the {self.architecture!r} "
+                    "handler's `sequence_parallel_outputs`. Received: "
+                    f"key={key!r}"
+                )
+        # The output of the layer that owns each weight.
+        output_paths = {path.rsplit("/", 1)[0] + "/output" for path in weight_paths}
+        for key in layouts:
+            hits = sorted(p for p in output_paths if re.fullmatch(key, p))
+            if hits:
+                raise PlanError(
+                    f"The weight key {key!r} matches layer outputs {hits[:3]}, "
+                    "where Keras would apply it to activations. The "
+                    f"{self.architecture!r} handler must anchor its weight "
+                    f"patterns. Received: key={key!r}"
+                )
 
     def _layouts(self) -> dict[str, tuple]:
         layouts = {}
@@ -423,6 +498,7 @@ class LayoutPlan:
             f"axis: {axes.model_axis}, hidden axis: {axes.hidden_axis}"
             f"{mesh_reason})",
             f"strategy: {self.strategy} ({self.strategy_reason})",
+            f"sequence parallel: {self._sequence_parallel_note()}",
             f"parameters: {self.num_parameters:,} ({self.dtype}), "
             f"{size(self.total_bytes)} in all",
             f"per device: {size(self.max_device_bytes)} of parameters (ideal "
@@ -456,6 +532,20 @@ class LayoutPlan:
                 "fit: " + "; or ".join(self.fit_advice())
             )
         return "\n".join(lines)
+
+    def _sequence_parallel_note(self) -> str:
+        if not self._sequence_parallel:
+            return "off"
+        layouts = self.activation_layouts()
+        if not layouts:
+            return (
+                f"on, but the model axis ({self.mesh_axes.model_axis}) has one "
+                "device: activations stay as they are"
+            )
+        return (
+            f"on: {len(layouts)} residual-stream layer outputs sharded "
+            f"{next(iter(layouts.values()))} on [batch, sequence, hidden]"
+        )
 
     def table(self) -> str:
         """The weights grouped by layout-map key, with spec, bytes and notes."""
@@ -966,6 +1056,7 @@ def plan_config(
     model_axis: str | None = None,
     dtype=None,
     device_memory: int | None = None,
+    sequence_parallel: bool = False,
 ) -> LayoutPlan:
     """`plan()` for a config already read with `read_config`.
 
@@ -979,10 +1070,24 @@ def plan_config(
             f"Unknown strategy. Use one of {list(STRATEGY_CHOICES)}. "
             f"Received: strategy={strategy!r}"
         )
+    if not isinstance(sequence_parallel, bool):
+        raise StrategyError(
+            "`sequence_parallel` is True (shard residual-stream activations "
+            "on the sequence over the model axis) or False. Received: "
+            f"sequence_parallel={sequence_parallel!r}"
+        )
     mesh_axes = resolve_mesh_axes(
         device_mesh, batch_axis=batch_axis, model_axis=model_axis
     )
     handler = _handler_of(preset_config)
+    sp_outputs = tuple(getattr(handler, "sequence_parallel_outputs", ()) or ())
+    if sequence_parallel and not sp_outputs:
+        raise UnsupportedArchitectureError(
+            f"keras_hub_autodist has no sequence-parallel layout for the "
+            f"{handler.name!r} family ({preset_config.backbone_class}): its "
+            "handler lists no `sequence_parallel_outputs`. Load it without "
+            "`sequence_parallel=True`. Received: sequence_parallel=True"
+        )
     fields = dict(handler.config_fields)
     validate_config(preset_config, [*fields.values(), "num_layers"])
     weights = validated_weights(handler, preset_config, fields)
@@ -1013,6 +1118,8 @@ def plan_config(
             device_mesh=device_mesh if is_device_mesh(device_mesh) else None,
             device_memory_source=source,
             config_fields=fields,
+            sequence_parallel=sequence_parallel,
+            sequence_parallel_outputs=sp_outputs,
         )
 
     if strategy != "auto":
@@ -1155,6 +1262,7 @@ def plan(
     model_axis: str | None = None,
     dtype=None,
     device_memory: int | None = None,
+    sequence_parallel: bool = False,
 ) -> LayoutPlan:
     """Plan the layout of a preset's weights on a device mesh.
 
@@ -1190,6 +1298,11 @@ def plan(
         device_memory: per-device bytes; defaults to
             `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB`, what the devices report,
             or 16 GiB (`plan.memory_note()` says which).
+        sequence_parallel: also shard the activations tensor parallelism
+            replicates (the residual stream: norms, residual adds, dropout)
+            on their sequence dimension over the model axis, Megatron-style;
+            `plan.layout_map()` then holds `<layer>/output` keys. Needs a
+            model axis of more than one device to change anything.
 
     Returns:
         A `LayoutPlan`; `plan.fits` tells whether training fits.
@@ -1215,6 +1328,7 @@ def plan(
         model_axis=model_axis,
         dtype=dtype,
         device_memory=device_memory,
+        sequence_parallel=sequence_parallel,
     )
     result.mesh_reason = mesh_reason
     return result
@@ -1232,7 +1346,7 @@ def get_layout_map(preset, device_mesh, **options) -> keras.distribution.LayoutM
             or a backbone or task instance.
         device_mesh: a `keras.distribution.DeviceMesh`.
         **options: `strategy`, `batch_axis`, `model_axis`, `dtype`,
-            `device_memory`, as for `plan()`.
+            `device_memory`, `sequence_parallel`, as for `plan()`.
 
     Example:
     ```python

@@ -66,6 +66,26 @@ AUTO_TP_MEMORY_SHARE = 0.8
 DEFAULT_DEVICE_MEMORY_BYTES = 16 * 1024**3
 
 
+def sequence_parallel_spec(mesh_axes) -> tuple[str | None, ...] | None:
+    """The layout of a `[batch, sequence, hidden]` activation under sequence
+    parallelism, or `None` when the model axis has nothing to shard.
+
+    Megatron-style sequence parallelism shards the activations that tensor
+    parallelism replicates over the model axis (the residual stream: norms,
+    dropout, residual adds) on their sequence dimension over that axis; the
+    batch dimension stays on the batch axis.
+
+    Example:
+    >>> from keras_hub_autodist.mesh import resolve_mesh_axes
+    >>> sequence_parallel_spec(resolve_mesh_axes({"batch": 2, "model": 4}))
+    ('batch', 'model', None)
+    """
+    model_axis = mesh_axes.model_axis
+    if model_axis is None or mesh_axes.size(model_axis) <= 1:
+        return None
+    return (mesh_axes.batch_axis, model_axis, None)
+
+
 def parallel_axis(logical_axes: tuple[str | None, ...]) -> str | None:
     """The logical axis a weight is tensor-parallel over, if any.
 

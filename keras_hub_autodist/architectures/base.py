@@ -70,6 +70,13 @@ class Architecture:
     # Logical axis → the config field whose value sets that dimension; used
     # to explain fallbacks ("num_key_value_heads=1 does not divide ...").
     config_fields: Mapping[str, str] = {}
+    # Layer outputs on the residual stream, as `re.fullmatch` patterns of
+    # `<layer path>/output` (the keys Keras looks up for a layer's output):
+    # norms and the row-parallel projections (single tensors only: a
+    # layout is applied to every tensor of a tuple output). Sequence
+    # parallelism shards them on the sequence over the model axis; empty
+    # means the family does not support it.
+    sequence_parallel_outputs: tuple[str, ...] = ()
 
     def weights(self, config: Mapping) -> list[WeightSpec]:
         """Return every weight of the backbone built from `config`."""

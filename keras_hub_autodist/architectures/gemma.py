@@ -18,6 +18,18 @@ GEMMA_CONFIG_FIELDS = {
     "mlp": "intermediate_dim",
 }
 
+# The residual stream of a Gemma decoder block (Gemma 1, 2 and 3): its
+# norms' outputs, the row-parallel attention output and down projection, and
+# the final norm's. Not the block's own output: with a cache (generate) it is
+# an `(x, cache)` tuple, and Keras would lay the cache out like `x`; the
+# residual adds follow their sequence-sharded operands.
+GEMMA_SEQUENCE_PARALLEL_OUTPUTS = (
+    r"decoder_block_\d+/(pre|post)_(attention|ffw)_norm/output",
+    r"decoder_block_\d+/attention/attention_output/output",
+    r"decoder_block_\d+/ffw_linear/output",
+    "final_normalization/output",
+)
+
 
 def gemma_attention_entries(config: Mapping) -> list:
     """Query/key/value/output kernels of a Gemma-style attention block."""
@@ -79,6 +91,7 @@ class GemmaArchitecture(Architecture):
 
     name = "gemma"
     config_fields = GEMMA_CONFIG_FIELDS
+    sequence_parallel_outputs = GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 
     def weights(self, config: Mapping) -> list[WeightSpec]:
         entries = gemma_block_entries(config, config["intermediate_dim"] // 2)

@@ -8,6 +8,7 @@ from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
 from keras_hub_autodist.architectures.base import layer_weights
 from keras_hub_autodist.architectures.gemma import GEMMA_CONFIG_FIELDS
+from keras_hub_autodist.architectures.gemma import GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 from keras_hub_autodist.architectures.gemma import gemma_block_entries
 from keras_hub_autodist.architectures.gemma import gemma_global_weights
 from keras_hub_autodist.errors import UnsupportedArchitectureError
@@ -30,6 +31,7 @@ class Gemma3Architecture(Architecture):
 
     name = "gemma3"
     config_fields = GEMMA_CONFIG_FIELDS
+    sequence_parallel_outputs = GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 
     def weights(self, config: Mapping) -> list[WeightSpec]:
         if config.get("vision_encoder") is not None:

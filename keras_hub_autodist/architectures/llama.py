@@ -22,6 +22,18 @@ LLAMA_CONFIG_FIELDS = {
     "mlp": "intermediate_dim",
 }
 
+# The residual stream of a Llama/Mistral decoder layer: its norms' outputs,
+# the row-parallel attention output (and its dropout) and down projection,
+# and the final norm's. Not the layer's own output: with a cache (generate)
+# it is an `(x, cache)` tuple, and Keras would lay the cache out like `x`.
+LLAMA_SEQUENCE_PARALLEL_OUTPUTS = (
+    r"transformer_layer_\d+/(self_attention|feedforward)_layernorm/output",
+    r"transformer_layer_\d+/self_attention/attention_output/output",
+    r"transformer_layer_\d+/self_attention_dropout/output",
+    r"transformer_layer_\d+/feedforward_output_dense/output",
+    "sequence_output_layernorm/output",
+)
+
 
 class LlamaArchitecture(Architecture):
     """Weights of `LlamaBackbone` and its subclasses (`Llama3Backbone`).
@@ -39,6 +51,7 @@ class LlamaArchitecture(Architecture):
 
     name = "llama"
     config_fields = LLAMA_CONFIG_FIELDS
+    sequence_parallel_outputs = LLAMA_SEQUENCE_PARALLEL_OUTPUTS
 
     def __init__(self, *, always_untied: bool = False, name: str = "llama"):
         self.always_untied = always_untied
