@@ -6,6 +6,7 @@ import pathlib
 
 import keras_hub_autodist
 from bench.static_maps import static_device_bytes
+from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.presets import read_preset_config
 from keras_hub_autodist.registry import handler_for
 
@@ -23,7 +24,14 @@ def run():
     rows = []
     for preset in sorted(p for p in SHARED.iterdir() if (p / "config.json").exists()):
         info = read_preset_config(str(preset))
-        weights = handler_for(info.backbone_cls).weights(info.config)
+        try:
+            weights = handler_for(info.backbone_cls).weights(info.config)
+        except UnsupportedArchitectureError:
+            # Qwen and Mixtral configs wait for their families (issue 10).
+            rows.append(
+                dict(preset=preset.name, unsupported=info.backbone_cls.__name__)
+            )
+            continue
         for devices in DEVICES:
             batch, model = meshes(devices)
             mesh = {"batch": batch, "model": model}
