@@ -3,10 +3,72 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
 
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+from keras_hub_autodist.errors import UnplannedWeightError
+from keras_hub_autodist.errors import UnplannedWeightWarning
+
+LOGICAL_AXES = (
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "norm",
+    "expert",
+    "unsharded",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One line of an architecture's rule table: variable paths → logical axes.
+
+    Args:
+        pattern: a regular expression that `re.fullmatch`es the Keras
+            variable paths it covers, e.g.
+            `r"decoder_block_\\d+/attention/(key|value)/kernel"`.
+        axes: one logical axis (from `LOGICAL_AXES`) per dimension of those
+            variables. No shapes: they come from the model.
+
+    Example:
+    >>> Rule(r"final_norm/scale", ("norm",)).axes
+    ('norm',)
+    """
+
+    pattern: str
+    axes: tuple[str, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", tuple(self.axes))
+        unknown = set(self.axes) - set(LOGICAL_AXES)
+        if unknown:
+            raise ValueError(
+                f"Rule {self.pattern!r} uses unknown logical axes "
+                f"{sorted(unknown)}; use those in {LOGICAL_AXES}."
+            )
+        try:
+            re.compile(self.pattern)
+        except re.error as error:
+            raise ValueError(
+                f"Rule pattern {self.pattern!r} is not a valid regular "
+                f"expression: {error}"
+            ) from error
+
+
+def rule_table(*entries: tuple[str, Sequence[str]]) -> tuple[Rule, ...]:
+    """An ordered rule table from `(pattern, logical axes)` pairs.
+
+    Example:
+    >>> table = rule_table(("token_embedding/embeddings", ("vocab", "embed")))
+    >>> table[0].pattern
+    'token_embedding/embeddings'
+    """
+    return tuple(Rule(pattern, tuple(axes)) for pattern, axes in entries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,43 +109,178 @@ class WeightSpec:
 
 
 class Architecture:
-    """Base class of an architecture handler.
+    """An architecture: which logical axes each variable of a backbone has.
 
-    A handler turns a backbone config (the keyword arguments of the backbone
-    class, as in a Keras preset's `config.json`) into the table of the
-    backbone's weights. Subclasses set `name` and `config_fields` and
-    implement `weights`.
+    An architecture is an ordered rule table (`rules`): each `Rule` maps the
+    variable paths its pattern `re.fullmatch`es to one logical axis per
+    dimension. Shapes are not stated: they come from the model itself, built
+    abstractly from the preset's config (`abstract.model_variables`).
+    Every variable must match exactly one rule.
+
+    Create one as a value, or subclass to refuse configs (`check_config`)
+    or to give a keras-free fast path (`shape_hints`).
+
+    Args:
+        name: the family name shown in plans, e.g. `"qwen"`.
+        rules: the rule table (`rule_table(...)`).
+        config_fields: logical axis → the config field that sets it, to
+            explain fallbacks ("num_key_value_heads=1 does not divide ...").
+        sequence_parallel_outputs: `re.fullmatch` patterns of the
+            residual-stream layer outputs (`<layer path>/output`) that
+            sequence parallelism shards on the sequence; empty when the
+            family does not support it.
 
     Example:
     ```python
-    class MyFamily(Architecture):
-        name = "my_family"
-        config_fields = {"vocab": "vocabulary_size", "embed": "hidden_dim"}
-
-        def weights(self, config):
-            v, d = config["vocabulary_size"], config["hidden_dim"]
-            return [global_weight("embedding/embeddings", (v, d), ("vocab", "embed"))]
+    MY_FAMILY = Architecture(
+        name="my_family",
+        rules=rule_table(
+            ("embedding/embeddings", ("vocab", "embed")),
+            (r"block_\\d+/attention/(query|key|value)/kernel",
+             ("embed", "heads", "head_dim")),
+            (r"block_\\d+/attention/output/kernel", ("heads", "head_dim", "embed")),
+            (r"block_\\d+/mlp/(gate|up)/kernel", ("embed", "mlp")),
+            (r"block_\\d+/mlp/down/kernel", ("mlp", "embed")),
+            (r".*norm/scale", ("norm",)),
+        ),
+    )
     ```
     """
 
     name: str = ""
-    # Logical axis → the config field whose value sets that dimension; used
-    # to explain fallbacks ("num_key_value_heads=1 does not divide ...").
+    rules: tuple[Rule, ...] = ()
     config_fields: Mapping[str, str] = {}
-    # Layer outputs on the residual stream, as `re.fullmatch` patterns of
-    # `<layer path>/output` (the keys Keras looks up for a layer's output):
-    # norms and the row-parallel projections (single tensors only: a
-    # layout is applied to every tensor of a tuple output). Sequence
-    # parallelism shards them on the sequence over the model axis; empty
-    # means the family does not support it.
     sequence_parallel_outputs: tuple[str, ...] = ()
 
-    def weights(self, config: Mapping) -> list[WeightSpec]:
-        """Return every weight of the backbone built from `config`."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        name: str | None = None,
+        rules: Sequence[Rule] | None = None,
+        config_fields: Mapping[str, str] | None = None,
+        sequence_parallel_outputs: Sequence[str] | None = None,
+    ):
+        # Only what is given overrides the class attributes, so a subclass
+        # keeps its own name and table.
+        if name is not None:
+            self.name = name
+        if rules is not None:
+            self.rules = tuple(rules)
+        if config_fields is not None:
+            self.config_fields = dict(config_fields)
+        if sequence_parallel_outputs is not None:
+            self.sequence_parallel_outputs = tuple(sequence_parallel_outputs)
+
+    def check_config(self, config: Mapping) -> None:
+        """Refuse configs this family can't plan (raise an `AutodistError`)."""
+
+    def shape_hints(self, config: Mapping) -> list[WeightSpec] | None:
+        """Optional keras-free weight table for the CLI's fast path, or `None`.
+
+        Tests check every hint against the abstract build of the model.
+        """
+        return None
+
+    def matching_rules(self, path: str) -> list[Rule]:
+        """The rules whose pattern `re.fullmatch`es `path`."""
+        return [rule for rule in self.rules if re.fullmatch(rule.pattern, path)]
+
+    def weights(
+        self, config: Mapping, backbone_cls: type, *, strict: bool = True
+    ) -> list[WeightSpec]:
+        """Every variable of `backbone_cls` built from `config`, with the
+        logical axes of the rule it matches.
+
+        Args:
+            config: the backbone's constructor arguments.
+            backbone_cls: the keras-hub backbone class.
+            strict: a variable that matches no rule is an error (`True`),
+                or a warning and the variable stays replicated (`False`).
+
+        Raises:
+            UnplannedWeightError: a variable matches several rules, or (when
+                `strict`) none.
+        """
+        from keras_hub_autodist.abstract import model_variables
+
+        self.check_config(config)
+        specs, unmatched, ambiguous = [], [], {}
+        for variable in model_variables(backbone_cls, config):
+            rules = self.matching_rules(variable.path)
+            if len(rules) == 1:
+                rule = rules[0]
+                if len(rule.axes) != len(variable.shape):
+                    raise _rank_error(self, backbone_cls, rule, variable)
+                specs.append(
+                    WeightSpec(variable.path, rule.pattern, variable.shape, rule.axes)
+                )
+            elif rules:
+                ambiguous[variable.path] = [rule.pattern for rule in rules]
+            else:
+                unmatched.append(variable)
+                specs.append(
+                    WeightSpec(
+                        variable.path,
+                        _escape_path(variable.path),
+                        variable.shape,
+                        ("unsharded",) * len(variable.shape),
+                    )
+                )
+        if ambiguous or (unmatched and strict):
+            raise _unmatched_error(self, backbone_cls, unmatched, ambiguous)
+        if unmatched:
+            warnings.warn(
+                f"keras_hub_autodist: {len(unmatched)} weights of "
+                f"{backbone_cls.__name__} match no rule of the {self.name!r} "
+                "architecture and stay replicated on every device "
+                "(strict=False): "
+                + ", ".join(f"{v.path} {v.shape}" for v in unmatched[:10]),
+                UnplannedWeightWarning,
+                stacklevel=2,
+            )
+        return specs
 
     def __repr__(self):
         return f"<{type(self).__name__} name={self.name!r}>"
+
+
+def _escape_path(path: str) -> str:
+    return re.escape(path)
+
+
+def _rank_error(architecture, backbone_cls, rule, variable):
+    return UnplannedWeightError(
+        f"The rule {rule.pattern!r} of the {architecture.name!r} architecture "
+        f"gives {len(rule.axes)} logical axes {rule.axes}, but "
+        f"{backbone_cls.__name__} builds {variable.path!r} with shape "
+        f"{variable.shape}. Fix the rule table (one logical axis per "
+        f"dimension). Received: {variable.path} {variable.shape}"
+    )
+
+
+def _unmatched_error(architecture, backbone_cls, unmatched, ambiguous):
+    parts = []
+    if unmatched:
+        parts.append(
+            f"{len(unmatched)} weights of {backbone_cls.__name__} match no "
+            f"rule of the {architecture.name!r} architecture: "
+            + ", ".join(f"{v.path} {v.shape}" for v in unmatched[:10])
+            + ". Add a rule for them to the architecture's table, or pass "
+            "`strict=False` to keep them replicated"
+        )
+    if ambiguous:
+        listed = "; ".join(
+            f"{path} matches {patterns}"
+            for path, patterns in list(ambiguous.items())[:5]
+        )
+        parts.append(
+            f"{len(ambiguous)} weights of {backbone_cls.__name__} match several "
+            f"rules of the {architecture.name!r} architecture ({listed}). "
+            "Make the rules disjoint"
+        )
+    return UnplannedWeightError(
+        ". ".join(parts)
+        + f". Received: {len(unmatched)} unmatched, {len(ambiguous)} ambiguous"
+    )
 
 
 def global_weight(path: str, shape: Sequence[int], axes: Sequence[str]) -> WeightSpec:
