@@ -108,6 +108,7 @@ def test_explicit_activation_replaces_the_guard(plugin_off):
     assert not hasattr(original, "__keras_hub_autodist_original__")
 
 
+@pytest.mark.slow
 def test_python_dash_s_guard_then_explicit_import():
     # `python -S` runs no .pth file: the hook is run by hand here, as the .pth
     # would with the plugin switched off; then `import keras_hub_autodist`.
