@@ -61,7 +61,21 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[VariableShape,
     variables = model_variables(keras_hub.models.GemmaBackbone, config)
     ```
     """
+    config = _serialized(config)
     return _cached_variables(backbone_cls, _config_key(config), _Frozen(config))
+
+
+def _serialized(config: Mapping) -> dict:
+    """Converters hand sub-models over as layer instances (Gemma 3's vision
+    encoder); `from_config` and the cache key take them serialized."""
+    import keras
+
+    return {
+        key: keras.saving.serialize_keras_object(value)
+        if isinstance(value, keras.layers.Layer)
+        else value
+        for key, value in config.items()
+    }
 
 
 class _Frozen:

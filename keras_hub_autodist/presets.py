@@ -114,10 +114,19 @@ def _loader_for(preset):
         raise
 
 
+# Hugging Face model types whose vision tower is planned (keras-hub
+# converts it); other checkpoints with a `vision_config` are refused.
+VISION_TOWER_MODEL_TYPES = ("gemma3",)
+
+
 def _reject_vision_towers(raw: Mapping, preset) -> None:
-    if raw.get("vision_config") is not None:
+    if (
+        raw.get("vision_config") is not None
+        and raw.get("model_type") not in VISION_TOWER_MODEL_TYPES
+    ):
         raise UnsupportedArchitectureError(
-            "keras_hub_autodist plans text-only models; this Hugging Face "
+            "keras_hub_autodist plans the vision towers of "
+            f"{', '.join(VISION_TOWER_MODEL_TYPES)} only; this Hugging Face "
             f"checkpoint (model_type={raw['model_type']!r}) has a vision "
             "tower. Use its text-only variant or your own layout map. "
             f"Received: preset={preset!r}"
@@ -167,11 +176,16 @@ def _config_from_loader(loader, raw: Mapping, preset) -> PresetConfig:
         converter = loader.converter
         backbone_cls = loader.check_backbone_class()
         convert = converter.convert_backbone_config
+        from keras_hub_autodist.keras_internals import deferred_variables
+
         try:
-            if len(inspect.signature(convert).parameters) != 1:
-                config = convert(raw, backbone_cls)
-            else:
-                config = convert(raw)
+            # Converters may build sub-models (Gemma 3's vision encoder):
+            # their variables get shapes, never values.
+            with deferred_variables():
+                if len(inspect.signature(convert).parameters) != 1:
+                    config = convert(raw, backbone_cls)
+                else:
+                    config = convert(raw)
         except KeyError as error:
             raise _missing_hf_field(error.args[0], raw, preset) from error
         return PresetConfig(preset, backbone_cls, dict(config), "transformers")
@@ -426,8 +440,8 @@ def read_local_config(preset: str) -> PresetConfig | None:
         return PresetConfig(preset, None, _keras_config(raw, preset), "keras", name)
     if "model_type" in raw:
         _reject_vision_towers(raw, preset)
-        if raw["model_type"] not in HF_CONVERSIONS:
-            return None
+        if raw["model_type"] not in HF_CONVERSIONS or "vision_config" in raw:
+            return None  # keras-hub's converter reads it
         name, config = convert_hf_config(raw, preset)
         return PresetConfig(preset, None, config, "transformers", name)
     return None
@@ -526,7 +540,7 @@ def read_local_config_dict(raw: Mapping) -> PresetConfig | None:
             )
         return PresetConfig(label, None, config, "keras", class_name)
     _reject_vision_towers(raw, label)
-    if raw["model_type"] not in HF_CONVERSIONS:
+    if raw["model_type"] not in HF_CONVERSIONS or "vision_config" in raw:
         return None
     name, config = convert_hf_config(raw, label)
     return PresetConfig(label, None, config, "transformers", name)

@@ -309,16 +309,52 @@ def test_multimodal_checkpoint_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps(
             {
-                "model_type": "gemma3",
-                "vision_config": {"image_size": 896},
+                "model_type": "llava",
+                "vision_config": {"image_size": 336},
                 "text_config": {},
             }
         )
     )
     with pytest.raises(
-        UnsupportedArchitectureError, match="text-only.*model_type='gemma3'"
+        UnsupportedArchitectureError,
+        match="vision towers of gemma3 only.*model_type='llava'",
     ):
         keras_hub_autodist.plan(str(tmp_path), {"batch": 8})
+
+
+def test_multimodal_gemma3_checkpoint_plans_its_vision_tower(tmp_path):
+    text = dict(
+        model_type="gemma3_text",
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=8,
+        rms_norm_eps=1e-6,
+        sliding_window=4,
+        rope_theta=10000.0,
+    )
+    vision = dict(
+        image_size=16,
+        patch_size=4,
+        num_attention_heads=2,
+        hidden_size=16,
+        num_hidden_layers=2,
+        intermediate_size=32,
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "gemma3", "text_config": text, "vision_config": vision}
+        )
+    )
+    plan = keras_hub_autodist.plan(str(tmp_path), {"batch": 2, "model": 4})
+    rows = {row.path: row for row in plan.rows}
+    query = rows["image_encoder/encoder_block_1/multi_head_attention/query_proj/kernel"]
+    assert query.spec == (None, "model")
+    assert plan.backbone_class == "Gemma3Backbone"
 
 
 def test_plan_says_when_it_does_not_fit():
