@@ -13,6 +13,12 @@ if "xla_force_host_platform_device_count" not in flags:
 
 import pathlib  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+# Abstract builds are cached on disk; tests use a fresh cache of their own.
+os.environ.setdefault(
+    "KERAS_HUB_AUTODIST_CACHE", tempfile.mkdtemp(prefix="keras_hub_autodist_cache_")
+)
 
 import pytest  # noqa: E402
 

@@ -729,10 +729,20 @@ def _model_weights(handler, preset_config: PresetConfig, strict: bool):
     if not getattr(handler, "rules", ()):
         # A handler that lists its weights itself (the table-less interface).
         return handler.weights(config)
-    if _SHAPE_SOURCE.get() == "config" and preset_config.backbone_cls is None:
-        hints = handler.shape_hints(config)
-        if hints is not None:
-            return [_under_rule(handler, hint) for hint in hints]
+    if preset_config.backbone_cls is None:
+        if _SHAPE_SOURCE.get() == "config":
+            hints = handler.shape_hints(config)
+            if hints is not None:
+                return [_under_rule(handler, hint) for hint in hints]
+        # An earlier process's abstract build of this config, without keras.
+        from keras_hub_autodist.abstract import stored_variables
+
+        stored = stored_variables(preset_config.backbone_class, config)
+        if stored is not None:
+            handler.check_config(config)
+            return handler.match_variables(
+                stored, preset_config.backbone_class, strict=strict
+            )
     backbone_cls = preset_config.backbone_cls or backbone_class_named(
         preset_config.backbone_class
     )
