@@ -142,14 +142,22 @@ def moe_preset(path, family, num_experts, seed=0):
     return str(path)
 
 
+class _Presets(dict):
+    """`(family, num_experts)` → a tiny preset, saved on first use."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, key):
+        family, experts = key
+        self[key] = moe_preset(self.root / f"{family}_{experts}", family, experts)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def moe_presets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_presets")
-    return {
-        (family, experts): moe_preset(root / f"{family}_{experts}", family, experts)
-        for family in ("mixtral", "qwen_moe")
-        for experts in (6, 8)
-    }
+    return _Presets(tmp_path_factory.mktemp("moe_presets"))
 
 
 def expert_rows(plan):
@@ -259,17 +267,21 @@ def assert_laid_out_as_planned(lm):
 
 
 EXPERT_MESH = {"batch": 2, "expert": 2, "model": 2}
+SLOW = pytest.mark.slow
+# The default session trains one case (experts that don't divide the model
+# axis: tensor parallelism inside each expert, and Qwen-MoE's shared expert);
+# the integration session (`slow`) runs the others.
 TRAINING_CASES = [
-    # 6 experts on model=4: tensor parallelism inside each expert.
-    pytest.param("mixtral", 6, {"batch": 2, "model": 4}, "tp"),
+    pytest.param("qwen_moe", 6, {"batch": 2, "model": 4}, "tp"),
+    pytest.param("mixtral", 6, {"batch": 2, "model": 4}, "tp", marks=SLOW),
+    pytest.param("qwen_moe", 6, {"model": 8, "batch": 1}, "fsdp", marks=SLOW),
     # 8 experts on model=4 and 8: expert parallelism.
-    pytest.param("qwen_moe", 8, {"batch": 2, "model": 4}, "fsdp"),
-    pytest.param("mixtral", 8, {"batch": 1, "model": 8}, "tp", marks=pytest.mark.slow),
-    pytest.param("qwen_moe", 6, {"batch": 2, "model": 4}, "tp", marks=pytest.mark.slow),
-    pytest.param("qwen_moe", 6, {"model": 8, "batch": 1}, "tp", marks=pytest.mark.slow),
-    pytest.param("mixtral", 8, EXPERT_MESH, "tp", marks=pytest.mark.slow),
-    pytest.param("qwen_moe", 8, EXPERT_MESH, "fsdp", marks=pytest.mark.slow),
-    pytest.param("mixtral", 6, EXPERT_MESH, "fsdp", marks=pytest.mark.slow),
+    pytest.param("qwen_moe", 8, {"batch": 2, "model": 4}, "fsdp", marks=SLOW),
+    pytest.param("mixtral", 8, {"batch": 1, "model": 8}, "tp", marks=SLOW),
+    # A mesh with an expert axis.
+    pytest.param("mixtral", 8, EXPERT_MESH, "tp", marks=SLOW),
+    pytest.param("qwen_moe", 8, EXPERT_MESH, "fsdp", marks=SLOW),
+    pytest.param("mixtral", 6, EXPERT_MESH, "fsdp", marks=SLOW),
 ]
 
 
@@ -293,14 +305,13 @@ def test_adam_losses_match_single_device(moe_presets):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, experts, mesh",
     [
-        ("mixtral", 6, {"batch": 2, "model": 4}),
-        ("mixtral", 8, EXPERT_MESH),
-        ("qwen2_moe", 6, {"batch": 1, "model": 8}),
-        ("qwen2_moe", 8, {"batch": 2, "model": 4}),
+        pytest.param("mixtral", 6, {"batch": 2, "model": 4}),
+        pytest.param("mixtral", 8, EXPERT_MESH, marks=SLOW),
+        pytest.param("qwen2_moe", 6, {"batch": 1, "model": 8}, marks=SLOW),
+        pytest.param("qwen2_moe", 8, {"batch": 2, "model": 4}, marks=SLOW),
     ],
     ids=lambda v: mesh_id(v) if isinstance(v, dict) else str(v),
 )
