@@ -14,6 +14,8 @@ converters (a test compares the two on every config the tests carry).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import json
@@ -652,29 +654,137 @@ def validate_config(preset_config: PresetConfig, fields) -> None:
         )
 
 
-def validated_weights(handler, preset_config: PresetConfig, fields: Mapping):
-    """`handler.weights(config)`, with config problems as `ConfigError`.
+# Where planning takes weight shapes from: the model, built abstractly
+# (`"model"`, the default), or the family's keras-free `shape_hints` where it
+# has them (`"config"`: the CLI's fast path, which must not import keras-hub).
+_SHAPE_SOURCE: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "keras_hub_autodist_shape_source", default="model"
+)
 
-    A field the handler needs but the config lacks, and a weight with a
-    dimension that is not a positive integer (e.g. `head_dim=None` where
-    the family needs it), name the field and the preset.
+
+@contextlib.contextmanager
+def shapes_from_config():
+    """Plan with the families' keras-free shape hints where they exist.
+
+    The CLI plans local configs of the built-in families this way, without
+    importing keras-hub; tests check every hint against the abstract build.
+
+    Example:
+    ```python
+    with shapes_from_config():
+        plan("./gemma_2b", {"batch": 2, "model": 4})
+    ```
+    """
+    token = _SHAPE_SOURCE.set("config")
+    try:
+        yield
+    finally:
+        _SHAPE_SOURCE.reset(token)
+
+
+def backbone_class_named(name: str) -> type:
+    """The keras-hub backbone class registered under `name`.
+
+    Example:
+    >>> backbone_class_named("GemmaBackbone").__name__
+    'GemmaBackbone'
+    """
+    import keras
+    import keras_hub
+
+    found = keras.saving.get_registered_object(f"keras_hub>{name}")
+    if found is None:
+        found = getattr(keras_hub.models, name, None)
+    if found is None:  # another package's backbone, registered with Keras
+        registered = keras.saving.get_custom_objects()
+        found = next(
+            (obj for key, obj in registered.items() if key.endswith(f">{name}")),
+            None,
+        )
+    if not isinstance(found, type):
+        raise ConfigError(
+            f"keras-hub has no backbone class named {name!r}. Check the "
+            "preset's config.json `class_name` (or upgrade keras-hub). "
+            f"Received: class_name={name!r}"
+        )
+    return found
+
+
+def _model_weights(handler, preset_config: PresetConfig, strict: bool):
+    config = preset_config.config
+    if not getattr(handler, "rules", ()):
+        # A handler that lists its weights itself (the table-less interface).
+        return handler.weights(config)
+    if _SHAPE_SOURCE.get() == "config" and preset_config.backbone_cls is None:
+        hints = handler.shape_hints(config)
+        if hints is not None:
+            return [_under_rule(handler, hint) for hint in hints]
+    backbone_cls = preset_config.backbone_cls or backbone_class_named(
+        preset_config.backbone_class
+    )
+    return handler.weights(config, backbone_cls, strict=strict)
+
+
+def _under_rule(handler, hint):
+    """A hinted weight keyed by the rule that matches it, as the model's is."""
+    rules = handler.matching_rules(hint.path)
+    if len(rules) != 1:
+        return hint
+    return dataclasses.replace(hint, pattern=rules[0].pattern)
+
+
+def validated_weights(
+    handler, preset_config: PresetConfig, fields: Mapping, *, strict: bool = True
+):
+    """The weights of the preset's model, with config problems as `ConfigError`.
+
+    Shapes and paths come from the model built abstractly from the config
+    (`Architecture.weights`), or from the family's shape hints inside
+    `shapes_from_config()`. A field the family needs but the config lacks,
+    and a weight with a dimension that is not a positive integer, name the
+    field and the preset.
 
     Args:
-        handler: the architecture handler.
+        handler: the architecture.
         preset_config: the config read from the preset.
         fields: the handler's `config_fields` (logical axis → config field).
+        strict: a weight that matches no rule is an error (`True`) or a
+            warning, the weight staying replicated (`False`).
     """
     config = preset_config.config
     try:
-        weights = handler.weights(config)
+        weights = _model_weights(handler, preset_config, strict)
     except KeyError as error:
-        field = error.args[0] if error.args else "?"
-        raise ConfigError(
-            f"The preset's config has no `{field}`, which the "
-            f"{handler.name} layout needs. Add it to the preset's "
-            f"config.json. Received: preset={str(preset_config.preset)!r}, "
-            f"fields={sorted(config)}"
-        ) from error
+        raise _missing_field_error(handler, preset_config, error) from error
+    except ConfigError as error:
+        # keras-hub could not build the model: name the field when the
+        # family's shape hints can tell which one is wrong.
+        try:
+            hints = handler.shape_hints(config)
+        except KeyError as missing:
+            raise _missing_field_error(handler, preset_config, missing) from error
+        except Exception:  # the hints can't tell either
+            raise error from None
+        if hints is None:
+            raise
+        _check_positive_dims(hints, preset_config, fields)
+        raise
+    _check_positive_dims(weights, preset_config, fields)
+    return weights
+
+
+def _missing_field_error(handler, preset_config, error: KeyError) -> ConfigError:
+    field = error.args[0] if error.args else "?"
+    return ConfigError(
+        f"The preset's config has no `{field}`, which the "
+        f"{handler.name} layout needs. Add it to the preset's "
+        f"config.json. Received: preset={str(preset_config.preset)!r}, "
+        f"fields={sorted(preset_config.config)}"
+    )
+
+
+def _check_positive_dims(weights, preset_config: PresetConfig, fields) -> None:
+    config = preset_config.config
     for weight in weights:
         for size, axis in zip(weight.shape, weight.axes):
             if not _is_positive_int(size):
@@ -686,7 +796,6 @@ def validated_weights(handler, preset_config: PresetConfig, fields: Mapping):
                     "the preset's config.json. "
                     + _received(preset_config, field, config.get(field))
                 )
-    return weights
 
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")

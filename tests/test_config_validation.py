@@ -16,6 +16,8 @@ from keras_hub_autodist.presets import HF_CONVERSIONS
 from keras_hub_autodist.presets import cached_kaggle_snapshot
 from keras_hub_autodist.presets import read_local_config
 from keras_hub_autodist.presets import read_preset_config
+from keras_hub_autodist.presets import shapes_from_config
+from keras_hub_autodist.presets import validated_weights
 
 GEMMA_HF = {
     "architectures": ["GemmaForCausalLM"],
@@ -56,10 +58,17 @@ def _assert_same(fast, slow):
     # Every field the layout reads is one the fast reader provides.
     handler = registry.handler_for(slow.backbone_cls)
     recording = Recording(slow.config)
-    handler.weights(recording)
+    handler.shape_hints(recording)
     for key in recording.read:
         assert (key in fast.config) == (key in slow.config), key
-    assert handler.weights(fast.config) == handler.weights(slow.config)
+    # The CLI's fast path (hints from the fast reader's config) plans exactly
+    # what the abstract build of the model gives.
+    with shapes_from_config():
+        hinted = validated_weights(handler, fast, handler.config_fields)
+    built = handler.weights(slow.config, slow.backbone_cls)
+    by_path = lambda weights: sorted(weights, key=lambda w: w.path)  # noqa: E731
+    assert by_path(hinted) == by_path(built)
+    assert handler.weights(fast.config, slow.backbone_cls) == built
 
 
 def test_fast_reader_agrees_with_keras_hub_on_real_configs(real_configs):

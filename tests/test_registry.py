@@ -113,18 +113,26 @@ def test_builtins_plan_without_installed_metadata(
 
 def test_source_checkout_plans_in_a_fresh_process():
     """`PYTHONPATH=<checkout>` and no entry points at all: every built-in
-    family plans, and planning a folder still imports no Keras."""
+    family plans from the model; with the CLI's shape hints
+    (`shapes_from_config`), planning a folder imports no Keras."""
     code = textwrap.dedent(
         f"""
         import sys
         from importlib import metadata
         metadata.entry_points = lambda **kwargs: []
         import keras_hub_autodist
-        for name in {[p for p, _, _ in FAMILIES if isinstance(p, str)]!r}:
+        from keras_hub_autodist.presets import shapes_from_config
+        names = {[p for p, _, _ in FAMILIES if isinstance(p, str)]!r}
+        with shapes_from_config():
+            for name in names:
+                plan = keras_hub_autodist.plan(
+                    {str(pytest.shared)!r} + "/" + name, {MESH!r})
+                print(name, plan.architecture)
+        print("keras imported:", "keras" in sys.modules)
+        for name in names:
             plan = keras_hub_autodist.plan(
                 {str(pytest.shared)!r} + "/" + name, {MESH!r})
-            print(name, plan.architecture)
-        print("keras imported:", "keras" in sys.modules)
+            print("from the model:", name, plan.architecture)
         """
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -138,6 +146,7 @@ def test_source_checkout_plans_in_a_fresh_process():
     assert done.returncode == 0, done.stderr
     assert "gemma3_1b gemma3" in done.stdout and "llama3_8b llama" in done.stdout
     assert "keras imported: False" in done.stdout
+    assert "from the model: llama3_8b llama" in done.stdout
 
 
 def test_unsupported_error_lists_the_builtins_without_metadata(no_installed_metadata):

@@ -8,6 +8,7 @@ from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
 from keras_hub_autodist.architectures.base import layer_weights
 from keras_hub_autodist.architectures.gemma import GEMMA_CONFIG_FIELDS
+from keras_hub_autodist.architectures.gemma import GEMMA_RULES
 from keras_hub_autodist.architectures.gemma import GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 from keras_hub_autodist.architectures.gemma import gemma_block_entries
 from keras_hub_autodist.architectures.gemma import gemma_global_weights
@@ -25,15 +26,16 @@ class Gemma3Architecture(Architecture):
     Example:
     >>> config = dict(vocabulary_size=64, num_layers=1, num_query_heads=4,
     ...     num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
-    >>> len(GEMMA3.weights(config))
+    >>> len(GEMMA3.shape_hints(config))
     13
     """
 
     name = "gemma3"
+    rules = GEMMA_RULES
     config_fields = GEMMA_CONFIG_FIELDS
     sequence_parallel_outputs = GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 
-    def weights(self, config: Mapping) -> list[WeightSpec]:
+    def check_config(self, config: Mapping) -> None:
         if config.get("vision_encoder") is not None:
             raise UnsupportedArchitectureError(
                 "keras_hub_autodist plans Gemma 3 text models only; this "
@@ -48,6 +50,9 @@ class Gemma3Architecture(Architecture):
                 "(`is_embedding_model=True`). Use a causal LM preset or your "
                 "own layout map. Received: is_embedding_model=True"
             )
+
+    def shape_hints(self, config: Mapping) -> list[WeightSpec]:
+        self.check_config(config)
         entries = gemma_block_entries(config, config["intermediate_dim"])
         if config.get("use_query_key_norm", True):
             hd = config["head_dim"]
