@@ -24,6 +24,8 @@ MIXTRAL_CONFIG_FIELDS = {
     "embed": "hidden_dim",
     "heads": "num_query_heads",
     "kv_heads": "num_key_value_heads",
+    # Not a Mixtral config field (hidden_dim / num_query_heads): named as is.
+    "head_dim": "head_dim",
     "mlp": "intermediate_dim",
     "expert": "num_experts",
 }

@@ -31,16 +31,25 @@ QWEN_MOE_CONFIG_FIELDS = {
     "embed": "hidden_dim",
     "heads": "num_query_heads",
     "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
     "mlp": "intermediate_dim",
     "expert": "num_experts",
     # The `mlp` dimension of the expert kernels.
     "expert_mlp": "moe_intermediate_dim",
 }
-QWEN3_MOE_CONFIG_FIELDS = {**QWEN_MOE_CONFIG_FIELDS, "head_dim": "head_dim"}
+QWEN3_MOE_CONFIG_FIELDS = QWEN_MOE_CONFIG_FIELDS
 
 
-def _moe_rules(sparse_block: str, dense_mlps: str) -> tuple:
-    """The rules of a Qwen MoE decoder's sparse and dense MLPs."""
+def _mlp_rules(mlp: str) -> tuple:
+    """The rules of a gated MLP (a dense layer's, or Qwen-MoE's shared expert)."""
+    return (
+        (mlp + "/feedforward_(intermediate|gate)_dense/kernel", ("embed", "mlp")),
+        (mlp + "/feedforward_output_dense/kernel", ("mlp", "embed")),
+    )
+
+
+def _expert_rules(sparse_block: str) -> tuple:
+    """The rules of a Qwen MoE sparse block's router and experts."""
     return (
         (
             sparse_block + "/sparse_feedforward_gate_dense/kernel",
@@ -54,11 +63,6 @@ def _moe_rules(sparse_block: str, dense_mlps: str) -> tuple:
             sparse_block + "/experts/expert_feedforward_output_dense",
             ("expert", "mlp", "embed"),
         ),
-        (
-            f"({dense_mlps})/feedforward_(intermediate|gate)_dense/kernel",
-            ("embed", "mlp"),
-        ),
-        (f"({dense_mlps})/feedforward_output_dense/kernel", ("mlp", "embed")),
     )
 
 
@@ -73,10 +77,11 @@ QWEN_MOE = Architecture(
         (_ATTENTION + "/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
         (_ATTENTION + "/(key|value)/bias", ("kv_heads", "head_dim")),
         (_ATTENTION + "/attention_output/kernel", ("heads", "head_dim", "embed")),
-        *_moe_rules(
-            _QWEN_SPARSE,
-            _QWEN_SPARSE + r"/shared_expert_dense|" + _LAYER + r"/qwen_moe_mlp(_\d+)?",
-        ),
+        *_expert_rules(_QWEN_SPARSE),
+        # The shared expert and dense layers have their own rules: their MLP
+        # widths differ, and so may their layouts.
+        *_mlp_rules(_QWEN_SPARSE + "/shared_expert_dense"),
+        *_mlp_rules(_LAYER + r"/qwen_moe_mlp(_\d+)?"),
         (_QWEN_SPARSE + "/shared_expert_gate_dense/kernel", ("embed", "unsharded")),
         (_NORMS, ("norm",)),
     ),
@@ -92,10 +97,8 @@ QWEN3_MOE = Architecture(
         (_ATTENTION + "/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
         (_ATTENTION + "/attention_output/kernel", ("heads", "head_dim", "embed")),
         (_ATTENTION + "/(query|key)_dense_layernorm/scale", ("norm",)),
-        *_moe_rules(
-            _LAYER + r"/qwen3_sparse_moe_block(_\d+)?",
-            _LAYER + r"/qwen3_moe_mlp(_\d+)?",
-        ),
+        *_expert_rules(_LAYER + r"/qwen3_sparse_moe_block(_\d+)?"),
+        *_mlp_rules(_LAYER + r"/qwen3_moe_mlp(_\d+)?"),
         (_NORMS, ("norm",)),
     ),
     config_fields=QWEN3_MOE_CONFIG_FIELDS,
