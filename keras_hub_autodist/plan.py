@@ -545,7 +545,8 @@ class LayoutPlan:
             f"preset: {self.preset} ({self.backbone_class}, {self.architecture})",
             f"mesh: {axes.describe()} (batch axis: {axes.batch_axis}, model "
             f"axis: {axes.model_axis}, hidden axis: {axes.hidden_axis}"
-            f"{mesh_reason})",
+            + (f", expert axis: {axes.expert_axis}" if axes.expert_axis else "")
+            + f"{mesh_reason})",
             f"strategy: {self.strategy} ({self.strategy_reason})",
             f"sequence parallel: {self._sequence_parallel_note()}",
             f"parameters: {self.num_parameters:,} ({self.dtype}), "

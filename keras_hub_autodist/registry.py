@@ -46,6 +46,9 @@ BUILTIN_ARCHITECTURES = {
     "Gemma3Backbone": "keras_hub_autodist.architectures.gemma3:GEMMA3",
     "LlamaBackbone": "keras_hub_autodist.architectures.llama:LLAMA",
     "MistralBackbone": "keras_hub_autodist.architectures.llama:MISTRAL",
+    "MixtralBackbone": "keras_hub_autodist.architectures.mixtral:MIXTRAL",
+    "QwenMoeBackbone": "keras_hub_autodist.architectures.qwen_moe:QWEN_MOE",
+    "Qwen3MoeBackbone": "keras_hub_autodist.architectures.qwen_moe:QWEN3_MOE",
 }
 BUILTIN_SOURCE = "built-in"
 # keras-hub backbones that subclass a registered one, by name, so that lookup
