@@ -102,10 +102,11 @@ def test_planning_is_fast_and_allocates_no_weights(real_configs, tmp_path):
     )
     assert plan.num_parameters == 70_553_706_496
     assert plan.strategy == "fsdp"  # 70B doesn't fit 16 GiB devices with tp
-    # Re-planning on another mesh reuses the abstract build.
-    hits = abstract._cached_variables.cache_info().hits
+    # Re-planning on another mesh reuses the abstract build (from memory, or
+    # from the disk cache): nothing is built again.
+    misses = abstract._cached_variables.cache_info().misses
     keras_hub_autodist.plan(str(folder), {"batch": 4, "model": 2})
-    assert abstract._cached_variables.cache_info().hits == hits + 1
+    assert abstract._cached_variables.cache_info().misses == misses
 
 
 def test_abstract_meshes_of_thousands_of_devices(real_configs):
