@@ -355,8 +355,9 @@ def loading_section(rows: list[dict]) -> list[str]:
         "loaded through keras-hub's converter). Each load runs in a fresh process. Bytes",
         "per device count each buffer once, sampled every 20 ms and at every allocation",
         "the loader makes. *Over final* is the worst device's peak minus its final share,",
-        "next to its largest single shard; host RSS is the peak above the baseline taken",
-        "after imports, next to the bound (final bytes on all local devices + 1.2 x the",
+        "next to its largest single shard; host RSS is the process's own peak (`VmHWM`,",
+        "reset once the baseline is taken after imports and JAX's device setup) above",
+        "that baseline, next to the bound (final bytes on all local devices + 1.2 x the",
         "largest weight). The hand-made scope is keras-hub's static `GemmaBackbone`",
         "map on `(2, 4)`.",
     ]
