@@ -15,7 +15,9 @@ out of memory while it loads (keras-team/keras#21634). Inside
   array exists on any device and the host holds at most one weight's slices;
   in a multi-process run each process reads only its devices' slices;
 - a host array from a Hugging Face converter (`port_weight` and its hooks) is
-  sliced on the host and each device receives only its part.
+  sliced on the host and each device receives only its part; the
+  safetensors file it came from is mapped only while that one tensor is read
+  (`SafetensorsFile`), so the host holds at most one tensor of the file.
 
 Outside the context, Keras behaves exactly as without this package: the hooks
 are installed on entry and removed on exit, and act only in the thread that
@@ -48,6 +50,7 @@ import ml_dtypes
 import numpy as np
 
 from keras_hub_autodist import keras_internals
+from keras_hub_autodist import presets
 from keras_hub_autodist.errors import LayoutMismatchError
 
 PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
@@ -55,6 +58,8 @@ PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
 PROGRESS_DELAY_SECONDS = 2.0
 PROGRESS_INTERVAL_SECONDS = 0.2
 _LOAD_STATS_ATTR = "_keras_hub_autodist_load_stats"
+# A large safetensors tensor is read in blocks of rows of about this size.
+SAFETENSORS_CHUNK_BYTES = 16 * 1024**2
 
 
 @dataclasses.dataclass
@@ -125,6 +130,98 @@ class LazyH5Dataset:
 
     def __repr__(self):
         return f"<LazyH5Dataset {self.filename}:{self.name} shape={self.shape}>"
+
+
+class SafetensorsFile:
+    """A safetensors file mapped only while one tensor is read from it.
+
+    `safetensors.safe_open` maps the whole file for as long as it is open, and
+    every page a read touches stays in the process's resident memory until
+    the file is closed. keras-hub's `SafetensorLoader` keeps each file open
+    for the whole load, so host RSS grew by the whole checkpoint (measured:
+    +381 MiB on a 381 MiB file, over the final device bytes). While
+    `sharded_loading` is active, keras-hub's loader gets one of these
+    instead: each `get_tensor` opens the file, copies that tensor out and
+    closes it again.
+
+    Args:
+        path: the `*.safetensors` file.
+        framework: the framework of the tensors returned (keras-hub: `"np"`).
+        **kwargs: passed on to `safetensors.safe_open`.
+
+    Example:
+    ```python
+    with SafetensorsFile("model.safetensors") as file:
+        tensor = file.get_tensor(file.keys()[0])
+    ```
+    """
+
+    def __init__(self, path, framework: str = "np", **kwargs):
+        import safetensors
+
+        self._open = safetensors.safe_open
+        self.path = path
+        self._arguments = dict(framework=framework, **kwargs)
+        with self._open(path, **self._arguments) as file:
+            self._keys = list(file.keys())
+            self._metadata = file.metadata()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+    def keys(self) -> list:
+        """The tensor names in the file."""
+        return list(self._keys)
+
+    def metadata(self):
+        """The file's metadata."""
+        return self._metadata
+
+    def get_tensor(self, name: str):
+        """Read tensor `name`; the file is unmapped again on return.
+
+        A tensor larger than `SAFETENSORS_CHUNK_BYTES` is read in blocks of
+        rows, the file mapped for one block at a time, so the host holds the
+        tensor plus one block of the file's pages rather than twice the
+        tensor.
+        """
+        with self._open(self.path, **self._arguments) as file:
+            part = file.get_slice(name)
+            shape = tuple(part.get_shape())
+            if not shape or shape[0] < 2:
+                return file.get_tensor(name)
+            first = part[0:1]
+            rows = max(1, SAFETENSORS_CHUNK_BYTES // max(1, first.nbytes))
+            if rows >= shape[0]:
+                return file.get_tensor(name)
+        values = np.empty(shape, first.dtype)
+        values[0:1] = first
+        del first
+        for start in range(1, shape[0], rows):
+            stop = min(start + rows, shape[0])
+            with self._open(self.path, **self._arguments) as file:
+                values[start:stop] = file.get_slice(name)[start:stop]
+        return values
+
+
+class _SafetensorsModule:
+    """The `safetensors` module keras-hub's loader sees during a load: its
+    `safe_open` gives a `SafetensorsFile` in the loading thread, and the
+    real `safe_open` anywhere else."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def safe_open(self, path, framework="np", **kwargs):
+        if _active_session() is None:
+            return self._module.safe_open(path, framework=framework, **kwargs)
+        return SafetensorsFile(path, framework=framework, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 class _Progress:
@@ -369,6 +466,10 @@ def _hooks_installed():
         (_VARIABLE, "_initialize_with_initializer", _initialize_with_initializer),
         (keras_internals.H5IOStore, "__getitem__", _getitem),
     ]
+    safetensor_utils = presets.safetensor_utils_module()
+    module = getattr(safetensor_utils, "safetensors", None)
+    if module is not None and not isinstance(module, _SafetensorsModule):
+        hooks.append((safetensor_utils, "safetensors", _SafetensorsModule(module)))
     saved = [(cls, name, vars(cls).get(name, _MISSING)) for cls, name, _ in hooks]
     for cls, name, hook in hooks:
         setattr(cls, name, hook)

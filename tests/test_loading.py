@@ -14,8 +14,11 @@ import hf_checkpoints
 import jax
 import keras
 import keras_hub
+import ml_dtypes
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 import tiny_presets
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -421,3 +424,61 @@ def test_verify_layouts_names_a_misplaced_variable(presets):
         match=f"not laid out as planned.*Received: {variable.path}",
     ):
         loading.verify_layouts(backbone)
+
+
+def mapped(path):
+    """Whether `path` is mapped into this process (Linux)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(" " + real) for line in f)
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps"
+)
+def test_safetensors_file_is_mapped_only_while_a_tensor_is_read(presets, monkeypatch):
+    """keras-hub keeps each safetensors file open, i.e. mapped, for the whole
+    load, so every page read stayed in host RSS: the whole checkpoint. While
+    a weight goes to its shards, its file is no longer mapped."""
+    path = os.path.join(presets["transformers"], "model.safetensors")
+    seen = []
+    put = loading._Session.put
+
+    def recording_put(session, source, variable):
+        seen.append(mapped(path))
+        return put(session, source, variable)
+
+    monkeypatch.setattr(loading._Session, "put", recording_put)
+    keras_hub.models.Backbone.from_preset(
+        presets["transformers"], device_mesh={"batch": 2, "model": 4}
+    )
+    assert seen and not any(seen), seen
+    safetensor_utils = keras_hub_autodist.presets.safetensor_utils_module()
+    assert safetensor_utils.safetensors.safe_open is safetensors.safe_open
+
+
+def test_safetensors_file_reads_large_tensors_in_blocks(presets, tmp_path, monkeypatch):
+    """Tensors read block by block are bitwise those `safe_open` reads."""
+    monkeypatch.setattr(loading, "SAFETENSORS_CHUNK_BYTES", 100)
+    extra = str(tmp_path / "extra.safetensors")
+    rng = np.random.default_rng(1)
+    safetensors.numpy.save_file(
+        {
+            "bf16": rng.standard_normal((7, 5)).astype(ml_dtypes.bfloat16),
+            "int8": rng.integers(-9, 9, (30, 2, 3)).astype("int8"),
+            "vector": rng.standard_normal(50).astype("float32"),
+            "scalar": np.array(3.0, "float32"),
+            "empty": np.zeros((0, 4), "float32"),
+        },
+        extra,
+    )
+    for path in (os.path.join(presets["transformers"], "model.safetensors"), extra):
+        file = loading.SafetensorsFile(path)
+        with safetensors.safe_open(path, framework="np") as reference:
+            assert file.keys() == list(reference.keys())
+            for name in reference.keys():
+                expected = reference.get_tensor(name)
+                values = file.get_tensor(name)
+                assert values.dtype == expected.dtype, name
+                assert values.shape == expected.shape, name
+                assert values.tobytes() == expected.tobytes(), name
