@@ -197,9 +197,7 @@ def main(path, variant):
                 baseline_rss=baseline_rss,
                 peak_rss=peak_rss,
                 peak_rss_sampled=sampler.peak_rss,
-                bytes_read=(stats.bytes_read or stats.bytes_received)
-                if stats
-                else None,
+                bytes_read=(stats.bytes_read + stats.bytes_received) if stats else None,
                 file_bytes=file_bytes,
             )
         )

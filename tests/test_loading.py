@@ -113,10 +113,14 @@ def test_load_equals_single_device_and_follows_the_plan(
     stats = keras_hub_autodist.load_stats(backbone)
     assert stats.weights_loaded == len(backbone.weights)
     assert stats.initializers_skipped == len(backbone.weights)
+    total = sum(v.nbytes for v in references[format].values())
     if format == "keras":
-        assert stats.bytes_read == sum(v.nbytes for v in references[format].values())
+        assert stats.bytes_read == total
     else:
+        # Unconverted tensors are read slice by slice, converted ones whole.
+        assert stats.bytes_read > 0
         assert stats.bytes_received > 0
+        assert stats.bytes_read + stats.bytes_received == total
 
 
 def test_sharded_keras_weight_files(tmp_path):
@@ -441,6 +445,8 @@ def test_safetensors_file_is_mapped_only_while_a_tensor_is_read(presets, monkeyp
     load, so every page read stayed in host RSS: the whole checkpoint. While
     a weight goes to its shards, its file is no longer mapped."""
     path = os.path.join(presets["transformers"], "model.safetensors")
+    safetensor_utils = keras_hub_autodist.presets.safetensor_utils_module()
+    port_weight = safetensor_utils.SafetensorLoader.port_weight
     seen = []
     put = loading._Session.put
 
@@ -453,8 +459,31 @@ def test_safetensors_file_is_mapped_only_while_a_tensor_is_read(presets, monkeyp
         presets["transformers"], device_mesh={"batch": 2, "model": 4}
     )
     assert seen and not any(seen), seen
-    safetensor_utils = keras_hub_autodist.presets.safetensor_utils_module()
     assert safetensor_utils.safetensors.safe_open is safetensors.safe_open
+    assert safetensor_utils.SafetensorLoader.port_weight is port_weight
+
+
+def test_unconverted_safetensors_weights_are_read_slice_by_slice(presets, monkeypatch):
+    """A tensor keras-hub's converter passes on without a hook goes from the
+    file to each device's slice; the host never holds it whole."""
+    reads = []
+    read = loading.SafetensorsFile.read
+
+    def recording_read(file, name, index=None):
+        values = read(file, name, index)
+        reads.append((name, values.nbytes))
+        return values
+
+    monkeypatch.setattr(loading.SafetensorsFile, "read", recording_read)
+    backbone = keras_hub.models.Backbone.from_preset(
+        presets["transformers"], device_mesh=mesh_of((1, 8)), strategy="tp"
+    )
+    embeddings = backbone.get_layer("token_embedding").embeddings
+    assert embeddings.value.sharding.num_devices == 8
+    sizes = [nbytes for name, nbytes in reads if name == "model.embed_tokens.weight"]
+    assert len(sizes) == 8
+    assert max(sizes) < embeddings.value.nbytes
+    assert sum(sizes) == embeddings.value.nbytes
 
 
 def test_safetensors_file_reads_large_tensors_in_blocks(presets, tmp_path, monkeypatch):
