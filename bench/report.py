@@ -423,9 +423,10 @@ def loading_section(rows: list[dict]) -> list[str]:
     lines += [
         "",
         "Bytes read count what the loader itself reads: HDF5 slices for the Keras format;",
-        "for the Hugging Face format, the converted tensors keras-hub's converter hands",
-        "over (it reads each tensor whole). In a multi-process run each process reads only",
-        "its devices' slices of a Keras preset; the `multihost` nox session checks <= 55%",
-        "per process with `fsdp` on 2 x 4 over 2 processes.",
+        "for the Hugging Face format, the slices of the tensors keras-hub's converter passes",
+        "on unconverted (read from the file), plus the tensors its hooks convert, whole.",
+        "In a multi-process run each process reads only its devices' slices of a Keras",
+        "preset; the `multihost` nox session checks <= 55% per process with `fsdp` on",
+        "2 x 4 over 2 processes.",
     ]
     return lines
