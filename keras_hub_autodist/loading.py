@@ -14,10 +14,12 @@ out of memory while it loads (keras-team/keras#21634). Inside
   reads only its own slice of it (`jax.make_array_from_callback`), so no full
   array exists on any device and the host holds at most one weight's slices;
   in a multi-process run each process reads only its devices' slices;
-- a host array from a Hugging Face converter (`port_weight` and its hooks) is
-  sliced on the host and each device receives only its part; the
-  safetensors file it came from is mapped only while that one tensor is read
-  (`SafetensorsFile`), so the host holds at most one tensor of the file.
+- a Hugging Face tensor that keras-hub's converter passes on unconverted
+  (`port_weight` without a hook) is read from the safetensors file slice by
+  slice, like an HDF5 dataset (`LazySafetensor`); a tensor its hooks convert
+  arrives whole on the host, is sliced there and each device receives only
+  its part. Either way the file is mapped only while one tensor is read
+  (`SafetensorsFile`), so the host holds at most one tensor of it.
 
 Outside the context, Keras behaves exactly as without this package: the hooks
 are installed on entry and removed on exit, and act only in the thread that
