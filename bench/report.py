@@ -394,8 +394,9 @@ def loading_section(rows: list[dict]) -> list[str]:
         "loaded through keras-hub's converter). Each load runs in a fresh process. Bytes",
         "per device count each buffer once, sampled every 20 ms and at every allocation",
         "the loader makes. *Over final* is the worst device's peak minus its final share,",
-        "next to its largest single shard; host RSS is the peak above the baseline taken",
-        "after imports, next to the bound (final bytes on all local devices + 1.2 x the",
+        "next to its largest single shard; host RSS is the process's own peak (`VmHWM`,",
+        "reset once the baseline is taken after imports and JAX's device setup) above",
+        "that baseline, next to the bound (final bytes on all local devices + 1.2 x the",
         "largest weight). The hand-made scope is keras-hub's static `GemmaBackbone`",
         "map on `(2, 4)`.",
     ]
@@ -461,9 +462,10 @@ def loading_section(rows: list[dict]) -> list[str]:
     lines += [
         "",
         "Bytes read count what the loader itself reads: HDF5 slices for the Keras format;",
-        "for the Hugging Face format, the converted tensors keras-hub's converter hands",
-        "over (it reads each tensor whole). In a multi-process run each process reads only",
-        "its devices' slices of a Keras preset; the `multihost` nox session checks <= 55%",
-        "per process with `fsdp` on 2 x 4 over 2 processes.",
+        "for the Hugging Face format, the slices of the tensors keras-hub's converter passes",
+        "on unconverted (read from the file), plus the tensors its hooks convert, whole.",
+        "In a multi-process run each process reads only its devices' slices of a Keras",
+        "preset; the `multihost` nox session checks <= 55% per process with `fsdp` on",
+        "2 x 4 over 2 processes.",
     ]
     return lines

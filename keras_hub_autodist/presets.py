@@ -3,7 +3,9 @@
 This is the only module that imports `keras_hub.src`: it uses keras-hub's own
 preset loaders (local folders, `hf://`, `kaggle://`, built-in names) and its
 Hugging Face → Keras config converters, so that planning sees exactly the
-config `from_preset` will build from. Only `config.json` is read.
+config `from_preset` will build from. Only `config.json` is read. It also
+hands sharded loading keras-hub's module that opens safetensors files
+(`safetensor_utils_module`).
 
 Local folders of the families the planner knows also have a fast path,
 `read_local_config`, that needs neither Keras nor keras-hub (importing them
@@ -999,3 +1001,21 @@ def is_quantized(config: Mapping) -> bool:
         for policy in policies.values()
         if isinstance(policy, Mapping)
     )
+
+
+def safetensor_utils_module():
+    """keras-hub's module that opens Hugging Face weight files.
+
+    Its `SafetensorLoader` opens each `*.safetensors` file with
+    `safetensors.safe_open`, looked up on the module's `safetensors`
+    attribute at each call; sharded loading swaps that attribute for the
+    duration of a load (`loading.py`).
+
+    Example:
+    ```python
+    safetensor_utils_module().safetensors  # the module keras-hub calls
+    ```
+    """
+    from keras_hub.src.utils.transformers import safetensor_utils
+
+    return safetensor_utils
