@@ -97,3 +97,17 @@ def test_the_disk_cache_can_be_turned_off(tmp_path, monkeypatch, value):
     config = {**CONFIG, "hidden_dim": 40}
     abstract.model_variables(keras_hub.models.LlamaBackbone, config)
     assert abstract.stored_variables("LlamaBackbone", config) is None
+
+
+def test_quantization_scales_of_planned_weights_are_replicated():
+    kernel = abstract.VariableShape(
+        "transformer_layer_0/feedforward_output_dense/kernel", (32, 16), "int8"
+    )
+    scale = abstract.VariableShape(
+        "transformer_layer_0/feedforward_output_dense/kernel_scale", (16,), "float32"
+    )
+    orphan = abstract.VariableShape("lonely/kernel_scale", (16,), "float32")
+    specs = LLAMA.match_variables([kernel, scale], "LlamaBackbone")
+    assert specs[1].axes == ("unsharded",)
+    with pytest.raises(Exception, match=r"lonely/kernel_scale \(16,\)"):
+        LLAMA.match_variables([kernel, orphan], "LlamaBackbone")

@@ -217,8 +217,14 @@ class Architecture:
             backbone_class: the backbone class name, for messages.
             strict: as for `weights()`.
         """
+        variables = list(variables)
+        paths = {variable.path for variable in variables}
         specs, unmatched, ambiguous = [], [], {}
         for variable in variables:
+            if _is_quantization_scale(variable.path, paths):
+                # int8/int4 scales of a planned weight: small, replicated.
+                specs.append(_replicated(variable))
+                continue
             rules = self.matching_rules(variable.path)
             if len(rules) == 1:
                 rule = rules[0]
@@ -231,14 +237,7 @@ class Architecture:
                 ambiguous[variable.path] = [rule.pattern for rule in rules]
             else:
                 unmatched.append(variable)
-                specs.append(
-                    WeightSpec(
-                        variable.path,
-                        _escape_path(variable.path),
-                        variable.shape,
-                        ("unsharded",) * len(variable.shape),
-                    )
-                )
+                specs.append(_replicated(variable))
         if ambiguous or (unmatched and strict):
             raise _unmatched_error(self, backbone_class, unmatched, ambiguous)
         if unmatched:
@@ -257,8 +256,18 @@ class Architecture:
         return f"<{type(self).__name__} name={self.name!r}>"
 
 
-def _escape_path(path: str) -> str:
-    return re.escape(path)
+def _is_quantization_scale(path: str, paths) -> bool:
+    """`.../kernel_scale` (or `embeddings_scale`, ...) beside its weight."""
+    return path.endswith("_scale") and path[: -len("_scale")] in paths
+
+
+def _replicated(variable) -> WeightSpec:
+    return WeightSpec(
+        variable.path,
+        re.escape(variable.path),
+        tuple(variable.shape),
+        ("unsharded",) * len(variable.shape),
+    )
 
 
 def _rank_error(architecture, backbone_class, rule, variable):
