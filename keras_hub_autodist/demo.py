@@ -214,13 +214,13 @@ def describe_devices() -> str:
 def describe_plan(plan) -> str:
     """The plan's table and summary, fallbacks counted as the table shows them.
 
-    The table has one row per layout-map key, so the fallbacks are counted in
-    keys, with the weights they cover.
+    The table has one row per weight of every layer, so the fallbacks are
+    counted in table rows, with the weights they cover.
 
     Args:
         plan: a `keras_hub_autodist.LayoutPlan`.
     """
-    keys = {row.pattern for row in plan.fallbacks}
+    keys = [key for key in plan.table_groups() if key[3]]
     summary = [
         line
         for line in plan.summary().splitlines()
@@ -228,7 +228,7 @@ def describe_plan(plan) -> str:
     ]
     weights = len(plan.fallbacks)
     summary.append(
-        f"fallbacks: {len(keys)} layout key{'' if len(keys) == 1 else 's'} "
+        f"fallbacks: {len(keys)} table row{'' if len(keys) == 1 else 's'} "
         f"({weights} weight{'' if weights == 1 else 's'}), noted in the table"
     )
     return plan.table() + "\n\n" + "\n".join(summary)

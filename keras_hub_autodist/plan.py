@@ -91,7 +91,8 @@ class PlanRow:
         dtype: the variable dtype.
         bytes: the weight's total size in bytes.
         device_bytes: the bytes each device holds.
-        note: the fallbacks taken, with their reasons ("" if none).
+        fallbacks: the `rules.Fallback`s taken (weight, dimension, wanted
+            axis, chosen axis, reason); `note` is their text.
     """
 
     path: str
@@ -102,7 +103,12 @@ class PlanRow:
     dtype: str
     bytes: int
     device_bytes: int
-    note: str
+    fallbacks: tuple[rules.Fallback, ...] = ()
+
+    @property
+    def note(self) -> str:
+        """The fallbacks as text, with their reasons (`""` if none)."""
+        return "; ".join(str(fallback) for fallback in self.fallbacks)
 
 
 class LayoutPlan:
@@ -597,13 +603,20 @@ class LayoutPlan:
             f"{next(iter(layouts.values()))} on [batch, sequence, hidden]"
         )
 
-    def table(self) -> str:
-        """The weights grouped across layers (`decoder_block_*/...`), with
-        shape, spec, bytes and notes."""
+    def table_groups(self) -> dict[tuple, list[PlanRow]]:
+        """The rows as `table()` shows them: the same weight of every layer
+        (`decoder_block_*/...`) with one shape, spec and note in one group.
+        Keyed by `(name, shape, spec, note)`."""
         groups: dict[tuple, list[PlanRow]] = {}
         for row in self.rows:
             name = re.sub(r"_\d+(?=/)", "_*", row.path)
             groups.setdefault((name, row.shape, row.spec, row.note), []).append(row)
+        return groups
+
+    def table(self) -> str:
+        """The weights grouped across layers (`decoder_block_*/...`), with
+        shape, spec, bytes and notes."""
+        groups = self.table_groups()
         header = ("weight", "count", "shape", "spec", "per device", "note")
         body = []
         for (name, *_), rows in groups.items():
@@ -674,6 +687,25 @@ class WeightCheck:
         self._key_set = set(self._keys)
         self._compiled = [re.compile(key) for key in self._keys]
         self._rows = {row.path: row for row in plan.rows}
+        # Layout key -> the planned rows it covers, to check weights whose
+        # paths differ from the abstract build's (blocks that keras-hub names
+        # from a process-wide counter, as in its MoE families).
+        self._key_rows: dict[str, list[PlanRow]] = {}
+        for row in plan.rows:
+            key = row.pattern if row.pattern in self._key_set else re.escape(row.path)
+            self._key_rows.setdefault(key, []).append(row)
+
+    def planned_row(self, path: str) -> PlanRow | None:
+        """The planned row of `path`: by path, else the rows of its one
+        matching key when they all have one shape."""
+        row = self._rows.get(path)
+        if row is not None:
+            return row
+        keys = self.matching_keys(path)
+        rows = self._key_rows.get(keys[0], []) if len(keys) == 1 else []
+        if rows and len({r.shape for r in rows}) == 1:
+            return rows[0]
+        return None
 
     def matching_keys(self, path: str) -> list[str]:
         """The layout-map keys that match `path`, as Keras' `LayoutMap`
@@ -691,9 +723,9 @@ class WeightCheck:
             UnplannedWeightError: its path matches several keys.
         """
         shape = tuple(int(size) for size in shape)
-        row = self._rows.get(path)
+        row = self.planned_row(path)
         if row is not None and row.shape != shape:
-            raise self._shape_error(row, shape)
+            raise self._shape_error(row, shape, path)
         keys = self.matching_keys(path)
         if len(keys) > 1:
             raise self._unplanned_error([], {path: keys})
@@ -715,9 +747,9 @@ class WeightCheck:
         for variable in variables:
             path = variable.path
             shape = tuple(int(size) for size in variable.shape)
-            row = self._rows.get(path)
+            row = self.planned_row(path)
             if row is not None and row.shape != shape:
-                raise self._shape_error(row, shape)
+                raise self._shape_error(row, shape, path)
             keys = self.matching_keys(path)
             if not keys:
                 unmatched.append(f"{path} {shape}")
@@ -768,7 +800,7 @@ class WeightCheck:
             f"{'; '.join(parts)}. {fix}. Received: weights {received[:10]}"
         )
 
-    def _shape_error(self, row: PlanRow, shape: tuple) -> WeightShapeError:
+    def _shape_error(self, row: PlanRow, shape: tuple, path: str) -> WeightShapeError:
         differs = []
         if len(shape) == len(row.shape):
             for index, (planned, built) in enumerate(zip(row.shape, shape)):
@@ -782,7 +814,7 @@ class WeightCheck:
                     )
         detail = f" ({'; '.join(differs)})" if differs else ""
         return WeightShapeError(
-            f"Weight {row.path!r} of {self.plan.backbone_class} is built with "
+            f"Weight {path!r} of {self.plan.backbone_class} is built with "
             f"shape {shape}, but the plan, made from the config of "
             f"{self.plan.preset}, gives it {row.shape}{detail}. The model is "
             "being built from another config than the one planned: most "
@@ -790,7 +822,7 @@ class WeightCheck:
             "disagrees with its config.json (keras-hub builds a task from "
             "task.json). Make the two agree, e.g. save the model again with "
             "`save_to_preset`. Received: "
-            f"built shape {shape}, planned shape {row.shape} for {row.path!r}"
+            f"built shape {shape}, planned shape {row.shape} for {path!r}"
         )
 
 
@@ -907,7 +939,7 @@ def _rows_for(weights, mesh_axes, strategy, fields, dtype, kv_fallback):
                 dtype=dtype,
                 bytes=size,
                 device_bytes=size // shards,
-                note="; ".join(notes),
+                fallbacks=tuple(notes),
             )
         )
     return rows
@@ -1159,8 +1191,16 @@ def plan_config(
         )
         if kv_reason:
             rows = [
-                dataclasses.replace(r, note=f"{r.note} ({kv_reason})")
-                if r.note and "kv_heads" in r.logical_axes
+                dataclasses.replace(
+                    r,
+                    fallbacks=tuple(
+                        dataclasses.replace(f, policy=kv_reason)
+                        if f.wanted == "kv_heads"
+                        else f
+                        for f in r.fallbacks
+                    ),
+                )
+                if r.fallbacks and "kv_heads" in r.logical_axes
                 else r
                 for r in rows
             ]

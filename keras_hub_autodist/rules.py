@@ -28,6 +28,8 @@ over the model and expert axes.
 
 from __future__ import annotations
 
+import dataclasses
+
 STRATEGIES = ("tp", "fsdp")
 
 # The logical axis that the model axis shards, first one present wins.
@@ -146,6 +148,53 @@ def _fields_for(weight, config_fields):
     return fields
 
 
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A weight dimension that could not take the mesh axis it wanted.
+
+    Args:
+        weight: the variable path.
+        dimension: the dimension that wanted the axis (`None` for fsdp,
+            which takes any free dimension).
+        wanted: its logical axis (`None` for fsdp).
+        mesh_axis: the mesh axis, e.g. `"model"`.
+        chosen: the logical axis sharded instead, or `None` (replicated
+            over `mesh_axis`).
+        chosen_dimension: the dimension sharded instead, or `None`.
+        reason: why, e.g. `"num_key_value_heads=1 does not divide by
+            model=2"`.
+        chosen_label: the chosen dimension as `field=size`, for the text.
+        policy: the planner's reason for this choice, when it compared
+            alternatives (the key/value policy).
+
+    Example:
+    >>> f = Fallback("k", 0, "kv_heads", "model", None, None,
+    ...     "num_key_value_heads=1 does not divide by model=2")
+    >>> str(f)
+    "num_key_value_heads=1 does not divide by model=2: replicated over 'model'"
+    """
+
+    weight: str
+    dimension: int | None
+    wanted: str | None
+    mesh_axis: str
+    chosen: str | None
+    chosen_dimension: int | None
+    reason: str
+    chosen_label: str = ""
+    policy: str = ""
+
+    def __str__(self) -> str:
+        if self.chosen is None:
+            text = f"{self.reason}: replicated over '{self.mesh_axis}'"
+        else:
+            text = (
+                f"{self.reason}: sharded {self.chosen_label} over "
+                f"'{self.mesh_axis}' instead"
+            )
+        return f"{text} ({self.policy})" if self.policy else text
+
+
 def _place(weight, spec, axis, size, candidates, wanted, fields, notes):
     """Put mesh axis `axis` on the first free dimension among `candidates`
     (logical axes, in order) that divides by `size`; note a fallback when
@@ -159,18 +208,26 @@ def _place(weight, spec, axis, size, candidates, wanted, fields, notes):
         if chosen is not None:
             break
     if chosen != wanted:
-        wanted_size = weight.shape[_dim_of(weight.axes, wanted)]
+        wanted_dim = _dim_of(weight.axes, wanted)
         cause = (
-            f"{_field(fields, wanted, wanted_size)} does not divide by {axis}={size}"
+            f"{_field(fields, wanted, weight.shape[wanted_dim])} does not divide "
+            f"by {axis}={size}"
         )
-        if chosen is None:
-            notes.append(f"{cause}: replicated over '{axis}'")
-        else:
-            chosen_size = weight.shape[_dim_of(weight.axes, chosen)]
-            notes.append(
-                f"{cause}: sharded {_field(fields, chosen, chosen_size)} "
-                f"over '{axis}' instead"
+        chosen_dim = None if chosen is None else spec.index(axis)
+        notes.append(
+            Fallback(
+                weight.path,
+                wanted_dim,
+                wanted,
+                axis,
+                chosen,
+                chosen_dim,
+                cause,
+                ""
+                if chosen is None
+                else _field(fields, chosen, weight.shape[chosen_dim]),
             )
+        )
     return chosen
 
 
@@ -193,8 +250,8 @@ def assign_mesh_axes(
             divide the model axis: `"replicate"` or `"head_dim"`.
 
     Returns:
-        `(spec, notes)`: a tuple of mesh axis names / `None` per dimension,
-        and the list of fallbacks taken, each with its reason.
+        `(spec, fallbacks)`: a tuple of mesh axis names / `None` per
+        dimension, and the `Fallback`s taken, each with its reason.
 
     Example:
     >>> from keras_hub_autodist.architectures.base import WeightSpec
@@ -265,9 +322,16 @@ def assign_mesh_axes(
         if wanted and not placed:
             dim, logical = wanted[0]
             notes.append(
-                f"{_field(config_fields, logical, weight.shape[dim])} does not "
-                f"divide by {hidden_axis}={hidden_size}: replicated over "
-                f"'{hidden_axis}'"
+                Fallback(
+                    weight.path,
+                    dim,
+                    logical,
+                    hidden_axis,
+                    None,
+                    None,
+                    f"{_field(config_fields, logical, weight.shape[dim])} does "
+                    f"not divide by {hidden_axis}={hidden_size}",
+                )
             )
 
     batch_axis, batch_size = mesh_axes.batch_axis, mesh_axes.size(mesh_axes.batch_axis)
@@ -279,7 +343,15 @@ def assign_mesh_axes(
                 break
         if not placed:
             notes.append(
-                f"no free dimension of shape {weight.shape} divides by "
-                f"{batch_axis}={batch_size}: replicated over '{batch_axis}'"
+                Fallback(
+                    weight.path,
+                    None,
+                    None,
+                    batch_axis,
+                    None,
+                    None,
+                    f"no free dimension of shape {weight.shape} divides by "
+                    f"{batch_axis}={batch_size}",
+                )
             )
     return tuple(spec), notes

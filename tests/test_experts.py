@@ -54,7 +54,11 @@ QUERY = WeightSpec(
 
 
 def assign(weight, mesh, strategy="tp", fields=FIELDS):
-    return rules.assign_mesh_axes(weight, resolve_mesh_axes(mesh), strategy, fields)
+    """The spec and the fallbacks' texts."""
+    spec, fallbacks = rules.assign_mesh_axes(
+        weight, resolve_mesh_axes(mesh), strategy, fields
+    )
+    return spec, [str(fallback) for fallback in fallbacks]
 
 
 @pytest.mark.parametrize("model", [2, 4, 8])

@@ -589,3 +589,24 @@ def test_a_plan_is_a_frozen_value():
     assert changed.rows == plan.rows
     with pytest.raises(PlanError, match=r"no field \['colour'\].*Received"):
         plan.replace(colour="red")
+
+
+def test_fallbacks_are_structured_and_their_text_is_derived():
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_2b"), {"batch": 1, "model": 2}, strategy="tp"
+    )
+    row = next(r for r in plan.rows if r.path == "decoder_block_0/attention/key/kernel")
+    (fallback,) = row.fallbacks
+    assert (
+        fallback.weight,
+        fallback.dimension,
+        fallback.wanted,
+        fallback.mesh_axis,
+        fallback.chosen,
+    ) == ("decoder_block_0/attention/key/kernel", 0, "kv_heads", "model", None)
+    assert fallback.reason == "num_key_value_heads=1 does not divide by model=2"
+    assert row.note == str(fallback)
+    assert row.note.startswith(
+        "num_key_value_heads=1 does not divide by model=2: replicated over 'model'"
+    )
+    assert fallback.policy  # the key/value policy says why it replicated

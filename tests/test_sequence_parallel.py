@@ -155,7 +155,7 @@ def test_a_key_matching_weights_is_refused(tiny_presets_dir):
     plan = keras_hub_autodist.plan(
         tiny_presets_dir["gemma_mqa"], mesh, sequence_parallel=True
     )
-    plan._sequence_parallel_outputs = (r"decoder_block_\d+/.*",)
+    plan = plan.replace(sequence_parallel_outputs=(r"decoder_block_\d+/.*",))
     with pytest.raises(PlanError, match="must match layer outputs .* only"):
         plan.layout_map()
 

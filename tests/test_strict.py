@@ -146,3 +146,19 @@ def test_weight_check_of_a_plan_without_loading(backbone_preset):
         check.created("decoder_block_1/attention/key/kernel", (2, 32, 8))
     # LoRA kernels get rules too.
     assert check.matching_keys("decoder_block_1/attention/key/lora_kernel_a")
+
+
+def test_a_weight_with_another_path_is_checked_through_its_key(backbone_preset):
+    """keras-hub names MoE blocks from a process-wide counter, so built paths
+    can differ from the abstract build's: the shape is checked through the
+    one layout key the path matches."""
+    plan = keras_hub_autodist.plan(backbone_preset, {"batch": 2, "model": 4})
+    check = plan.weight_check()
+    check.created("decoder_block_7/ffw_linear/kernel", (32, 32))  # same shape
+    with pytest.raises(
+        WeightShapeError,
+        match=r"'decoder_block_7/ffw_linear/kernel' of GemmaBackbone is built "
+        r"with shape \(48, 32\).*Received: built shape \(48, 32\), planned shape "
+        r"\(32, 32\)",
+    ):
+        check.created("decoder_block_7/ffw_linear/kernel", (48, 32))
