@@ -10,7 +10,9 @@ Results are cached per backbone class and config: in memory, so re-planning
 the same preset on another mesh is immediate, and on disk (a small JSON file
 per config under `~/.cache/keras_hub_autodist/abstract`, keyed by the
 keras and keras-hub versions), so a later process, the CLI's included, plans
-the same config without importing keras-hub. `$KERAS_HUB_AUTODIST_CACHE`
+the same config without importing keras-hub. keras-hub's conversions of
+Hugging Face configs that have no keras-free conversion here (Mixtral, Qwen,
+...) are kept the same way (`store`/`read_stored`). `$KERAS_HUB_AUTODIST_CACHE`
 names another folder, or `off` turns the disk cache off.
 """
 
@@ -110,16 +112,49 @@ def _version(distribution: str) -> str:
         return "?"
 
 
-def _disk_file(class_name: str, config: Mapping) -> pathlib.Path | None:
+def _disk_file(kind: str, text: str) -> pathlib.Path | None:
     folder = cache_folder()
     if folder is None:
         return None
+    key = f"{_version('keras')}|{_version('keras-hub')}|{kind}|{text}"
+    return folder / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _variables_key(class_name: str, config: Mapping) -> str | None:
     try:
-        text = json.dumps(config, sort_keys=True)
+        return f"{class_name}|{json.dumps(config, sort_keys=True)}"
     except (TypeError, ValueError):
         return None  # a config that is not plain JSON is cached in memory only
-    key = f"{_version('keras')}|{_version('keras-hub')}|{class_name}|{text}"
-    return folder / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def read_stored(kind: str, text: str):
+    """The JSON value stored under `(kind, text)` by an earlier process, or
+    `None`. Imports neither Keras nor keras-hub."""
+    path = _disk_file(kind, text)
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # absent, or unreadable: computed again
+
+
+def store(kind: str, text: str, value) -> None:
+    """Keep the JSON `value` under `(kind, text)` for later processes
+    (atomically; silently skipped when the cache folder is not writable)."""
+    path = _disk_file(kind, text)
+    if path is None or path.exists():
+        return
+    try:
+        payload = json.dumps(value)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8"
+        ) as file:
+            file.write(payload)
+        os.replace(file.name, path)
+    except (OSError, TypeError, ValueError):
+        pass  # not plain JSON, or a read-only home: memory serves this process
 
 
 def stored_variables(
@@ -132,33 +167,21 @@ def stored_variables(
         class_name: the backbone class name, e.g. `"QwenBackbone"`.
         config: its constructor arguments.
     """
-    path = _disk_file(class_name, config)
-    if path is None:
-        return None
+    key = _variables_key(class_name, config)
+    rows = read_stored("variables", key) if key is not None else None
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
         return tuple(
             VariableShape(str(p), tuple(int(n) for n in shape), str(dtype))
             for p, shape, dtype in rows
         )
-    except (OSError, ValueError, TypeError):
+    except (TypeError, ValueError):
         return None  # absent, or unreadable: build again
 
 
 def _store(class_name: str, config: Mapping, variables) -> None:
-    path = _disk_file(class_name, config)
-    if path is None or path.exists():
-        return
-    rows = [[v.path, list(v.shape), v.dtype] for v in variables]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8"
-        ) as file:
-            json.dump(rows, file)
-        os.replace(file.name, path)
-    except OSError:
-        pass  # a read-only home: the memory cache still serves this process
+    key = _variables_key(class_name, config)
+    if key is not None:
+        store("variables", key, [[v.path, list(v.shape), v.dtype] for v in variables])
 
 
 def _serialized(config: Mapping) -> dict:

@@ -190,6 +190,7 @@ def _config_from_loader(loader, raw: Mapping, preset) -> PresetConfig:
                     config = convert(raw)
         except KeyError as error:
             raise _missing_hf_field(error.args[0], raw, preset) from error
+        _store_conversion(raw, backbone_cls.__name__, config)
         return PresetConfig(preset, backbone_cls, dict(config), "transformers")
     raise UnsupportedArchitectureError(
         f"The preset's `{CONFIG_FILE}` is neither a Keras preset config nor a "
@@ -443,10 +444,40 @@ def read_local_config(preset: str) -> PresetConfig | None:
     if "model_type" in raw:
         _reject_vision_towers(raw, preset)
         if raw["model_type"] not in HF_CONVERSIONS or "vision_config" in raw:
-            return None  # keras-hub's converter reads it
+            # keras-hub's converter reads it, unless an earlier process did.
+            return _stored_conversion(raw, preset)
         name, config = convert_hf_config(raw, preset)
         return PresetConfig(preset, None, config, "transformers", name)
     return None
+
+
+def _conversion_key(raw: Mapping) -> str | None:
+    try:
+        return json.dumps(raw, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+
+
+def _store_conversion(raw: Mapping, class_name: str, config: Mapping) -> None:
+    """Keep keras-hub's conversion of a Hugging Face config on disk (when it
+    is plain JSON), so later processes read it without keras-hub."""
+    from keras_hub_autodist import abstract
+
+    key = _conversion_key(raw)
+    if key is not None:
+        abstract.store("conversion", key, {"class": class_name, "config": config})
+
+
+def _stored_conversion(raw: Mapping, preset) -> PresetConfig | None:
+    from keras_hub_autodist import abstract
+
+    key = _conversion_key(raw)
+    stored = abstract.read_stored("conversion", key) if key is not None else None
+    if not isinstance(stored, Mapping) or not isinstance(stored.get("config"), dict):
+        return None
+    return PresetConfig(
+        preset, None, stored["config"], "transformers", str(stored.get("class"))
+    )
 
 
 # --- Config dicts: the contents of a config.json, or get_config() + class. --

@@ -82,7 +82,9 @@ def test_a_later_process_plans_from_the_disk_cache_without_keras(tmp_path, monke
 def test_an_unreadable_cache_file_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
     config = {**CONFIG, "hidden_dim": 24}
-    path = abstract._disk_file("LlamaBackbone", config)
+    path = abstract._disk_file(
+        "variables", abstract._variables_key("LlamaBackbone", config)
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("not json")
     assert abstract.stored_variables("LlamaBackbone", config) is None
@@ -111,3 +113,33 @@ def test_quantization_scales_of_planned_weights_are_replicated():
     assert specs[1].axes == ("unsharded",)
     with pytest.raises(Exception, match=r"lonely/kernel_scale \(16,\)"):
         LLAMA.match_variables([kernel, orphan], "LlamaBackbone")
+
+
+def test_a_keras_hub_conversion_is_reused_by_a_later_process(tmp_path, monkeypatch):
+    """Mixtral has no keras-free conversion: keras-hub converts its config
+    once, and a later process plans it from the disk cache without keras."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(abstract.CACHE_ENV, str(cache))
+    preset = str(pytest.shared / "mixtral_8x7b")
+    expected = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
+    assert {p.name.split("-")[0] for p in cache.glob("*.json")} == {
+        "conversion",
+        "variables",
+    }
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import keras_hub_autodist
+        plan = keras_hub_autodist.plan({preset!r}, {{"batch": 2, "model": 4}})
+        print(plan.architecture, plan.max_device_bytes)
+        print("keras imported:", "keras" in sys.modules)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    planned, imported = done.stdout.strip().splitlines()[-2:]
+    assert planned == f"mixtral {expected.max_device_bytes}"
+    assert imported == "keras imported: False"
