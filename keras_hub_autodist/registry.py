@@ -46,6 +46,10 @@ BUILTIN_ARCHITECTURES = {
     "Gemma3Backbone": "keras_hub_autodist.architectures.gemma3:GEMMA3",
     "LlamaBackbone": "keras_hub_autodist.architectures.llama:LLAMA",
     "MistralBackbone": "keras_hub_autodist.architectures.llama:MISTRAL",
+    "Phi3Backbone": "keras_hub_autodist.architectures.phi3:PHI3",
+    "Qwen3Backbone": "keras_hub_autodist.architectures.qwen:QWEN3",
+    "QwenBackbone": "keras_hub_autodist.architectures.qwen:QWEN",
+    "SmolLM3Backbone": "keras_hub_autodist.architectures.smollm3:SMOLLM3",
 }
 BUILTIN_SOURCE = "built-in"
 # keras-hub backbones that subclass a registered one, by name, so that lookup
