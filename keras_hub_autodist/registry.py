@@ -44,6 +44,7 @@ ENTRY_POINT_GROUP = "keras_hub_autodist.architectures"
 BUILTIN_ARCHITECTURES = {
     "GemmaBackbone": "keras_hub_autodist.architectures.gemma:GEMMA",
     "Gemma3Backbone": "keras_hub_autodist.architectures.gemma3:GEMMA3",
+    "Gemma4Backbone": "keras_hub_autodist.architectures.gemma4:GEMMA4",
     "LlamaBackbone": "keras_hub_autodist.architectures.llama:LLAMA",
     "MistralBackbone": "keras_hub_autodist.architectures.llama:MISTRAL",
     "Phi3Backbone": "keras_hub_autodist.architectures.phi3:PHI3",
