@@ -23,6 +23,7 @@ from bench import generation  # noqa: E402
 from bench import loading  # noqa: E402
 from bench import memory  # noqa: E402
 from bench import models  # noqa: E402
+from bench import planning  # noqa: E402
 from bench import report  # noqa: E402
 from bench import seqpar  # noqa: E402
 from bench import steptime  # noqa: E402
@@ -36,6 +37,8 @@ def main():
     results = {"stamp": stamp}
     print("memory...", flush=True)
     results["memory"] = memory.run()
+    print("planning...", flush=True)
+    results["planning"] = planning.run()
     with tempfile.TemporaryDirectory() as root:
         paths = models.save_presets(root)
         print("communication...", flush=True)

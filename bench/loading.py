@@ -1,7 +1,8 @@
 """Loading a ~1B-parameter preset, Keras and Hugging Face formats.
 
-Each load runs in a fresh process (`bench/load_child.py`), so its peak host
-RSS (`ru_maxrss`) is its own. Variants: keras-hub onto one device, keras-hub
+Each load runs in a fresh process (`bench/load_child.py`), which measures its
+own peak host RSS (`VmHWM`, not `ru_maxrss`: Linux carries that over from
+this process across fork + exec). Variants: keras-hub onto one device, keras-hub
 in a hand-made `ModelParallel` scope with its static Gemma map on `(2, 4)`,
 and autodist on `(1, 8)` with `tp` and on `(2, 4)` with `fsdp`. A last child
 only reads the weight file, for the floor.
@@ -34,21 +35,22 @@ VARIANTS = [
 ]
 
 
-def save_keras_preset(root: str) -> str:
+def save_keras_preset(root: str, config: dict = CONFIG) -> str:
+    """A Gemma preset in Keras format (`config`: `GemmaBackbone` arguments)."""
     import keras
     import keras_hub
 
     keras.utils.set_random_seed(0)
     path = os.path.join(root, "gemma_1b_keras")
-    keras_hub.models.GemmaBackbone(**CONFIG).save_to_preset(path)
+    keras_hub.models.GemmaBackbone(**config).save_to_preset(path)
     return path
 
 
-def save_transformers_preset(root: str) -> str:
+def save_transformers_preset(root: str, config: dict = CONFIG) -> str:
     """The same shapes as a Hugging Face Gemma checkpoint, written by hand."""
     from safetensors.numpy import save_file
 
-    c = CONFIG
+    c = config
     d, heads, kv, hd = (
         c["hidden_dim"],
         c["num_query_heads"],

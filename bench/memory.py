@@ -25,7 +25,9 @@ def run():
     for preset in sorted(p for p in SHARED.iterdir() if (p / "config.json").exists()):
         info = read_preset_config(str(preset))
         try:
-            weights = handler_for(info.backbone_cls).weights(info.config)
+            weights = handler_for(info.backbone_cls).weights(
+                info.config, info.backbone_cls
+            )
         except UnsupportedArchitectureError:
             # Qwen and Mixtral configs wait for their families (issue 10).
             rows.append(

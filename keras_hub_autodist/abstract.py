@@ -4,16 +4,27 @@ config, without allocating any of them.
 The backbone class itself is built from the config inside
 `keras.StatelessScope(initialize_variables=False)`: Keras then defers every
 variable's initializer, so no array exists. The variables' paths and shapes
-are read, and the model is dropped. Results are cached per backbone class and
-config, so re-planning the same preset on another mesh is immediate.
+are read, and the model is dropped.
+
+Results are cached per backbone class and config: in memory, so re-planning
+the same preset on another mesh is immediate, and on disk (a small JSON file
+per config under `~/.cache/keras_hub_autodist/abstract`, keyed by the
+keras and keras-hub versions), so a later process, the CLI's included, plans
+the same config without importing keras-hub. `$KERAS_HUB_AUTODIST_CACHE`
+names another folder, or `off` turns the disk cache off.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import os
+import pathlib
+import tempfile
 from collections.abc import Mapping
+from importlib import metadata
 
 from keras_hub_autodist.errors import ConfigError
 
@@ -61,7 +72,106 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[VariableShape,
     variables = model_variables(keras_hub.models.GemmaBackbone, config)
     ```
     """
-    return _cached_variables(backbone_cls, _config_key(config), _Frozen(config))
+    config = _serialized(config)
+    found = _cached_variables(backbone_cls, _config_key(config), _Frozen(config))
+    _store(backbone_cls.__name__, config, found)
+    return found
+
+
+CACHE_ENV = "KERAS_HUB_AUTODIST_CACHE"
+_OFF = ("0", "off", "false", "no", "none")
+
+
+def cache_folder() -> pathlib.Path | None:
+    """Where abstract builds are kept on disk, or `None` when turned off.
+
+    Example:
+    >>> import os
+    >>> os.environ[CACHE_ENV] = "off"
+    >>> cache_folder() is None
+    True
+    >>> del os.environ[CACHE_ENV]
+    """
+    value = os.environ.get(CACHE_ENV, "").strip()
+    if value.lower() in _OFF:
+        return None
+    if value:
+        return pathlib.Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
+    return pathlib.Path(base) / "keras_hub_autodist" / "abstract"
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def _disk_file(class_name: str, config: Mapping) -> pathlib.Path | None:
+    folder = cache_folder()
+    if folder is None:
+        return None
+    try:
+        text = json.dumps(config, sort_keys=True)
+    except (TypeError, ValueError):
+        return None  # a config that is not plain JSON is cached in memory only
+    key = f"{_version('keras')}|{_version('keras-hub')}|{class_name}|{text}"
+    return folder / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def stored_variables(
+    class_name: str, config: Mapping
+) -> tuple[VariableShape, ...] | None:
+    """The abstract build of `class_name` from `config` kept on disk by an
+    earlier process, or `None`. Imports neither Keras nor keras-hub.
+
+    Args:
+        class_name: the backbone class name, e.g. `"QwenBackbone"`.
+        config: its constructor arguments.
+    """
+    path = _disk_file(class_name, config)
+    if path is None:
+        return None
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        return tuple(
+            VariableShape(str(p), tuple(int(n) for n in shape), str(dtype))
+            for p, shape, dtype in rows
+        )
+    except (OSError, ValueError, TypeError):
+        return None  # absent, or unreadable: build again
+
+
+def _store(class_name: str, config: Mapping, variables) -> None:
+    path = _disk_file(class_name, config)
+    if path is None or path.exists():
+        return
+    rows = [[v.path, list(v.shape), v.dtype] for v in variables]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8"
+        ) as file:
+            json.dump(rows, file)
+        os.replace(file.name, path)
+    except OSError:
+        pass  # a read-only home: the memory cache still serves this process
+
+
+def _serialized(config: Mapping) -> dict:
+    """Converters hand sub-models over as layer instances (Gemma 3's vision
+    encoder); `from_config` and the cache key take them serialized."""
+    import keras
+
+    return {
+        key: keras.saving.serialize_keras_object(value)
+        if isinstance(value, keras.layers.Layer)
+        else value
+        for key, value in config.items()
+    }
 
 
 class _Frozen:

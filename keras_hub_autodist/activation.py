@@ -154,6 +154,7 @@ def from_preset(
         model_axis=model_axis,
         dtype=dtype,
         sequence_parallel=sequence_parallel,
+        strict=strict,
     )
     check = layout_plan.weight_check(strict=strict)
     distribution = _distribution_for(layout_plan, mesh)

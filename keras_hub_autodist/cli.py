@@ -165,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args) -> int:
+    from keras_hub_autodist.presets import shapes_from_config
+
+    # Built-in families plan local configs from their keras-free shape
+    # hints (tests check them against the model); others build abstractly.
+    with shapes_from_config():
+        return _plan_and_print(args)
+
+
+def _plan_and_print(args) -> int:
     from keras_hub_autodist.errors import MeshError
     from keras_hub_autodist.plan import auto_mesh
     from keras_hub_autodist.plan import plan
@@ -190,8 +199,7 @@ def _run_plan(args) -> int:
         mesh, reason = auto_mesh(
             info, args.devices, dtype=args.dtype, device_memory=args.device_memory
         )
-        result = plan_config(info, mesh, **options)
-        result.mesh_reason = reason
+        result = plan_config(info, mesh, **options).replace(mesh_reason=reason)
     else:
         result = plan(args.preset, args.mesh, **options)
     print(result)

@@ -14,8 +14,12 @@ out of memory while it loads (keras-team/keras#21634). Inside
   reads only its own slice of it (`jax.make_array_from_callback`), so no full
   array exists on any device and the host holds at most one weight's slices;
   in a multi-process run each process reads only its devices' slices;
-- a host array from a Hugging Face converter (`port_weight` and its hooks) is
-  sliced on the host and each device receives only its part.
+- a Hugging Face tensor that keras-hub's converter passes on unconverted
+  (`port_weight` without a hook) is read from the safetensors file slice by
+  slice, like an HDF5 dataset (`LazySafetensor`); a tensor its hooks convert
+  arrives whole on the host, is sliced there and each device receives only
+  its part. Either way the file is mapped only while one tensor is read
+  (`SafetensorsFile`), so the host holds at most one tensor of it.
 
 Outside the context, Keras behaves exactly as without this package: the hooks
 are installed on entry and removed on exit, and act only in the thread that
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 import sys
@@ -48,6 +53,7 @@ import ml_dtypes
 import numpy as np
 
 from keras_hub_autodist import keras_internals
+from keras_hub_autodist import presets
 from keras_hub_autodist.errors import LayoutMismatchError
 
 PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
@@ -55,6 +61,8 @@ PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
 PROGRESS_DELAY_SECONDS = 2.0
 PROGRESS_INTERVAL_SECONDS = 0.2
 _LOAD_STATS_ATTR = "_keras_hub_autodist_load_stats"
+# A large safetensors tensor is read in blocks of rows of about this size.
+SAFETENSORS_CHUNK_BYTES = 16 * 1024**2
 
 
 @dataclasses.dataclass
@@ -63,10 +71,13 @@ class LoadStats:
 
     Args:
         weights_loaded: variables that received a value from the checkpoint.
-        bytes_read: bytes read from HDF5 weight files (Keras presets). With a
-            mesh spread over several processes, only this process's slices.
-        bytes_received: bytes of host tensors received from a converter
-            (Hugging Face presets), before slicing.
+        bytes_read: bytes read slice by slice from weight files: HDF5
+            datasets of Keras presets, and safetensors tensors that a Hugging
+            Face converter passes on unconverted. With a mesh spread over
+            several processes, only this process's slices.
+        bytes_received: bytes of host tensors received whole from a
+            converter (Hugging Face presets, weights its hooks convert),
+            before slicing.
         initializers_skipped: random initial values never computed because
             the checkpoint overwrote them.
         initialized_after_load: variables the checkpoint did not cover, given
@@ -125,6 +136,177 @@ class LazyH5Dataset:
 
     def __repr__(self):
         return f"<LazyH5Dataset {self.filename}:{self.name} shape={self.shape}>"
+
+
+class SafetensorsFile:
+    """A safetensors file mapped only while one tensor is read from it.
+
+    `safetensors.safe_open` maps the whole file for as long as it is open, and
+    every page a read touches stays in the process's resident memory until
+    the file is closed. keras-hub's `SafetensorLoader` keeps each file open
+    for the whole load, so host RSS grew by the whole checkpoint (measured:
+    +381 MiB on a 381 MiB file, over the final device bytes). While
+    `sharded_loading` is active, keras-hub's loader gets one of these
+    instead: each `get_tensor` opens the file, copies that tensor out and
+    closes it again.
+
+    Args:
+        path: the `*.safetensors` file.
+        framework: the framework of the tensors returned (keras-hub: `"np"`).
+        **kwargs: passed on to `safetensors.safe_open`.
+
+    Example:
+    ```python
+    with SafetensorsFile("model.safetensors") as file:
+        tensor = file.get_tensor(file.keys()[0])
+    ```
+    """
+
+    def __init__(self, path, framework: str = "np", **kwargs):
+        import safetensors
+
+        self._open = safetensors.safe_open
+        self.path = path
+        self._arguments = dict(framework=framework, **kwargs)
+        with self._open(path, **self._arguments) as file:
+            self._keys = list(file.keys())
+            self._metadata = file.metadata()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+    def keys(self) -> list:
+        """The tensor names in the file."""
+        return list(self._keys)
+
+    def metadata(self):
+        """The file's metadata."""
+        return self._metadata
+
+    def get_tensor(self, name: str):
+        """Tensor `name`, read whole; the file is unmapped again on return.
+
+        Inside keras-hub's `port_weight` without a conversion hook, a
+        `LazySafetensor` instead: `assign` reads each device's slice.
+        """
+        session = _active_session()
+        if session is not None and session.lazy_safetensors:
+            lazy = self._lazy(name, session)
+            if lazy is not None:
+                return lazy
+        return self.read(name)
+
+    def read(self, name: str, index: tuple | None = None) -> np.ndarray:
+        """Read `index` (a tuple of slices; `None`: all) of tensor `name`.
+
+        A read spanning more than `SAFETENSORS_CHUNK_BYTES` of the file goes
+        in blocks of rows, the file mapped for one block at a time, so the
+        host holds the values plus one block of the file's pages rather
+        than twice the values.
+        """
+        with self._open(self.path, **self._arguments) as file:
+            part = file.get_slice(name)
+            shape = tuple(part.get_shape())
+            if index is None:
+                index = tuple(slice(None) for _ in shape)
+            if not shape or 0 in shape:
+                return _read_index(file, name, index)
+            start, stop, step = index[0].indices(shape[0])
+            dtype = part[tuple(slice(0, 1) for _ in shape)].dtype
+            row_bytes = dtype.itemsize * math.prod(shape[1:])
+            rows = max(1, SAFETENSORS_CHUNK_BYTES // row_bytes)
+            if step != 1 or stop - start <= rows:
+                return _read_index(file, name, index)
+        rest = tuple(index[1:])
+        local = (stop - start,) + tuple(
+            len(range(*s.indices(size))) for s, size in zip(rest, shape[1:])
+        )
+        values = np.empty(local, dtype)
+        for begin in range(start, stop, rows):
+            end = min(begin + rows, stop)
+            with self._open(self.path, **self._arguments) as file:
+                block = file.get_slice(name)[(slice(begin, end),) + rest]
+                values[begin - start : end - start] = block
+                del block
+        return values
+
+    def _lazy(self, name: str, session) -> LazySafetensor | None:
+        with self._open(self.path, **self._arguments) as file:
+            part = file.get_slice(name)
+            shape = tuple(part.get_shape())
+            if not shape or 0 in shape:
+                return None
+            dtype = part[tuple(slice(0, 1) for _ in shape)].dtype
+        return LazySafetensor(self, name, shape, dtype, session.stats)
+
+
+def _read_index(file, name: str, index: tuple) -> np.ndarray:
+    """`index` of tensor `name` of an open safetensors file."""
+    if all(s == slice(None) for s in index):
+        return file.get_tensor(name)
+    return file.get_slice(name)[index]
+
+
+class LazySafetensor:
+    """A tensor of a safetensors file, read slice by slice on demand.
+
+    keras-hub's `port_weight` hands one of these to `assign` when it
+    converts nothing (no hook) while `sharded_loading` is active, so each
+    device's slice is read straight from the file (after the variable's
+    placeholder is freed) and no whole copy exists on the host.
+    `np.asarray(tensor)` still reads it whole.
+
+    Args:
+        file: the `SafetensorsFile` holding it.
+        name: the tensor's name in the file.
+        shape: its shape.
+        dtype: the numpy dtype `safetensors` reads it as.
+        stats: the `LoadStats` whose `bytes_read` counts what is read.
+    """
+
+    def __init__(self, file: SafetensorsFile, name: str, shape, dtype, stats):
+        self.file = file
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self._stats = stats
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def read(self, index=()) -> np.ndarray:
+        """Read `index` (a tuple of slices) of the tensor."""
+        values = self.file.read(self.name, tuple(index) if index else None)
+        self._stats.bytes_read += values.nbytes
+        return values
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.read()
+        return values if dtype is None else values.astype(dtype)
+
+    def __repr__(self):
+        return f"<LazySafetensor {self.file.path}:{self.name} shape={self.shape}>"
+
+
+class _SafetensorsModule:
+    """The `safetensors` module keras-hub's loader sees during a load: its
+    `safe_open` gives a `SafetensorsFile` in the loading thread, and the
+    real `safe_open` anywhere else."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def safe_open(self, path, framework="np", **kwargs):
+        if _active_session() is None:
+            return self._module.safe_open(path, framework=framework, **kwargs)
+        return SafetensorsFile(path, framework=framework, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 class _Progress:
@@ -228,6 +410,9 @@ class _Session:
         self.pending = {}  # id(variable) -> (weakref to variable, initializer)
         self.placeholders = set()  # ids of variables holding a placeholder
         self.files = {}
+        # True inside keras-hub's `port_weight` without a hook: safetensors
+        # reads give a `LazySafetensor`.
+        self.lazy_safetensors = False
 
     def open_dataset(self, filename: str, name: str):
         file = self.files.get(filename)
@@ -251,7 +436,7 @@ class _Session:
             key = tuple((s.start, s.stop, s.step) for s in index)
             values = slices.get(key)
             if values is None:
-                if isinstance(source, LazyH5Dataset):
+                if isinstance(source, _LAZY):
                     values = source.read(index)
                 else:
                     values = np.asarray(source[index])
@@ -301,14 +486,15 @@ _original_assign = _VARIABLE.assign
 _original_initialize = _VARIABLE._initialize_with_initializer
 _original_getitem = keras_internals.H5IOStore.__getitem__
 _MISSING = object()
+_LAZY = (LazyH5Dataset, LazySafetensor)
 
 
 def _assign(variable, value):
     session = _active_session()
     layout = getattr(variable, "_layout", None)
     if session is None or layout is None:
-        return _original_assign(variable, value)
-    if not isinstance(value, (LazyH5Dataset, np.ndarray, np.generic)):
+        return _original_assign(variable, _whole(value))
+    if not isinstance(value, (*_LAZY, np.ndarray, np.generic)):
         return _original_assign(variable, value)
     if tuple(value.shape) != tuple(variable.shape):
         # Keras' own message and error type for a shape mismatch.
@@ -325,6 +511,34 @@ def _assign(variable, value):
     session.pending.pop(id(variable), None)
     session.count(variable)
     return variable._value
+
+
+def _whole(value):
+    """`value`, read whole if it is a lazy tensor."""
+    return np.asarray(value) if isinstance(value, _LAZY) else value
+
+
+def _port_weight_hook(original):
+    """keras-hub's `SafetensorLoader.port_weight`, handing `assign` a
+    `LazySafetensor` when no hook converts the tensor."""
+    signature = inspect.signature(original)
+
+    def port_weight(loader, *args, **kwargs):
+        session = _active_session()
+        try:
+            hook_fn = signature.bind(loader, *args, **kwargs).arguments.get("hook_fn")
+        except TypeError:
+            hook_fn = None  # keras-hub raises its own error below
+            session = None
+        if session is None or hook_fn is not None or session.lazy_safetensors:
+            return original(loader, *args, **kwargs)
+        session.lazy_safetensors = True
+        try:
+            return original(loader, *args, **kwargs)
+        finally:
+            session.lazy_safetensors = False
+
+    return port_weight
 
 
 def _initialize_with_initializer(variable, initializer):
@@ -369,6 +583,12 @@ def _hooks_installed():
         (_VARIABLE, "_initialize_with_initializer", _initialize_with_initializer),
         (keras_internals.H5IOStore, "__getitem__", _getitem),
     ]
+    safetensor_utils = presets.safetensor_utils_module()
+    module = getattr(safetensor_utils, "safetensors", None)
+    if module is not None and not isinstance(module, _SafetensorsModule):
+        hooks.append((safetensor_utils, "safetensors", _SafetensorsModule(module)))
+        loader = safetensor_utils.SafetensorLoader
+        hooks.append((loader, "port_weight", _port_weight_hook(loader.port_weight)))
     saved = [(cls, name, vars(cls).get(name, _MISSING)) for cls, name, _ in hooks]
     for cls, name, hook in hooks:
         setattr(cls, name, hook)

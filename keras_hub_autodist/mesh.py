@@ -8,6 +8,9 @@ A mesh axis has one of three roles:
   columns, vocabulary).
 - the **hidden** axis (optional, 3D meshes): a second model axis that shards
   the hidden/embedding dimension of the weights (2D tensor parallelism).
+- the **expert** axis (optional, the axis named `expert`): mixtures of
+  experts put their experts on it (expert parallelism); other weights are
+  replicated over it and input batches are not split over it.
 
 Roles are given by name, never by position.
 """
@@ -26,6 +29,7 @@ from keras_hub_autodist.errors import option
 
 BATCH_AXIS_NAMES = ("batch", "data")
 MODEL_AXIS_NAMES = ("model", "tensor")
+EXPERT_AXIS_NAMES = ("expert",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,8 @@ class MeshAxes:
         model_axis: the axis that shards weights tensor-parallel, or `None`.
         hidden_axis: a second model axis sharding the hidden dimension, or
             `None`.
+        expert_axis: the axis that shards the experts of a mixture of
+            experts, or `None` (then the model axis does).
 
     Example:
     >>> axes = resolve_mesh_axes({"model": 4, "batch": 2})
@@ -51,6 +57,7 @@ class MeshAxes:
     batch_axis: str
     model_axis: str | None
     hidden_axis: str | None
+    expert_axis: str | None = None
 
     def size(self, axis: str | None) -> int:
         """Size of a mesh axis (1 for `None`)."""
@@ -168,8 +175,9 @@ def resolve_mesh_axes(
 
     The batch axis is the one named `batch` (or `data`) unless `batch_axis`
     names another; the model axis is `model` (or `tensor`) unless
-    `model_axis` names another. One remaining axis becomes the hidden axis
-    (2D tensor parallelism); more than one is an error.
+    `model_axis` names another. An axis named `expert` shards the experts of
+    mixtures of experts. One remaining axis becomes the hidden axis (2D
+    tensor parallelism); more than one is an error.
 
     Args:
         device_mesh: a `keras.distribution.DeviceMesh` or a mapping of axis
@@ -183,6 +191,8 @@ def resolve_mesh_axes(
     Example:
     >>> resolve_mesh_axes({"data": 4, "tensor": 2}).model_axis
     'tensor'
+    >>> resolve_mesh_axes({"batch": 2, "expert": 2, "model": 2}).expert_axis
+    'expert'
     """
     names, shape = mesh_shape(device_mesh)
     received = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
@@ -208,7 +218,11 @@ def resolve_mesh_axes(
         "model",
         "model_axis",
     )
-    rest = [n for n in names if n not in (batch, model)]
+    expert = next(
+        (n for n in EXPERT_AXIS_NAMES if n in names and n not in (batch, model)),
+        None,
+    )
+    rest = [n for n in names if n not in (batch, model, expert)]
     if model is None and rest:
         raise MeshError(
             f"Mesh axis {rest[0]!r} has no role: it is neither the batch "
@@ -219,14 +233,15 @@ def resolve_mesh_axes(
     if len(rest) > 1:
         raise MeshError(
             f"Mesh axes {rest} have no role. A mesh has one batch axis, one "
-            "model axis and at most one more axis (a second model axis that "
-            "shards the hidden dimension). Merge or drop the extra axes, or "
+            "model axis, optionally an `expert` axis, and at most one more "
+            "axis (a second model axis that shards the hidden dimension). "
+            "Merge or drop the extra axes, or "
             f"name the roles with {option('batch_axis')}/"
             f"{option('model_axis')}. "
             f"Received: mesh axes ({received})"
         )
     hidden = rest[0] if rest else None
-    return MeshAxes(names, shape, batch, model, hidden)
+    return MeshAxes(names, shape, batch, model, hidden, expert)
 
 
 def build_device_mesh(device_mesh, devices=None):

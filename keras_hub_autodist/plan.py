@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import types
 import warnings
 from collections.abc import Iterable
 from collections.abc import Mapping
@@ -128,7 +129,7 @@ class LayoutPlan:
         strategy: str,
         strategy_reason: str,
         dtype: str,
-        rows: list[PlanRow],
+        rows: Iterable[PlanRow],
         device_memory_bytes: int,
         device_mesh=None,
         device_memory_source: str = MEMORY_GIVEN,
@@ -137,22 +138,68 @@ class LayoutPlan:
         sequence_parallel: bool = False,
         sequence_parallel_outputs: Iterable[str] = (),
     ):
-        self.preset = preset
-        self.backbone_class = backbone_class
-        self.architecture = architecture
-        self.mesh_axes = mesh_axes
-        self.strategy = strategy
-        self.strategy_reason = strategy_reason
-        self.dtype = dtype
-        self.rows = list(rows)
-        self.device_memory_bytes = device_memory_bytes
-        self.device_mesh = device_mesh
-        self.device_memory_source = device_memory_source
-        self.mesh_reason = mesh_reason
-        # Logical axis -> the config field that sets it, for messages.
-        self.config_fields = dict(config_fields or {})
-        self._sequence_parallel = bool(sequence_parallel)
-        self._sequence_parallel_outputs = tuple(sequence_parallel_outputs)
+        values = dict(
+            preset=preset,
+            backbone_class=backbone_class,
+            architecture=architecture,
+            mesh_axes=mesh_axes,
+            strategy=strategy,
+            strategy_reason=strategy_reason,
+            dtype=dtype,
+            rows=tuple(rows),
+            device_memory_bytes=device_memory_bytes,
+            device_mesh=device_mesh,
+            device_memory_source=device_memory_source,
+            mesh_reason=mesh_reason,
+            # Logical axis -> the config field that sets it, for messages.
+            config_fields=types.MappingProxyType(dict(config_fields or {})),
+            _sequence_parallel=bool(sequence_parallel),
+            _sequence_parallel_outputs=tuple(sequence_parallel_outputs),
+        )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(
+            f"A LayoutPlan is a frozen value; use `plan.replace({name}=...)` "
+            f"for a changed copy. Received: {name}={value!r}"
+        )
+
+    def __delattr__(self, name):
+        raise AttributeError(f"A LayoutPlan is a frozen value. Received: del {name}")
+
+    def replace(self, **changes) -> LayoutPlan:
+        """A copy of this plan with some fields changed.
+
+        Example:
+        ```python
+        plan.replace(mesh_reason="chosen by hand")
+        ```
+        """
+        fields = dict(
+            preset=self.preset,
+            backbone_class=self.backbone_class,
+            architecture=self.architecture,
+            mesh_axes=self.mesh_axes,
+            strategy=self.strategy,
+            strategy_reason=self.strategy_reason,
+            dtype=self.dtype,
+            rows=self.rows,
+            device_memory_bytes=self.device_memory_bytes,
+            device_mesh=self.device_mesh,
+            device_memory_source=self.device_memory_source,
+            mesh_reason=self.mesh_reason,
+            config_fields=self.config_fields,
+            sequence_parallel=self._sequence_parallel,
+            sequence_parallel_outputs=self._sequence_parallel_outputs,
+        )
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise PlanError(
+                f"A LayoutPlan has no field {sorted(unknown)}; use one of "
+                f"{sorted(fields)}. Received: {sorted(changes)}"
+            )
+        return LayoutPlan(**{**fields, **changes})
 
     @property
     def sequence_parallel(self) -> bool:
@@ -415,20 +462,22 @@ class LayoutPlan:
                 )
 
     def _layouts(self) -> dict[str, tuple]:
-        layouts = {}
+        """Layout-map key → layout: one key per rule, or one per weight for
+        a rule whose weights got different layouts (e.g. layers of
+        different shapes under one rule)."""
+        by_pattern: dict[str, list[PlanRow]] = {}
         for row in self.rows:
-            previous = layouts.setdefault(row.pattern, row.spec)
-            if previous != row.spec:
-                raise PlanError(
-                    f"Weights matching {row.pattern!r} got different layouts "
-                    f"({previous} and {row.spec}): one layout-map key can hold "
-                    f"one layout. The {self.architecture!r} handler must give "
-                    "weights of different shapes different patterns. "
-                    f"Received: pattern={row.pattern!r}, path={row.path!r}"
-                )
-        for row in list(self.rows):
+            by_pattern.setdefault(row.pattern, []).append(row)
+        keyed = []
+        for pattern, rows in by_pattern.items():
+            if len({row.spec for row in rows}) == 1:
+                keyed.append((pattern, rows[0]))
+            else:
+                keyed.extend((re.escape(row.path), row) for row in rows)
+        layouts = {key: row.spec for key, row in keyed}
+        for key, row in keyed:
             if row.path.endswith("/kernel") and len(row.spec) >= 2:
-                base = row.pattern[: -len("kernel")]
+                base = key[: -len("kernel")]
                 layouts.setdefault(base + "lora_kernel_a", row.spec[:-1] + (None,))
                 layouts.setdefault(base + "lora_kernel_b", (None, row.spec[-1]))
         return layouts
@@ -496,7 +545,8 @@ class LayoutPlan:
             f"preset: {self.preset} ({self.backbone_class}, {self.architecture})",
             f"mesh: {axes.describe()} (batch axis: {axes.batch_axis}, model "
             f"axis: {axes.model_axis}, hidden axis: {axes.hidden_axis}"
-            f"{mesh_reason})",
+            + (f", expert axis: {axes.expert_axis}" if axes.expert_axis else "")
+            + f"{mesh_reason})",
             f"strategy: {self.strategy} ({self.strategy_reason})",
             f"sequence parallel: {self._sequence_parallel_note()}",
             f"parameters: {self.num_parameters:,} ({self.dtype}), "
@@ -548,17 +598,19 @@ class LayoutPlan:
         )
 
     def table(self) -> str:
-        """The weights grouped by layout-map key, with spec, bytes and notes."""
-        groups: dict[str, list[PlanRow]] = {}
+        """The weights grouped across layers (`decoder_block_*/...`), with
+        shape, spec, bytes and notes."""
+        groups: dict[tuple, list[PlanRow]] = {}
         for row in self.rows:
-            groups.setdefault(row.pattern, []).append(row)
+            name = re.sub(r"_\d+(?=/)", "_*", row.path)
+            groups.setdefault((name, row.shape, row.spec, row.note), []).append(row)
         header = ("weight", "count", "shape", "spec", "per device", "note")
         body = []
-        for pattern, rows in groups.items():
+        for (name, *_), rows in groups.items():
             row = rows[0]
             body.append(
                 (
-                    pattern.replace(r"\d+", "*").replace("\\", ""),
+                    name,
                     str(len(rows)),
                     str(row.shape),
                     str(row.spec),
@@ -1057,6 +1109,7 @@ def plan_config(
     dtype=None,
     device_memory: int | None = None,
     sequence_parallel: bool = False,
+    strict: bool = True,
 ) -> LayoutPlan:
     """`plan()` for a config already read with `read_config`.
 
@@ -1069,6 +1122,12 @@ def plan_config(
         raise StrategyError(
             f"Unknown strategy. Use one of {list(STRATEGY_CHOICES)}. "
             f"Received: strategy={strategy!r}"
+        )
+    if not isinstance(strict, bool):
+        raise PlanError(
+            "`strict` is True (a weight that no layout rule matches is an "
+            "error) or False (a warning; the weight stays replicated). "
+            f"Received: strict={strict!r}"
         )
     if not isinstance(sequence_parallel, bool):
         raise StrategyError(
@@ -1090,7 +1149,7 @@ def plan_config(
         )
     fields = dict(handler.config_fields)
     validate_config(preset_config, [*fields.values(), "num_layers"])
-    weights = validated_weights(handler, preset_config, fields)
+    weights = validated_weights(handler, preset_config, fields, strict=strict)
     var_dtype = variable_dtype(preset_config.config, dtype)
     capacity, source = device_memory_info(_devices_of(device_mesh), device_memory)
 
@@ -1128,17 +1187,16 @@ def plan_config(
     need = tp.training_bytes_per_device("adam")
     budget = f"{rules.AUTO_TP_MEMORY_SHARE:.0%} of {capacity / GIB:.1f} GiB ({source})"
     if tp_fits(tp):
-        tp.strategy_reason = (
-            f"auto: weights+grads+Adam {need / GIB:.2f} GiB per device fit in {budget}"
+        return tp.replace(
+            strategy_reason=f"auto: weights+grads+Adam {need / GIB:.2f} GiB per "
+            f"device fit in {budget}"
         )
-        return tp
     if mesh_axes.size(mesh_axes.batch_axis) == 1:
-        tp.strategy_reason = (
-            f"auto: weights+grads+Adam need {need / GIB:.2f} GiB per device, "
-            f"over {budget}; fsdp would shard nothing more on a batch axis of "
-            "size 1"
+        return tp.replace(
+            strategy_reason=f"auto: weights+grads+Adam need {need / GIB:.2f} GiB "
+            f"per device, over {budget}; fsdp would shard nothing more on a "
+            "batch axis of size 1"
         )
-        return tp
     return build(
         "fsdp",
         f"auto: with tp, weights+grads+Adam need {need / GIB:.2f} GiB per "
@@ -1263,6 +1321,7 @@ def plan(
     dtype=None,
     device_memory: int | None = None,
     sequence_parallel: bool = False,
+    strict: bool = True,
 ) -> LayoutPlan:
     """Plan the layout of a preset's weights on a device mesh.
 
@@ -1303,6 +1362,10 @@ def plan(
             on their sequence dimension over the model axis, Megatron-style;
             `plan.layout_map()` then holds `<layer>/output` keys. Needs a
             model axis of more than one device to change anything.
+        strict: every variable of the model must match exactly one rule of
+            its family's table: with `True` a variable that matches none
+            raises `UnplannedWeightError`; with `False` it warns
+            (`UnplannedWeightWarning`) and is planned replicated.
 
     Returns:
         A `LayoutPlan`; `plan.fits` tells whether training fits.
@@ -1329,9 +1392,9 @@ def plan(
         dtype=dtype,
         device_memory=device_memory,
         sequence_parallel=sequence_parallel,
+        strict=strict,
     )
-    result.mesh_reason = mesh_reason
-    return result
+    return result.replace(mesh_reason=mesh_reason) if mesh_reason else result
 
 
 def get_layout_map(preset, device_mesh, **options) -> keras.distribution.LayoutMap:

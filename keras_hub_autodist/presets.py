@@ -3,7 +3,9 @@
 This is the only module that imports `keras_hub.src`: it uses keras-hub's own
 preset loaders (local folders, `hf://`, `kaggle://`, built-in names) and its
 Hugging Face → Keras config converters, so that planning sees exactly the
-config `from_preset` will build from. Only `config.json` is read.
+config `from_preset` will build from. Only `config.json` is read. It also
+hands sharded loading keras-hub's module that opens safetensors files
+(`safetensor_utils_module`).
 
 Local folders of the families the planner knows also have a fast path,
 `read_local_config`, that needs neither Keras nor keras-hub (importing them
@@ -14,6 +16,8 @@ converters (a test compares the two on every config the tests carry).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import json
@@ -112,10 +116,19 @@ def _loader_for(preset):
         raise
 
 
+# Hugging Face model types whose vision tower is planned (keras-hub
+# converts it); other checkpoints with a `vision_config` are refused.
+VISION_TOWER_MODEL_TYPES = ("gemma3",)
+
+
 def _reject_vision_towers(raw: Mapping, preset) -> None:
-    if raw.get("vision_config") is not None:
+    if (
+        raw.get("vision_config") is not None
+        and raw.get("model_type") not in VISION_TOWER_MODEL_TYPES
+    ):
         raise UnsupportedArchitectureError(
-            "keras_hub_autodist plans text-only models; this Hugging Face "
+            "keras_hub_autodist plans the vision towers of "
+            f"{', '.join(VISION_TOWER_MODEL_TYPES)} only; this Hugging Face "
             f"checkpoint (model_type={raw['model_type']!r}) has a vision "
             "tower. Use its text-only variant or your own layout map. "
             f"Received: preset={preset!r}"
@@ -165,11 +178,16 @@ def _config_from_loader(loader, raw: Mapping, preset) -> PresetConfig:
         converter = loader.converter
         backbone_cls = loader.check_backbone_class()
         convert = converter.convert_backbone_config
+        from keras_hub_autodist.keras_internals import deferred_variables
+
         try:
-            if len(inspect.signature(convert).parameters) != 1:
-                config = convert(raw, backbone_cls)
-            else:
-                config = convert(raw)
+            # Converters may build sub-models (Gemma 3's vision encoder):
+            # their variables get shapes, never values.
+            with deferred_variables():
+                if len(inspect.signature(convert).parameters) != 1:
+                    config = convert(raw, backbone_cls)
+                else:
+                    config = convert(raw)
         except KeyError as error:
             raise _missing_hf_field(error.args[0], raw, preset) from error
         return PresetConfig(preset, backbone_cls, dict(config), "transformers")
@@ -424,8 +442,8 @@ def read_local_config(preset: str) -> PresetConfig | None:
         return PresetConfig(preset, None, _keras_config(raw, preset), "keras", name)
     if "model_type" in raw:
         _reject_vision_towers(raw, preset)
-        if raw["model_type"] not in HF_CONVERSIONS:
-            return None
+        if raw["model_type"] not in HF_CONVERSIONS or "vision_config" in raw:
+            return None  # keras-hub's converter reads it
         name, config = convert_hf_config(raw, preset)
         return PresetConfig(preset, None, config, "transformers", name)
     return None
@@ -524,7 +542,7 @@ def read_local_config_dict(raw: Mapping) -> PresetConfig | None:
             )
         return PresetConfig(label, None, config, "keras", class_name)
     _reject_vision_towers(raw, label)
-    if raw["model_type"] not in HF_CONVERSIONS:
+    if raw["model_type"] not in HF_CONVERSIONS or "vision_config" in raw:
         return None
     name, config = convert_hf_config(raw, label)
     return PresetConfig(label, None, config, "transformers", name)
@@ -652,29 +670,147 @@ def validate_config(preset_config: PresetConfig, fields) -> None:
         )
 
 
-def validated_weights(handler, preset_config: PresetConfig, fields: Mapping):
-    """`handler.weights(config)`, with config problems as `ConfigError`.
+# Where planning takes weight shapes from: the model, built abstractly
+# (`"model"`, the default), or the family's keras-free `shape_hints` where it
+# has them (`"config"`: the CLI's fast path, which must not import keras-hub).
+_SHAPE_SOURCE: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "keras_hub_autodist_shape_source", default="model"
+)
 
-    A field the handler needs but the config lacks, and a weight with a
-    dimension that is not a positive integer (e.g. `head_dim=None` where
-    the family needs it), name the field and the preset.
+
+@contextlib.contextmanager
+def shapes_from_config():
+    """Plan with the families' keras-free shape hints where they exist.
+
+    The CLI plans local configs of the built-in families this way, without
+    importing keras-hub; tests check every hint against the abstract build.
+
+    Example:
+    ```python
+    with shapes_from_config():
+        plan("./gemma_2b", {"batch": 2, "model": 4})
+    ```
+    """
+    token = _SHAPE_SOURCE.set("config")
+    try:
+        yield
+    finally:
+        _SHAPE_SOURCE.reset(token)
+
+
+def backbone_class_named(name: str) -> type:
+    """The keras-hub backbone class registered under `name`.
+
+    Example:
+    >>> backbone_class_named("GemmaBackbone").__name__
+    'GemmaBackbone'
+    """
+    import keras
+    import keras_hub
+
+    found = keras.saving.get_registered_object(f"keras_hub>{name}")
+    if found is None:
+        found = getattr(keras_hub.models, name, None)
+    if found is None:  # another package's backbone, registered with Keras
+        registered = keras.saving.get_custom_objects()
+        found = next(
+            (obj for key, obj in registered.items() if key.endswith(f">{name}")),
+            None,
+        )
+    if not isinstance(found, type):
+        raise ConfigError(
+            f"keras-hub has no backbone class named {name!r}. Check the "
+            "preset's config.json `class_name` (or upgrade keras-hub). "
+            f"Received: class_name={name!r}"
+        )
+    return found
+
+
+def _model_weights(handler, preset_config: PresetConfig, strict: bool):
+    config = preset_config.config
+    if not getattr(handler, "rules", ()):
+        # A handler that lists its weights itself (the table-less interface).
+        return handler.weights(config)
+    if preset_config.backbone_cls is None:
+        if _SHAPE_SOURCE.get() == "config":
+            hints = handler.shape_hints(config)
+            if hints is not None:
+                return [_under_rule(handler, hint) for hint in hints]
+        # An earlier process's abstract build of this config, without keras.
+        from keras_hub_autodist.abstract import stored_variables
+
+        stored = stored_variables(preset_config.backbone_class, config)
+        if stored is not None:
+            handler.check_config(config)
+            return handler.match_variables(
+                stored, preset_config.backbone_class, strict=strict
+            )
+    backbone_cls = preset_config.backbone_cls or backbone_class_named(
+        preset_config.backbone_class
+    )
+    return handler.weights(config, backbone_cls, strict=strict)
+
+
+def _under_rule(handler, hint):
+    """A hinted weight keyed by the rule that matches it, as the model's is."""
+    rules = handler.matching_rules(hint.path)
+    if len(rules) != 1:
+        return hint
+    return dataclasses.replace(hint, pattern=rules[0].pattern)
+
+
+def validated_weights(
+    handler, preset_config: PresetConfig, fields: Mapping, *, strict: bool = True
+):
+    """The weights of the preset's model, with config problems as `ConfigError`.
+
+    Shapes and paths come from the model built abstractly from the config
+    (`Architecture.weights`), or from the family's shape hints inside
+    `shapes_from_config()`. A field the family needs but the config lacks,
+    and a weight with a dimension that is not a positive integer, name the
+    field and the preset.
 
     Args:
-        handler: the architecture handler.
+        handler: the architecture.
         preset_config: the config read from the preset.
         fields: the handler's `config_fields` (logical axis → config field).
+        strict: a weight that matches no rule is an error (`True`) or a
+            warning, the weight staying replicated (`False`).
     """
     config = preset_config.config
     try:
-        weights = handler.weights(config)
+        weights = _model_weights(handler, preset_config, strict)
     except KeyError as error:
-        field = error.args[0] if error.args else "?"
-        raise ConfigError(
-            f"The preset's config has no `{field}`, which the "
-            f"{handler.name} layout needs. Add it to the preset's "
-            f"config.json. Received: preset={str(preset_config.preset)!r}, "
-            f"fields={sorted(config)}"
-        ) from error
+        raise _missing_field_error(handler, preset_config, error) from error
+    except ConfigError as error:
+        # keras-hub could not build the model: name the field when the
+        # family's shape hints can tell which one is wrong.
+        try:
+            hints = handler.shape_hints(config)
+        except KeyError as missing:
+            raise _missing_field_error(handler, preset_config, missing) from error
+        except Exception:  # the hints can't tell either
+            raise error from None
+        if hints is None:
+            raise
+        _check_positive_dims(hints, preset_config, fields)
+        raise
+    _check_positive_dims(weights, preset_config, fields)
+    return weights
+
+
+def _missing_field_error(handler, preset_config, error: KeyError) -> ConfigError:
+    field = error.args[0] if error.args else "?"
+    return ConfigError(
+        f"The preset's config has no `{field}`, which the "
+        f"{handler.name} layout needs. Add it to the preset's "
+        f"config.json. Received: preset={str(preset_config.preset)!r}, "
+        f"fields={sorted(preset_config.config)}"
+    )
+
+
+def _check_positive_dims(weights, preset_config: PresetConfig, fields) -> None:
+    config = preset_config.config
     for weight in weights:
         for size, axis in zip(weight.shape, weight.axes):
             if not _is_positive_int(size):
@@ -686,7 +822,6 @@ def validated_weights(handler, preset_config: PresetConfig, fields: Mapping):
                     "the preset's config.json. "
                     + _received(preset_config, field, config.get(field))
                 )
-    return weights
 
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -866,3 +1001,21 @@ def is_quantized(config: Mapping) -> bool:
         for policy in policies.values()
         if isinstance(policy, Mapping)
     )
+
+
+def safetensor_utils_module():
+    """keras-hub's module that opens Hugging Face weight files.
+
+    Its `SafetensorLoader` opens each `*.safetensors` file with
+    `safetensors.safe_open`, looked up on the module's `safetensors`
+    attribute at each call; sharded loading swaps that attribute for the
+    duration of a load (`loading.py`).
+
+    Example:
+    ```python
+    safetensor_utils_module().safetensors  # the module keras-hub calls
+    ```
+    """
+    from keras_hub.src.utils.transformers import safetensor_utils
+
+    return safetensor_utils

@@ -1,7 +1,8 @@
 """Logical weight axes → mesh axes, with the fallback policy kept as data.
 
 Architectures describe each weight with *logical* axes (`vocab`, `embed`,
-`heads`, `kv_heads`, `head_dim`, `mlp`, `norm`). The rules below turn them
+`heads`, `kv_heads`, `head_dim`, `mlp`, `norm`, `expert`, and `unsharded` for
+a dimension never sharded). The rules below turn them
 into a mesh axis per dimension, for a strategy:
 
 - `"tp"`: the model axis shards each weight's *parallel* dimension
@@ -14,6 +15,15 @@ into a mesh axis per dimension, for a strategy:
 When the preferred dimension does not divide by the axis size the next one in
 `MODEL_FALLBACKS` is tried, else the weight is replicated over that axis. The
 planner records each fallback with its reason.
+
+Mixtures of experts: a weight with an `expert` dimension (one slice per
+expert) puts its experts on the model axis when their count divides it
+(expert parallelism; its `mlp` dimension then stays whole), else its `mlp`
+dimension, as any MLP kernel (tensor parallelism inside each expert). A mesh
+axis named `expert` takes the experts instead (`EXPERT_AXIS_FALLBACKS`), and
+the model axis then splits each expert's `mlp`. Routers have no `expert`
+dimension: their expert-count column is `unsharded`, so they are replicated
+over the model and expert axes.
 """
 
 from __future__ import annotations
@@ -31,6 +41,14 @@ MODEL_FALLBACKS = {
     "mlp": ("mlp", "embed"),
 }
 
+# Weights with an `expert` dimension, on a mesh without an expert axis: the
+# model axis shards the experts first (expert parallelism), else the usual
+# MLP dimensions.
+EXPERT_MODEL_FALLBACKS = ("expert",) + MODEL_FALLBACKS["mlp"]
+
+# On a mesh with an expert axis, it shards these, first free one that divides.
+EXPERT_AXIS_FALLBACKS = ("expert", "mlp", "embed")
+
 # The hidden (second model) axis shards these, in order.
 HIDDEN_AXIS_PREFERENCE = ("embed",)
 
@@ -39,6 +57,7 @@ HIDDEN_AXIS_PREFERENCE = ("embed",)
 FSDP_AXIS_PREFERENCE = (
     "embed",
     "mlp",
+    "expert",
     "vocab",
     "head_dim",
     "heads",
@@ -110,6 +129,51 @@ def _field(fields, logical, size):
     return f"{fields.get(logical, logical)}={size}"
 
 
+def _fields_for(weight, config_fields):
+    """The config fields that explain `weight`'s dimensions: for a weight
+    with an `expert` dimension, `expert_<axis>` entries override `<axis>`
+    (e.g. `expert_mlp: moe_intermediate_dim`)."""
+    fields = dict(config_fields)
+    if "expert" in weight.axes:
+        prefix = "expert_"
+        fields.update(
+            {
+                k[len(prefix) :]: v
+                for k, v in config_fields.items()
+                if k.startswith(prefix)
+            }
+        )
+    return fields
+
+
+def _place(weight, spec, axis, size, candidates, wanted, fields, notes):
+    """Put mesh axis `axis` on the first free dimension among `candidates`
+    (logical axes, in order) that divides by `size`; note a fallback when
+    that is not `wanted`."""
+    chosen = None
+    for logical in candidates:
+        for dim, name in enumerate(weight.axes):
+            if name == logical and spec[dim] is None and weight.shape[dim] % size == 0:
+                spec[dim], chosen = axis, logical
+                break
+        if chosen is not None:
+            break
+    if chosen != wanted:
+        wanted_size = weight.shape[_dim_of(weight.axes, wanted)]
+        cause = (
+            f"{_field(fields, wanted, wanted_size)} does not divide by {axis}={size}"
+        )
+        if chosen is None:
+            notes.append(f"{cause}: replicated over '{axis}'")
+        else:
+            chosen_size = weight.shape[_dim_of(weight.axes, chosen)]
+            notes.append(
+                f"{cause}: sharded {_field(fields, chosen, chosen_size)} "
+                f"over '{axis}' instead"
+            )
+    return chosen
+
+
 def assign_mesh_axes(
     weight,
     mesh_axes,
@@ -142,6 +206,7 @@ def assign_mesh_axes(
     """
     spec = [None] * len(weight.shape)
     notes = []
+    config_fields = _fields_for(weight, config_fields)
 
     def free_dims(order):
         for logical in order:
@@ -150,30 +215,41 @@ def assign_mesh_axes(
                     yield dim, logical
 
     model_axis, model_size = mesh_axes.model_axis, mesh_axes.size(mesh_axes.model_axis)
+    expert_axis = getattr(mesh_axes, "expert_axis", None)
+    expert_size = mesh_axes.size(expert_axis)
+    experts = "expert" in weight.axes
     primary = parallel_axis(weight.axes)
-    if model_axis is not None and model_size > 1 and primary is not None:
+    if experts and (expert_axis is None or expert_size == 1):
+        # Expert parallelism over the model axis, else tensor parallelism
+        # inside each expert.
+        primary, candidates = "expert", EXPERT_MODEL_FALLBACKS
+    elif primary is not None:
         candidates = MODEL_FALLBACKS[primary]
         if primary == "kv_heads" and kv_fallback == "replicate":
             candidates = ("kv_heads",)
-        chosen = None
-        for dim, logical in free_dims(candidates):
-            if weight.shape[dim] % model_size == 0:
-                spec[dim], chosen = model_axis, logical
-                break
-        if chosen != primary:
-            primary_size = weight.shape[_dim_of(weight.axes, primary)]
-            cause = (
-                f"{_field(config_fields, primary, primary_size)}"
-                f" does not divide by {model_axis}={model_size}"
-            )
-            if chosen is None:
-                notes.append(f"{cause}: replicated over '{model_axis}'")
-            else:
-                size = weight.shape[_dim_of(weight.axes, chosen)]
-                notes.append(
-                    f"{cause}: sharded {_field(config_fields, chosen, size)} "
-                    f"over '{model_axis}' instead"
-                )
+    if model_axis is not None and model_size > 1 and primary is not None:
+        _place(
+            weight,
+            spec,
+            model_axis,
+            model_size,
+            candidates,
+            primary,
+            config_fields,
+            notes,
+        )
+
+    if experts and expert_axis is not None and expert_size > 1:
+        _place(
+            weight,
+            spec,
+            expert_axis,
+            expert_size,
+            EXPERT_AXIS_FALLBACKS,
+            "expert",
+            config_fields,
+            notes,
+        )
 
     hidden_axis, hidden_size = (
         mesh_axes.hidden_axis,

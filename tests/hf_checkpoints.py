@@ -131,3 +131,98 @@ WRITERS = {
     "gemma3_text": gemma3_text,
     "llama3": llama3,
 }
+
+
+E = 6  # experts: does not divide a model axis of 4 or 8
+
+
+def mixtral(path, num_experts=E):
+    """Mixtral: GQA attention and a sparse MoE of `num_experts` experts."""
+    config = _common("mixtral", 2) | {
+        "architectures": ["MixtralForCausalLM"],
+        "num_local_experts": num_experts,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.02,
+        "tie_word_embeddings": False,
+    }
+    tensors = {}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": (H * HD, D),
+                p + "self_attn.k_proj.weight": (2 * HD, D),
+                p + "self_attn.v_proj.weight": (2 * HD, D),
+                p + "self_attn.o_proj.weight": (D, H * HD),
+                p + "block_sparse_moe.gate.weight": (num_experts, D),
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+            }
+        )
+        for e in range(num_experts):
+            expert = f"{p}block_sparse_moe.experts.{e}."
+            tensors[expert + "w1.weight"] = (F, D)
+            tensors[expert + "w3.weight"] = (F, D)
+            tensors[expert + "w2.weight"] = (D, F)
+    tensors["model.embed_tokens.weight"] = (V, D)
+    tensors["model.norm.weight"] = (D,)
+    tensors["lm_head.weight"] = (V, D)
+    return _write(path, config, tensors)
+
+
+MOE_F, SHARED_F = 16, 24
+
+
+def qwen2_moe(path, num_experts=E):
+    """Qwen 1.5/2 MoE: biased q/k/v, `num_experts` experts and a shared expert."""
+    config = _common("qwen2_moe", 2) | {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "moe_intermediate_size": MOE_F,
+        "shared_expert_intermediate_size": SHARED_F,
+        "num_experts": num_experts,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+        "sliding_window": 32,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+    }
+    tensors = {}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": (H * HD, D),
+                p + "self_attn.q_proj.bias": (H * HD,),
+                p + "self_attn.k_proj.weight": (2 * HD, D),
+                p + "self_attn.k_proj.bias": (2 * HD,),
+                p + "self_attn.v_proj.weight": (2 * HD, D),
+                p + "self_attn.v_proj.bias": (2 * HD,),
+                p + "self_attn.o_proj.weight": (D, H * HD),
+                p + "mlp.gate.weight": (num_experts, D),
+                p + "mlp.shared_expert.gate_proj.weight": (SHARED_F, D),
+                p + "mlp.shared_expert.up_proj.weight": (SHARED_F, D),
+                p + "mlp.shared_expert.down_proj.weight": (D, SHARED_F),
+                p + "mlp.shared_expert_gate.weight": (1, D),
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+            }
+        )
+        for e in range(num_experts):
+            expert = f"{p}mlp.experts.{e}."
+            tensors[expert + "gate_proj.weight"] = (MOE_F, D)
+            tensors[expert + "up_proj.weight"] = (MOE_F, D)
+            tensors[expert + "down_proj.weight"] = (D, MOE_F)
+    tensors["model.embed_tokens.weight"] = (V, D)
+    tensors["model.norm.weight"] = (D,)
+    tensors["lm_head.weight"] = (V, D)
+    return _write(path, config, tensors)
+
+
+# Mixtures of experts, kept apart from `WRITERS` (the dense families).
+MOE_WRITERS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}

@@ -9,6 +9,7 @@ import textwrap
 
 import keras_hub
 import pytest
+import venvs
 
 import keras_hub_autodist
 from keras_hub_autodist import activation
@@ -107,6 +108,7 @@ def test_explicit_activation_replaces_the_guard(plugin_off):
     assert not hasattr(original, "__keras_hub_autodist_original__")
 
 
+@pytest.mark.slow
 def test_python_dash_s_guard_then_explicit_import():
     # `python -S` runs no .pth file: the hook is run by hand here, as the .pth
     # would with the plugin switched off; then `import keras_hub_autodist`.
@@ -207,55 +209,13 @@ def test_package_errors_for_bad_classes_and_unbound_models(tiny_presets_dir):
         keras_hub_autodist.distribution_of(object())
 
 
-def _run(python, code, env=None):
-    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env = {**base, **(env or {})}
-    return subprocess.run(
-        [python, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=os.path.dirname(python),  # not the repository: import the installed copy
-    )
+_run = venvs.run
 
 
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory):
-    """A new virtual environment with a non-editable `pip install .`.
-
-    Heavy dependencies (keras, keras-hub, jax, TensorFlow) come from this
-    environment through a path file, so the test stays offline and fast; the
-    package itself, its startup hook and its metadata are installed for real.
-    """
-    venv = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
-    site = _run(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    purelib = site.stdout.strip()
-    with open(os.path.join(purelib, "_outer_dependencies.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")
-    wheel_dir = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "-q",
-            "-w",
-            str(wheel_dir),
-            ROOT,
-        ],
-        check=True,
-    )
-    wheel = next(wheel_dir.glob("keras_hub_autodist-*.whl"))
-    subprocess.run(
-        [python, "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True
-    )
-    assert os.path.exists(os.path.join(purelib, "keras_hub_autodist.pth"))
-    return python
+    """A new virtual environment with this package installed for real."""
+    return venvs.fresh_venv(tmp_path_factory)
 
 
 @pytest.mark.venv

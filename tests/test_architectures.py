@@ -96,7 +96,7 @@ def _build(name):
 def test_weight_table_matches_real_model(name):
     model, info = _build(name)
     table = {
-        w.path: w.shape for w in handler_for(info.backbone_cls).weights(info.config)
+        w.path: w.shape for w in handler_for(info.backbone_cls).shape_hints(info.config)
     }
     real = {w.path: tuple(w.shape) for w in model.weights}
     assert table == real

@@ -60,6 +60,7 @@ def test_pad_batch_scales_real_rows_and_zeroes_padding():
     np.testing.assert_array_equal(w, [[1, 0.5], [0, 1], [1, 1], [0, 0]])
 
 
+@pytest.mark.slow
 def test_arrays_with_a_partial_last_batch_match_single_device(preset):
     x, y = data(preset, 10)
     single = causal_lm(preset)

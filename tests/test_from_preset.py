@@ -151,9 +151,11 @@ def greedy_tokens(lm, preset):
 @pytest.mark.parametrize(
     "name, mesh",
     [
-        ("gemma_mqa", {"batch": 1, "model": 8}),
+        pytest.param("gemma_mqa", {"batch": 1, "model": 8}, marks=pytest.mark.slow),
         ("llama3_untied", {"model": 2, "batch": 4}),
-        ("gemma2_gqa", {"batch": 2, "model": 2, "x": 2}),
+        pytest.param(
+            "gemma2_gqa", {"batch": 2, "model": 2, "x": 2}, marks=pytest.mark.slow
+        ),
     ],
 )
 def test_greedy_generate_matches_single_device(tiny_presets_dir, name, mesh):
@@ -182,8 +184,8 @@ def test_generate_a_single_prompt_on_a_batch_axis(tiny_presets_dir):
 @pytest.mark.parametrize(
     "mesh",
     [
-        {"batch": 4, "model": 2},
-        {"model": 2, "batch": 4},
+        pytest.param({"batch": 4, "model": 2}, marks=pytest.mark.slow),
+        pytest.param({"model": 2, "batch": 4}, marks=pytest.mark.slow),
         {"model": 2, "x": 2, "batch": 2},
     ],
     ids=mesh_id,
@@ -282,6 +284,7 @@ def test_nothing_leaks_into_the_global_distribution(tiny_presets_dir):
         keras.distribution.set_distribution(None)
 
 
+@pytest.mark.slow
 def test_two_models_on_two_meshes(tiny_presets_dir):
     preset = tiny_presets_dir["gemma3_text"]
     first = keras_hub.models.CausalLM.from_preset(

@@ -14,8 +14,11 @@ import hf_checkpoints
 import jax
 import keras
 import keras_hub
+import ml_dtypes
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 import tiny_presets
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -110,10 +113,14 @@ def test_load_equals_single_device_and_follows_the_plan(
     stats = keras_hub_autodist.load_stats(backbone)
     assert stats.weights_loaded == len(backbone.weights)
     assert stats.initializers_skipped == len(backbone.weights)
+    total = sum(v.nbytes for v in references[format].values())
     if format == "keras":
-        assert stats.bytes_read == sum(v.nbytes for v in references[format].values())
+        assert stats.bytes_read == total
     else:
+        # Unconverted tensors are read slice by slice, converted ones whole.
+        assert stats.bytes_read > 0
         assert stats.bytes_received > 0
+        assert stats.bytes_read + stats.bytes_received == total
 
 
 def test_sharded_keras_weight_files(tmp_path):
@@ -421,3 +428,86 @@ def test_verify_layouts_names_a_misplaced_variable(presets):
         match=f"not laid out as planned.*Received: {variable.path}",
     ):
         loading.verify_layouts(backbone)
+
+
+def mapped(path):
+    """Whether `path` is mapped into this process (Linux)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(" " + real) for line in f)
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps"
+)
+def test_safetensors_file_is_mapped_only_while_a_tensor_is_read(presets, monkeypatch):
+    """keras-hub keeps each safetensors file open, i.e. mapped, for the whole
+    load, so every page read stayed in host RSS: the whole checkpoint. While
+    a weight goes to its shards, its file is no longer mapped."""
+    path = os.path.join(presets["transformers"], "model.safetensors")
+    safetensor_utils = keras_hub_autodist.presets.safetensor_utils_module()
+    port_weight = safetensor_utils.SafetensorLoader.port_weight
+    seen = []
+    put = loading._Session.put
+
+    def recording_put(session, source, variable):
+        seen.append(mapped(path))
+        return put(session, source, variable)
+
+    monkeypatch.setattr(loading._Session, "put", recording_put)
+    keras_hub.models.Backbone.from_preset(
+        presets["transformers"], device_mesh={"batch": 2, "model": 4}
+    )
+    assert seen and not any(seen), seen
+    assert safetensor_utils.safetensors.safe_open is safetensors.safe_open
+    assert safetensor_utils.SafetensorLoader.port_weight is port_weight
+
+
+def test_unconverted_safetensors_weights_are_read_slice_by_slice(presets, monkeypatch):
+    """A tensor keras-hub's converter passes on without a hook goes from the
+    file to each device's slice; the host never holds it whole."""
+    reads = []
+    read = loading.SafetensorsFile.read
+
+    def recording_read(file, name, index=None):
+        values = read(file, name, index)
+        reads.append((name, values.nbytes))
+        return values
+
+    monkeypatch.setattr(loading.SafetensorsFile, "read", recording_read)
+    backbone = keras_hub.models.Backbone.from_preset(
+        presets["transformers"], device_mesh=mesh_of((1, 8)), strategy="tp"
+    )
+    embeddings = backbone.get_layer("token_embedding").embeddings
+    assert embeddings.value.sharding.num_devices == 8
+    sizes = [nbytes for name, nbytes in reads if name == "model.embed_tokens.weight"]
+    assert len(sizes) == 8
+    assert max(sizes) < embeddings.value.nbytes
+    assert sum(sizes) == embeddings.value.nbytes
+
+
+def test_safetensors_file_reads_large_tensors_in_blocks(presets, tmp_path, monkeypatch):
+    """Tensors read block by block are bitwise those `safe_open` reads."""
+    monkeypatch.setattr(loading, "SAFETENSORS_CHUNK_BYTES", 100)
+    extra = str(tmp_path / "extra.safetensors")
+    rng = np.random.default_rng(1)
+    safetensors.numpy.save_file(
+        {
+            "bf16": rng.standard_normal((7, 5)).astype(ml_dtypes.bfloat16),
+            "int8": rng.integers(-9, 9, (30, 2, 3)).astype("int8"),
+            "vector": rng.standard_normal(50).astype("float32"),
+            "scalar": np.array(3.0, "float32"),
+            "empty": np.zeros((0, 4), "float32"),
+        },
+        extra,
+    )
+    for path in (os.path.join(presets["transformers"], "model.safetensors"), extra):
+        file = loading.SafetensorsFile(path)
+        with safetensors.safe_open(path, framework="np") as reference:
+            assert file.keys() == list(reference.keys())
+            for name in reference.keys():
+                expected = reference.get_tensor(name)
+                values = file.get_tensor(name)
+                assert values.dtype == expected.dtype, name
+                assert values.shape == expected.shape, name
+                assert values.tobytes() == expected.tobytes(), name

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,9 @@ import keras_hub_autodist
 from keras_hub_autodist import UnsupportedArchitectureError
 from keras_hub_autodist import registry
 from keras_hub_autodist.architectures.gemma import GEMMA
+
+# The built-in families, as the "Supported backbones" list of errors shows them.
+BUILTINS = re.escape(", ".join(sorted(registry.BUILTIN_ARCHITECTURES)))
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = {"batch": 2, "model": 4}
@@ -109,18 +113,26 @@ def test_builtins_plan_without_installed_metadata(
 
 def test_source_checkout_plans_in_a_fresh_process():
     """`PYTHONPATH=<checkout>` and no entry points at all: every built-in
-    family plans, and planning a folder still imports no Keras."""
+    family plans from the model; with the CLI's shape hints
+    (`shapes_from_config`), planning a folder imports no Keras."""
     code = textwrap.dedent(
         f"""
         import sys
         from importlib import metadata
         metadata.entry_points = lambda **kwargs: []
         import keras_hub_autodist
-        for name in {[p for p, _, _ in FAMILIES if isinstance(p, str)]!r}:
+        from keras_hub_autodist.presets import shapes_from_config
+        names = {[p for p, _, _ in FAMILIES if isinstance(p, str)]!r}
+        with shapes_from_config():
+            for name in names:
+                plan = keras_hub_autodist.plan(
+                    {str(pytest.shared)!r} + "/" + name, {MESH!r})
+                print(name, plan.architecture)
+        print("keras imported:", "keras" in sys.modules)
+        for name in names:
             plan = keras_hub_autodist.plan(
                 {str(pytest.shared)!r} + "/" + name, {MESH!r})
-            print(name, plan.architecture)
-        print("keras imported:", "keras" in sys.modules)
+            print("from the model:", name, plan.architecture)
         """
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -134,13 +146,14 @@ def test_source_checkout_plans_in_a_fresh_process():
     assert done.returncode == 0, done.stderr
     assert "gemma3_1b gemma3" in done.stdout and "llama3_8b llama" in done.stdout
     assert "keras imported: False" in done.stdout
+    assert "from the model: llama3_8b llama" in done.stdout
 
 
 def test_unsupported_error_lists_the_builtins_without_metadata(no_installed_metadata):
     with pytest.raises(
         UnsupportedArchitectureError,
-        match=r"no layout for QwenBackbone\. Supported backbones: Gemma3Backbone, "
-        r"GemmaBackbone, LlamaBackbone, MistralBackbone\. .*Received: ",
+        match=rf"no layout for QwenBackbone\. Supported backbones: {BUILTINS}\. "
+        r".*Received: ",
     ):
         registry.handler_for(type("QwenBackbone", (), {}))
 
@@ -183,8 +196,8 @@ def test_a_broken_plugin_warns_and_the_error_names_it(plugins):
     with pytest.warns(UserWarning, match=r"'BrokenBackbone'.*failed to load"):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=r"Supported backbones: Gemma3Backbone, GemmaBackbone, "
-            r"LlamaBackbone, MistralBackbone\. Failed to load \(see the warnings\): "
+            match=rf"Supported backbones: {BUILTINS}\. Failed to load \(see the "
+            r"warnings\): "
             r"BrokenBackbone = dup_layouts:DOES_NOT_EXIST \(AttributeError",
         ):
             registry.handler_for(type("BrokenBackbone", (), {}))

@@ -377,7 +377,14 @@ def run_child(script, target, mode, delay=None):
     return time.monotonic() - start, process.returncode
 
 
-@pytest.mark.parametrize("mode", ["exchange", "two renames", "in place"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "exchange",
+        pytest.param("two renames", marks=pytest.mark.slow),
+        pytest.param("in place", marks=pytest.mark.slow),
+    ],
+)
 def test_sigkill_at_random_points_leaves_old_or_new(tmp_path, mode):
     """Kill a save at random points: the result is the old or the new preset.
 

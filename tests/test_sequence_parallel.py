@@ -76,7 +76,8 @@ def generate_tokens(lm, preset):
 # divide the model axis (JAX pads the uneven shards), and the collectives
 # against tensor parallelism alone.
 @pytest.mark.parametrize(
-    "name, sequence_length", [("gemma_mqa", 8), ("llama3_untied", 6)]
+    "name, sequence_length",
+    [pytest.param("gemma_mqa", 8, marks=pytest.mark.slow), ("llama3_untied", 6)],
 )
 def test_training_matches_one_device(tiny_presets_dir, name, sequence_length):
     preset = tiny_presets_dir[name]

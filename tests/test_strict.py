@@ -12,7 +12,7 @@ import tiny_presets
 import keras_hub_autodist
 from keras_hub_autodist import MeshError
 from keras_hub_autodist import PlanError
-from keras_hub_autodist.architectures.base import WeightSpec
+from keras_hub_autodist.architectures.base import Rule
 from keras_hub_autodist.architectures.gemma import GEMMA
 from keras_hub_autodist.errors import UnplannedWeightError
 from keras_hub_autodist.errors import UnplannedWeightWarning
@@ -67,34 +67,33 @@ def test_task_json_disagreeing_with_config_json(causal_lm_preset, tmp_path):
 
 @pytest.fixture
 def gemma_without_final_norm(monkeypatch):
-    """The Gemma handler with one weight missing from its table."""
-    weights = GEMMA.weights
+    """The Gemma rule table without the final norm's rule."""
     monkeypatch.setattr(
         GEMMA,
-        "weights",
-        lambda config: [
-            w for w in weights(config) if w.path != "final_normalization/scale"
-        ],
+        "rules",
+        tuple(r for r in GEMMA.rules if r.pattern != "final_normalization/scale"),
     )
 
 
 def test_an_unplanned_weight_is_an_error(backbone_preset, gemma_without_final_norm):
     with pytest.raises(
         UnplannedWeightError,
-        match=r"1 weights match no rule of the 'gemma' layout of GemmaBackbone.*"
-        r"silently replicate.*final_normalization/scale \(32,\).*"
-        r"`strict=False`.*Received: weights \['final_normalization/scale'\]",
+        match=r"1 weights of GemmaBackbone match no rule of the 'gemma' "
+        r"architecture: final_normalization/scale \(32,\)\. Add a rule.*"
+        r"`strict=False`.*Received: 1 unmatched, 0 ambiguous",
     ):
         keras_hub.models.Backbone.from_preset(
             backbone_preset, device_mesh={"batch": 2, "model": 4}
         )
+    with pytest.raises(UnplannedWeightError, match="final_normalization/scale"):
+        keras_hub_autodist.plan(backbone_preset, {"batch": 2, "model": 4})
 
 
 def test_strict_false_warns_and_replicates(backbone_preset, gemma_without_final_norm):
     with pytest.warns(
         UnplannedWeightWarning,
-        match=r"1 weights of the GemmaBackbone model match no rule of the 'gemma' "
-        r"layout and stay replicated.*final_normalization/scale",
+        match=r"1 weights of GemmaBackbone match no rule of the 'gemma' "
+        r"architecture and stay replicated.*final_normalization/scale",
     ):
         backbone = keras_hub.models.Backbone.from_preset(
             backbone_preset, device_mesh={"batch": 2, "model": 4}, strict=False
@@ -109,20 +108,16 @@ def test_strict_false_warns_and_replicates(backbone_preset, gemma_without_final_
 
 
 def test_a_weight_matching_two_rules_is_an_error(backbone_preset, monkeypatch):
-    weights = GEMMA.weights
-    overlapping = WeightSpec(
-        "decoder_block_0/attention/any/kernel",
-        r"decoder_block_\d+/attention/(query|key)/kernel",
-        (32, 8),
-        ("embed", "head_dim"),
+    overlapping = Rule(
+        r"decoder_block_\d+/attention/(query|any)/kernel",
+        ("heads", "embed", "head_dim"),
     )
-    monkeypatch.setattr(
-        GEMMA, "weights", lambda config: weights(config) + [overlapping]
-    )
+    monkeypatch.setattr(GEMMA, "rules", GEMMA.rules + (overlapping,))
     with pytest.raises(
         UnplannedWeightError,
-        match=r"match several rules of the 'gemma' layout of GemmaBackbone.*"
-        r"decoder_block_0/attention/query/kernel \(keys .*Received: weights",
+        match=r"match several rules of the 'gemma' architecture "
+        r"\(decoder_block_0/attention/query/kernel matches .*Make the rules "
+        r"disjoint.*Received: 0 unmatched, 2 ambiguous",
     ):
         keras_hub.models.Backbone.from_preset(
             backbone_preset, device_mesh={"batch": 2, "model": 4}, strict=False

@@ -203,13 +203,27 @@ class Architecture:
         from keras_hub_autodist.abstract import model_variables
 
         self.check_config(config)
+        return self.match_variables(
+            model_variables(backbone_cls, config), backbone_cls.__name__, strict=strict
+        )
+
+    def match_variables(
+        self, variables, backbone_class: str, *, strict: bool = True
+    ) -> list[WeightSpec]:
+        """`weights()` for variables already built (`abstract.VariableShape`).
+
+        Args:
+            variables: objects with `.path` and `.shape`.
+            backbone_class: the backbone class name, for messages.
+            strict: as for `weights()`.
+        """
         specs, unmatched, ambiguous = [], [], {}
-        for variable in model_variables(backbone_cls, config):
+        for variable in variables:
             rules = self.matching_rules(variable.path)
             if len(rules) == 1:
                 rule = rules[0]
                 if len(rule.axes) != len(variable.shape):
-                    raise _rank_error(self, backbone_cls, rule, variable)
+                    raise _rank_error(self, backbone_class, rule, variable)
                 specs.append(
                     WeightSpec(variable.path, rule.pattern, variable.shape, rule.axes)
                 )
@@ -226,11 +240,11 @@ class Architecture:
                     )
                 )
         if ambiguous or (unmatched and strict):
-            raise _unmatched_error(self, backbone_cls, unmatched, ambiguous)
+            raise _unmatched_error(self, backbone_class, unmatched, ambiguous)
         if unmatched:
             warnings.warn(
                 f"keras_hub_autodist: {len(unmatched)} weights of "
-                f"{backbone_cls.__name__} match no rule of the {self.name!r} "
+                f"{backbone_class} match no rule of the {self.name!r} "
                 "architecture and stay replicated on every device "
                 "(strict=False): "
                 + ", ".join(f"{v.path} {v.shape}" for v in unmatched[:10]),
@@ -247,21 +261,21 @@ def _escape_path(path: str) -> str:
     return re.escape(path)
 
 
-def _rank_error(architecture, backbone_cls, rule, variable):
+def _rank_error(architecture, backbone_class, rule, variable):
     return UnplannedWeightError(
         f"The rule {rule.pattern!r} of the {architecture.name!r} architecture "
         f"gives {len(rule.axes)} logical axes {rule.axes}, but "
-        f"{backbone_cls.__name__} builds {variable.path!r} with shape "
+        f"{backbone_class} builds {variable.path!r} with shape "
         f"{variable.shape}. Fix the rule table (one logical axis per "
         f"dimension). Received: {variable.path} {variable.shape}"
     )
 
 
-def _unmatched_error(architecture, backbone_cls, unmatched, ambiguous):
+def _unmatched_error(architecture, backbone_class, unmatched, ambiguous):
     parts = []
     if unmatched:
         parts.append(
-            f"{len(unmatched)} weights of {backbone_cls.__name__} match no "
+            f"{len(unmatched)} weights of {backbone_class} match no "
             f"rule of the {architecture.name!r} architecture: "
             + ", ".join(f"{v.path} {v.shape}" for v in unmatched[:10])
             + ". Add a rule for them to the architecture's table, or pass "
@@ -273,7 +287,7 @@ def _unmatched_error(architecture, backbone_cls, unmatched, ambiguous):
             for path, patterns in list(ambiguous.items())[:5]
         )
         parts.append(
-            f"{len(ambiguous)} weights of {backbone_cls.__name__} match several "
+            f"{len(ambiguous)} weights of {backbone_class} match several "
             f"rules of the {architecture.name!r} architecture ({listed}). "
             "Make the rules disjoint"
         )

@@ -8,6 +8,7 @@ from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
 from keras_hub_autodist.architectures.base import global_weight
 from keras_hub_autodist.architectures.base import layer_weights
+from keras_hub_autodist.architectures.base import rule_table
 
 GEMMA_CONFIG_FIELDS = {
     "vocab": "vocabulary_size",
@@ -28,6 +29,22 @@ GEMMA_SEQUENCE_PARALLEL_OUTPUTS = (
     r"decoder_block_\d+/attention/attention_output/output",
     r"decoder_block_\d+/ffw_linear/output",
     "final_normalization/output",
+)
+
+
+# Gemma 1, 2 and 3: kernels laid out (heads, hidden, head_dim); Gemma 3's
+# query/key norms are over head_dim.
+_BLOCK = r"decoder_block_\d+/"
+GEMMA_RULES = rule_table(
+    ("token_embedding/embeddings", ("vocab", "embed")),
+    (_BLOCK + "attention/query/kernel", ("heads", "embed", "head_dim")),
+    (_BLOCK + "attention/(key|value)/kernel", ("kv_heads", "embed", "head_dim")),
+    (_BLOCK + "attention/attention_output/kernel", ("heads", "head_dim", "embed")),
+    (_BLOCK + "ffw_gating(_2)?/kernel", ("embed", "mlp")),
+    (_BLOCK + "ffw_linear/kernel", ("mlp", "embed")),
+    (_BLOCK + "(pre|post)_(attention|ffw)_norm/scale", ("norm",)),
+    (_BLOCK + "attention/(query|key)_norm/scale", ("norm",)),
+    ("final_normalization/scale", ("norm",)),
 )
 
 
@@ -84,16 +101,17 @@ class GemmaArchitecture(Architecture):
     Example:
     >>> config = dict(vocabulary_size=64, num_layers=1, num_query_heads=4,
     ...     num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
-    >>> weights = GEMMA.weights(config)
+    >>> weights = GEMMA.shape_hints(config)
     >>> next(w.shape for w in weights if w.path.endswith("key/kernel"))
     (1, 16, 8)
     """
 
     name = "gemma"
+    rules = GEMMA_RULES
     config_fields = GEMMA_CONFIG_FIELDS
     sequence_parallel_outputs = GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 
-    def weights(self, config: Mapping) -> list[WeightSpec]:
+    def shape_hints(self, config: Mapping) -> list[WeightSpec]:
         entries = gemma_block_entries(config, config["intermediate_dim"] // 2)
         return gemma_global_weights(config) + layer_weights(
             "decoder_block_", config["num_layers"], entries

@@ -12,6 +12,7 @@ from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
 from keras_hub_autodist.architectures.base import global_weight
 from keras_hub_autodist.architectures.base import layer_weights
+from keras_hub_autodist.architectures.base import rule_table
 
 LLAMA_CONFIG_FIELDS = {
     "vocab": "vocabulary_size",
@@ -35,6 +36,22 @@ LLAMA_SEQUENCE_PARALLEL_OUTPUTS = (
 )
 
 
+# Llama 2/3 and Mistral: kernels laid out (hidden, heads, head_dim); untied
+# models add `reverse_embeddings` (hidden, vocab).
+_LAYER = r"transformer_layer_\d+/"
+LLAMA_RULES = rule_table(
+    ("token_embedding/embeddings", ("vocab", "embed")),
+    ("token_embedding/reverse_embeddings", ("embed", "vocab")),
+    (_LAYER + "self_attention/query/kernel", ("embed", "heads", "head_dim")),
+    (_LAYER + "self_attention/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
+    (_LAYER + "self_attention/attention_output/kernel", ("heads", "head_dim", "embed")),
+    (_LAYER + "feedforward_(intermediate|gate)_dense/kernel", ("embed", "mlp")),
+    (_LAYER + "feedforward_output_dense/kernel", ("mlp", "embed")),
+    (_LAYER + "(self_attention|feedforward)_layernorm/scale", ("norm",)),
+    ("sequence_output_layernorm/scale", ("norm",)),
+)
+
+
 class LlamaArchitecture(Architecture):
     """Weights of `LlamaBackbone` and its subclasses (`Llama3Backbone`).
 
@@ -45,19 +62,20 @@ class LlamaArchitecture(Architecture):
     Example:
     >>> config = dict(vocabulary_size=64, num_layers=1, num_query_heads=4,
     ...     num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
-    >>> LLAMA.weights(config)[1].path
+    >>> LLAMA.shape_hints(config)[1].path
     'token_embedding/reverse_embeddings'
     """
 
     name = "llama"
+    rules = LLAMA_RULES
     config_fields = LLAMA_CONFIG_FIELDS
     sequence_parallel_outputs = LLAMA_SEQUENCE_PARALLEL_OUTPUTS
 
-    def __init__(self, *, always_untied: bool = False, name: str = "llama"):
+    def __init__(self, *, always_untied: bool = False, name: str | None = None):
+        super().__init__(name=name)
         self.always_untied = always_untied
-        self.name = name
 
-    def weights(self, config: Mapping) -> list[WeightSpec]:
+    def shape_hints(self, config: Mapping) -> list[WeightSpec]:
         v = config["vocabulary_size"]
         d = config["hidden_dim"]
         h = config["num_query_heads"]

@@ -1,0 +1,66 @@
+"""Mixtral (`MixtralBackbone`): Mistral's attention with a sparse mixture of
+experts in place of each MLP.
+
+keras-hub stores each layer's experts as three 3D kernels
+`(num_experts, hidden_dim, intermediate_dim)` (gate, intermediate) and
+`(num_experts, intermediate_dim, hidden_dim)` (output), inside a block it
+names from a process-wide counter (`mixtral_sparse_moe_block`,
+`mixtral_sparse_moe_block_1`, ...; the second model built in a process starts
+where the first stopped), so the patterns accept any suffix. The router
+(`sparse_feedforward_gate_dense`, `(hidden_dim, num_experts)`) is replicated
+over the model axis.
+"""
+
+from __future__ import annotations
+
+from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import rule_table
+
+# keras-hub names the MoE block of each layer from a process-wide counter.
+MOE_BLOCK = r"transformer_layer_\d+/mixtral_sparse_moe_block(_\d+)?"
+
+MIXTRAL_CONFIG_FIELDS = {
+    "vocab": "vocabulary_size",
+    "embed": "hidden_dim",
+    "heads": "num_query_heads",
+    "kv_heads": "num_key_value_heads",
+    # Not a Mixtral config field (hidden_dim / num_query_heads): named as is.
+    "head_dim": "head_dim",
+    "mlp": "intermediate_dim",
+    "expert": "num_experts",
+}
+
+MIXTRAL = Architecture(
+    name="mixtral",
+    rules=rule_table(
+        ("token_embedding/embeddings", ("vocab", "embed")),
+        ("token_embedding/reverse_embeddings", ("embed", "vocab")),
+        (
+            r"transformer_layer_\d+/self_attention/query/kernel",
+            ("embed", "heads", "head_dim"),
+        ),
+        (
+            r"transformer_layer_\d+/self_attention/(key|value)/kernel",
+            ("embed", "kv_heads", "head_dim"),
+        ),
+        (
+            r"transformer_layer_\d+/self_attention/attention_output/kernel",
+            ("heads", "head_dim", "embed"),
+        ),
+        (MOE_BLOCK + "/sparse_feedforward_gate_dense/kernel", ("embed", "unsharded")),
+        (
+            MOE_BLOCK + "/experts/expert_feedforward_(gate|intermediate)_dense",
+            ("expert", "embed", "mlp"),
+        ),
+        (
+            MOE_BLOCK + "/experts/expert_feedforward_output_dense",
+            ("expert", "mlp", "embed"),
+        ),
+        (
+            r"transformer_layer_\d+/(self_attention|feedforward)_layernorm/scale"
+            r"|sequence_output_layernorm/scale",
+            ("norm",),
+        ),
+    ),
+    config_fields=MIXTRAL_CONFIG_FIELDS,
+)

@@ -1,0 +1,105 @@
+"""Qwen 1.5/2 MoE (`QwenMoeBackbone`) and Qwen 3 MoE (`Qwen3MoeBackbone`).
+
+Each sparse layer has a router (`sparse_feedforward_gate_dense`,
+`(hidden_dim, num_experts)`, replicated over the model axis) and a bank of
+experts stored as two 3D kernels: a fused gate/up projection
+`(num_experts, hidden_dim, 2 * moe_intermediate_dim)` and the output
+projection `(num_experts, moe_intermediate_dim, hidden_dim)`. Qwen-MoE adds
+an always-on shared expert (a gated MLP) and its scalar gate; Qwen 3 MoE
+has query/key norms and no biases. Layers listed in `mlp_only_layers` hold
+a dense gated MLP instead.
+
+keras-hub names the sparse block and the dense MLP of each layer from
+process-wide counters (`qwen_sparse_moe_block_3`, `qwen3_moe_mlp_1`, ...),
+so the patterns accept any suffix.
+"""
+
+from __future__ import annotations
+
+from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import rule_table
+
+_LAYER = r"transformer_layer_\d+"
+_ATTENTION = _LAYER + "/self_attention"
+_NORMS = (
+    _LAYER + r"/(self_attention|feedforward)_layernorm/scale"
+    r"|sequence_output_layernorm/scale"
+)
+
+QWEN_MOE_CONFIG_FIELDS = {
+    "vocab": "vocabulary_size",
+    "embed": "hidden_dim",
+    "heads": "num_query_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "mlp": "intermediate_dim",
+    "expert": "num_experts",
+    # The `mlp` dimension of the expert kernels.
+    "expert_mlp": "moe_intermediate_dim",
+}
+QWEN3_MOE_CONFIG_FIELDS = QWEN_MOE_CONFIG_FIELDS
+
+
+def _mlp_rules(mlp: str) -> tuple:
+    """The rules of a gated MLP (a dense layer's, or Qwen-MoE's shared expert)."""
+    return (
+        (mlp + "/feedforward_(intermediate|gate)_dense/kernel", ("embed", "mlp")),
+        (mlp + "/feedforward_output_dense/kernel", ("mlp", "embed")),
+    )
+
+
+def _expert_rules(sparse_block: str) -> tuple:
+    """The rules of a Qwen MoE sparse block's router and experts."""
+    return (
+        (
+            sparse_block + "/sparse_feedforward_gate_dense/kernel",
+            ("embed", "unsharded"),
+        ),
+        (
+            sparse_block + "/experts/expert_feedforward_gate_dense",
+            ("expert", "embed", "mlp"),
+        ),
+        (
+            sparse_block + "/experts/expert_feedforward_output_dense",
+            ("expert", "mlp", "embed"),
+        ),
+    )
+
+
+_QWEN_SPARSE = _LAYER + r"/qwen_sparse_moe_block(_\d+)?"
+QWEN_MOE = Architecture(
+    name="qwen_moe",
+    rules=rule_table(
+        ("token_embedding/embeddings", ("vocab", "embed")),
+        ("token_embedding/reverse_embeddings", ("embed", "vocab")),
+        (_ATTENTION + "/query/kernel", ("embed", "heads", "head_dim")),
+        (_ATTENTION + "/query/bias", ("heads", "head_dim")),
+        (_ATTENTION + "/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
+        (_ATTENTION + "/(key|value)/bias", ("kv_heads", "head_dim")),
+        (_ATTENTION + "/attention_output/kernel", ("heads", "head_dim", "embed")),
+        *_expert_rules(_QWEN_SPARSE),
+        # The shared expert and dense layers have their own rules: their MLP
+        # widths differ, and so may their layouts.
+        *_mlp_rules(_QWEN_SPARSE + "/shared_expert_dense"),
+        *_mlp_rules(_LAYER + r"/qwen_moe_mlp(_\d+)?"),
+        (_QWEN_SPARSE + "/shared_expert_gate_dense/kernel", ("embed", "unsharded")),
+        (_NORMS, ("norm",)),
+    ),
+    config_fields=QWEN_MOE_CONFIG_FIELDS,
+)
+
+QWEN3_MOE = Architecture(
+    name="qwen3_moe",
+    rules=rule_table(
+        ("token_embedding/embeddings", ("vocab", "embed")),
+        ("token_embedding/reverse_embeddings", ("embed", "vocab")),
+        (_ATTENTION + "/query/kernel", ("embed", "heads", "head_dim")),
+        (_ATTENTION + "/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
+        (_ATTENTION + "/attention_output/kernel", ("heads", "head_dim", "embed")),
+        (_ATTENTION + "/(query|key)_dense_layernorm/scale", ("norm",)),
+        *_expert_rules(_LAYER + r"/qwen3_sparse_moe_block(_\d+)?"),
+        *_mlp_rules(_LAYER + r"/qwen3_moe_mlp(_\d+)?"),
+        (_NORMS, ("norm",)),
+    ),
+    config_fields=QWEN3_MOE_CONFIG_FIELDS,
+)

@@ -1,0 +1,99 @@
+"""The abstract build: nothing allocated, cached in memory and on disk."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import keras_hub
+import pytest
+
+import keras_hub_autodist
+from keras_hub_autodist import abstract
+from keras_hub_autodist.architectures.llama import LLAMA
+
+CONFIG = dict(
+    vocabulary_size=64,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=16,
+    intermediate_dim=32,
+)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _preset(folder, config):
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "module": "keras_hub.src.models.llama.llama_backbone",
+                "class_name": "LlamaBackbone",
+                "config": config,
+                "registered_name": "keras_hub>LlamaBackbone",
+            }
+        )
+    )
+    return str(folder)
+
+
+def test_abstract_build_allocates_nothing_and_leaves_no_pending_variables():
+    before = len(jax.live_arrays())
+    variables = abstract.model_variables(keras_hub.models.LlamaBackbone, CONFIG)
+    assert len(jax.live_arrays()) == before
+    shapes = {v.path: v.shape for v in variables}
+    assert shapes["transformer_layer_1/self_attention/key/kernel"] == (16, 2, 4)
+    # Keras would initialize deferred variables at the next stateless scope.
+    import keras
+
+    with keras.StatelessScope():
+        pass
+    assert len(jax.live_arrays()) == before
+
+
+def test_a_later_process_plans_from_the_disk_cache_without_keras(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    preset = _preset(tmp_path / "llama", {**CONFIG, "intermediate_dim": 48})
+    monkeypatch.setenv(abstract.CACHE_ENV, str(cache))
+    expected = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    assert len(list(cache.glob("*.json"))) == 1
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import keras_hub_autodist
+        plan = keras_hub_autodist.plan({preset!r}, {{"batch": 2, "model": 4}})
+        print([(r.path, r.shape, r.spec) for r in plan.rows])
+        print("keras imported:", "keras" in sys.modules)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows, imported = done.stdout.strip().splitlines()[-2:]
+    assert rows == str([(r.path, r.shape, r.spec) for r in expected.rows])
+    assert imported == "keras imported: False"
+
+
+def test_an_unreadable_cache_file_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
+    config = {**CONFIG, "hidden_dim": 24}
+    path = abstract._disk_file("LlamaBackbone", config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not json")
+    assert abstract.stored_variables("LlamaBackbone", config) is None
+    weights = LLAMA.weights(config, keras_hub.models.LlamaBackbone)
+    assert len(weights) == 21
+
+
+@pytest.mark.parametrize("value", ["off", "0", "false"])
+def test_the_disk_cache_can_be_turned_off(tmp_path, monkeypatch, value):
+    monkeypatch.setenv(abstract.CACHE_ENV, value)
+    assert abstract.cache_folder() is None
+    config = {**CONFIG, "hidden_dim": 40}
+    abstract.model_variables(keras_hub.models.LlamaBackbone, config)
+    assert abstract.stored_variables("LlamaBackbone", config) is None

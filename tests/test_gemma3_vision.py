@@ -1,0 +1,96 @@
+"""Gemma 3 with its vision tower: every weight planned, and a sharded forward
+pass with images equal to one device's."""
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+from keras_hub_autodist.architectures.gemma3 import GEMMA3
+
+VISION = dict(
+    image_size=16,
+    patch_size=4,
+    num_heads=2,
+    hidden_dim=16,
+    num_layers=2,
+    intermediate_dim=32,
+    output_dim=32,
+    pool_size=2,
+)
+TEXT = dict(
+    vocabulary_size=100,
+    image_size=16,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=32,
+    intermediate_dim=64,
+    head_dim=8,
+)
+
+
+def _backbone():
+    from keras_hub.models import Gemma3VisionEncoder
+
+    return keras_hub.models.Gemma3Backbone(
+        **TEXT, vision_encoder=Gemma3VisionEncoder(**VISION)
+    )
+
+
+@pytest.fixture(scope="module")
+def vision_preset(tmp_path_factory):
+    keras.utils.set_random_seed(0)
+    path = tmp_path_factory.mktemp("gemma3_vision") / "backbone"
+    _backbone().save_to_preset(str(path))
+    return str(path)
+
+
+def _inputs():
+    # 16x16 images in 4x4 patches, pooled 2x2: 4 vision tokens per image.
+    rng = np.random.default_rng(0)
+    batch, length = 4, 12
+    mask = np.zeros((batch, length), dtype="int32")
+    mask[:, 2:6] = 1
+    return {
+        "images": rng.uniform(size=(batch, 1, 16, 16, 3)).astype("float32"),
+        "token_ids": rng.integers(1, 100, size=(batch, length)).astype("int32"),
+        "padding_mask": np.ones((batch, length), dtype="int32"),
+        "vision_mask": mask,
+        "vision_indices": np.tile(np.arange(2, 6), (batch, 1)).astype("int32"),
+    }
+
+
+def test_every_vision_weight_matches_one_rule():
+    backbone = _backbone()
+    config = backbone.get_config()
+    planned = {
+        w.path: w.axes for w in GEMMA3.weights(config, keras_hub.models.Gemma3Backbone)
+    }
+    assert set(planned) == {w.path for w in backbone.weights}
+    assert planned[
+        "image_encoder/encoder_block_0/multi_head_attention/query_proj/kernel"
+    ] == ("embed", "heads")
+    assert GEMMA3.shape_hints(config) is None  # the tower's shapes: the model's
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        {"batch": 2, "model": 4},
+        pytest.param({"batch": 1, "model": 8}, marks=pytest.mark.slow),
+    ],
+)
+def test_sharded_forward_with_images_matches_one_device(vision_preset, mesh):
+    single = keras_hub.models.Backbone.from_preset(vision_preset)
+    sharded = keras_hub.models.Backbone.from_preset(vision_preset, device_mesh=mesh)
+    query = next(
+        w
+        for w in sharded.weights
+        if w.path.endswith("encoder_block_0/multi_head_attention/query_proj/kernel")
+    )
+    assert not query.value.sharding.is_fully_replicated
+    inputs = _inputs()
+    np.testing.assert_allclose(
+        np.asarray(sharded(inputs)), np.asarray(single(inputs)), atol=1e-5, rtol=1e-5
+    )
