@@ -141,6 +141,10 @@ VARIANTS = {
 }
 
 
+def _mesh_id(mesh):
+    return "-".join(f"{k}{v}" for k, v in mesh.items())
+
+
 # (a) The rule table covers every variable exactly once.
 
 
@@ -208,6 +212,55 @@ def test_an_unmatched_variable_is_reported(name):
         specs = table.weights(config, extra, strict=False)
     (spec,) = [s for s in specs if s.path.endswith("extra_scale")]
     assert spec.axes == ("unsharded",)
+
+
+# The planner's per-device targets on the real Qwen 2.5 0.5B config (7B is in
+# conftest.PLANNED_REAL_PRESETS with the others): tp <= 1.10 x total / model
+# axis; fsdp <= 1.05 x total / devices, except on a (256, 1) mesh: JAX shards
+# evenly only, and neither the vocabulary (151936), the hidden size (896),
+# the heads (14, 2) nor head_dim (64) divide by 256.
+
+
+@pytest.mark.parametrize("model_size", [1, 2, 4, 8])
+def test_qwen2_5_0_5b_tp_target(model_size):
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "qwen2.5_0.5b"),
+        {"batch": 1, "model": model_size},
+        strategy="tp",
+    )
+    assert plan.architecture == "qwen"
+    assert plan.max_device_bytes <= 1.10 * plan.total_bytes / model_size
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [{"batch": 8, "model": 1}, {"batch": 8, "model": 8}, {"batch": 32, "model": 8}],
+    ids=_mesh_id,
+)
+def test_qwen2_5_0_5b_fsdp_target(mesh):
+    devices = mesh["batch"] * mesh["model"]
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "qwen2.5_0.5b"), mesh, strategy="fsdp"
+    )
+    assert plan.max_device_bytes <= 1.05 * plan.total_bytes / devices
+
+
+def test_qwen2_5_0_5b_on_256_data_parallel_devices():
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "qwen2.5_0.5b"),
+        {"batch": 256, "model": 1},
+        strategy="fsdp",
+    )
+    assert plan.max_device_bytes > 1.05 * plan.total_bytes / 256
+    # As good as even sharding allows: a weight stays whole only when none of
+    # its dimensions divides by 256, and its note says so.
+    whole = [r for r in plan.rows if "batch" not in r.spec]
+    assert {r.path for r in whole} >= {"token_embedding/embeddings"}
+    for row in whole:
+        assert all(size % 256 for size in row.shape), row
+        assert "divides by batch=256: replicated over 'batch'" in row.note, row
+    split = [r for r in plan.rows if "batch" in r.spec]
+    assert split and all(r.device_bytes * 256 == r.bytes for r in split)
 
 
 # Tiny presets of each family's CausalLM, without tokenizers
@@ -305,10 +358,6 @@ MESHES = [
     {"batch": 1, "model": 8},
     {"model": 4, "batch": 2},
 ]
-
-
-def _mesh_id(mesh):
-    return "-".join(f"{k}{v}" for k, v in mesh.items())
 
 
 TRAINING_CASES = [

@@ -16,6 +16,8 @@ PHI3_CONFIG_FIELDS = {
     "embed": "hidden_dim",
     "heads": "num_query_heads",
     "kv_heads": "num_key_value_heads",
+    # No config field: hidden_dim // heads. Named as the logical axis.
+    "head_dim": "head_dim",
     "mlp": "intermediate_dim",
 }
 

@@ -20,6 +20,8 @@ QWEN_CONFIG_FIELDS = {
     "embed": "hidden_dim",
     "heads": "num_query_heads",
     "kv_heads": "num_key_value_heads",
+    # Qwen 3's field; Qwen 2 derives it (hidden_dim // num_query_heads).
+    "head_dim": "head_dim",
     "mlp": "intermediate_dim",
 }
 
@@ -68,6 +70,6 @@ QWEN3 = Architecture(
         *_QWEN_COMMON,
         (rf"{_ATTENTION}/(query|key)_dense_layernorm/scale", ("norm",)),
     ),
-    config_fields={**QWEN_CONFIG_FIELDS, "head_dim": "head_dim"},
+    config_fields=QWEN_CONFIG_FIELDS,
     sequence_parallel_outputs=QWEN_SEQUENCE_PARALLEL_OUTPUTS,
 )

@@ -23,6 +23,8 @@ SMOLLM3_CONFIG_FIELDS = {
     "embed": "hidden_dim",
     "heads": "num_attention_heads",
     "kv_heads": "num_key_value_heads",
+    # No config field: hidden_dim // heads. Named as the logical axis.
+    "head_dim": "head_dim",
     "mlp": "intermediate_dim",
 }
 
