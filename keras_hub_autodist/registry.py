@@ -42,13 +42,18 @@ ENTRY_POINT_GROUP = "keras_hub_autodist.architectures"
 # The built-in families: backbone class name -> "module:object" of the
 # handler, loaded exactly like an entry point's value.
 BUILTIN_ARCHITECTURES = {
-    "GemmaBackbone": "keras_hub_autodist.architectures.gemma:GEMMA",
     "Gemma3Backbone": "keras_hub_autodist.architectures.gemma3:GEMMA3",
+    "Gemma4Backbone": "keras_hub_autodist.architectures.gemma4:GEMMA4",
+    "GemmaBackbone": "keras_hub_autodist.architectures.gemma:GEMMA",
     "LlamaBackbone": "keras_hub_autodist.architectures.llama:LLAMA",
     "MistralBackbone": "keras_hub_autodist.architectures.llama:MISTRAL",
     "MixtralBackbone": "keras_hub_autodist.architectures.mixtral:MIXTRAL",
-    "QwenMoeBackbone": "keras_hub_autodist.architectures.qwen_moe:QWEN_MOE",
+    "Phi3Backbone": "keras_hub_autodist.architectures.phi3:PHI3",
+    "Qwen3Backbone": "keras_hub_autodist.architectures.qwen:QWEN3",
     "Qwen3MoeBackbone": "keras_hub_autodist.architectures.qwen_moe:QWEN3_MOE",
+    "QwenBackbone": "keras_hub_autodist.architectures.qwen:QWEN",
+    "QwenMoeBackbone": "keras_hub_autodist.architectures.qwen_moe:QWEN_MOE",
+    "SmolLM3Backbone": "keras_hub_autodist.architectures.smollm3:SMOLLM3",
 }
 BUILTIN_SOURCE = "built-in"
 # keras-hub backbones that subclass a registered one, by name, so that lookup

@@ -12,6 +12,16 @@ from keras_hub_autodist import cli
 HEAVY = ("keras", "keras_hub", "jax", "tensorflow")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# A Hugging Face GPT-2 config: keras-hub converts it, no handler lays it out.
+GPT2_CONFIG = {
+    "model_type": "gpt2",
+    "vocab_size": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_embd": 32,
+    "n_positions": 16,
+    "resid_pdrop": 0.0,
+}
 KERAS_GEMMA_CONFIG = {
     "module": "keras_hub.src.models.gemma.gemma_backbone",
     "class_name": "GemmaBackbone",
@@ -179,8 +189,8 @@ def test_messages_name_flags_from_the_cli(capsys):
             "`num_layers=-1`; it must be a positive integer",
         ),
         (
-            ["plan", "QWEN", "--mesh", "batch=2"],
-            "no layout for QwenBackbone",
+            ["plan", "GPT2", "--mesh", "batch=2"],
+            "no layout for GPT2Backbone",
         ),
     ],
 )
@@ -190,10 +200,13 @@ def test_bad_input_is_one_line_with_status_2(argv, message, capsys, tmp_path):
     config = json.loads(json.dumps(KERAS_GEMMA_CONFIG))
     config["config"]["num_layers"] = -1
     (bad / "config.json").write_text(json.dumps(config))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps(GPT2_CONFIG))
     replace = {
         "PRESET": str(pytest.shared / "gemma_2b"),
         "BAD_CONFIG": str(bad),
-        "QWEN": str(pytest.shared / "qwen2.5_7b"),
+        "GPT2": str(gpt2),
     }
     status, _, err = run([replace.get(a, a) for a in argv], capsys)
     assert_one_line_error(status, err, message)

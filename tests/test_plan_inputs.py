@@ -28,6 +28,18 @@ def layout(result):
     return [(r.path, r.shape, r.spec) for r in result.rows]
 
 
+# A Hugging Face GPT-2 config: keras-hub converts it, no handler lays it out.
+GPT2_CONFIG = {
+    "model_type": "gpt2",
+    "vocab_size": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_embd": 32,
+    "n_positions": 16,
+    "resid_pdrop": 0.0,
+}
+
+
 def config_json(name):
     return json.loads((pytest.shared / name / "config.json").read_text())
 
@@ -66,9 +78,9 @@ def test_a_hugging_face_config_dict_plans_like_the_folder(name):
 def test_a_hugging_face_dict_goes_through_keras_hubs_converter():
     with pytest.raises(
         UnsupportedArchitectureError,
-        match=r"no layout for QwenBackbone.*Received: backbone class",
+        match=r"no layout for GPT2Backbone.*Received: backbone class",
     ):
-        keras_hub_autodist.plan(config_json("qwen2.5_0.5b"), MESH)
+        keras_hub_autodist.plan(dict(GPT2_CONFIG), MESH)
     with pytest.raises(
         UnsupportedArchitectureError,
         match=r"no converter for Hugging Face model_type='nope'.*Received: preset=",
@@ -135,10 +147,10 @@ def test_a_class_name_is_resolved_among_keras_hubs_backbones():
     # may still have a handler); here it has none.
     with pytest.raises(
         UnsupportedArchitectureError,
-        match=r"no layout for QwenBackbone.*Received: backbone class "
-        r"keras_hub\.src\.models\.qwen",
+        match=r"no layout for GPT2Backbone.*Received: backbone class "
+        r"keras_hub\.src\.models\.gpt2",
     ):
-        keras_hub_autodist.plan({"class_name": "QwenBackbone", "config": {}}, MESH)
+        keras_hub_autodist.plan({"class_name": "GPT2Backbone", "config": {}}, MESH)
     with pytest.raises(
         PlanInputError,
         match=r"keras-hub has no backbone class named 'NoSuchBackbone'.*"

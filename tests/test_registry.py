@@ -152,10 +152,10 @@ def test_source_checkout_plans_in_a_fresh_process():
 def test_unsupported_error_lists_the_builtins_without_metadata(no_installed_metadata):
     with pytest.raises(
         UnsupportedArchitectureError,
-        match=rf"no layout for QwenBackbone\. Supported backbones: {BUILTINS}\. "
+        match=rf"no layout for GPT2Backbone\. Supported backbones: {BUILTINS}\. "
         r".*Received: ",
     ):
-        registry.handler_for(type("QwenBackbone", (), {}))
+        registry.handler_for(type("GPT2Backbone", (), {}))
 
 
 def test_plugin_named_like_a_builtin_warns_and_the_builtin_wins(plugins):

@@ -141,4 +141,4 @@ def test_cli_errors_are_one_line_with_status_2(argv, message, capsys):
 def test_lookup_by_class_name_without_keras_hub():
     assert registry.handler_by_name("GemmaBackbone") is GEMMA
     assert registry.handler_by_name("Llama3Backbone") is LLAMA
-    assert registry.handler_by_name("QwenBackbone") is None
+    assert registry.handler_by_name("GPT2Backbone") is None

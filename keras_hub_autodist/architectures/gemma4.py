@@ -1,0 +1,56 @@
+"""Gemma 4, dense text models (`Gemma4Backbone` without experts, vision or
+audio towers): Gemma's `(heads, hidden, head_dim)` kernels.
+
+Global-attention layers may have their own head size (`global_head_dim`)
+and key/value head count (`num_global_key_value_heads`, with the value
+projection shared with the key's); the same rules cover them, the shapes
+come from the model. Key/value-sharing layers (`num_kv_shared_layers`) have
+no key/value kernels. The small models add per-layer inputs: a second
+embedding of width `num_layers * hidden_size_per_layer_input`, its projection
+from the hidden state, and each block's gate/up projections; those narrow
+dimensions are left to the batch axis under "fsdp".
+"""
+
+from __future__ import annotations
+
+from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import rule_table
+
+_BLOCK = r"decoder_block_\d+"
+
+GEMMA4_CONFIG_FIELDS = {
+    "vocab": "vocabulary_size",
+    "embed": "hidden_dim",
+    "heads": "num_query_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "mlp": "intermediate_dim",
+}
+
+_NORMS = (
+    rf"{_BLOCK}/((pre|post)_(attention|ffw)_norm|post_per_layer_input_norm)",
+    rf"{_BLOCK}/attention/(query|key)_norm",
+    "per_layer_projection_norm",
+    "final_normalization",
+)
+
+GEMMA4 = Architecture(
+    name="gemma4",
+    rules=rule_table(
+        ("(per_layer_)?token_embedding/embeddings", ("vocab", "embed")),
+        ("per_layer_model_projection/kernel", ("embed", "unsharded")),
+        (rf"{_BLOCK}/attention/query/kernel", ("heads", "embed", "head_dim")),
+        (rf"{_BLOCK}/attention/(key|value)/kernel", ("kv_heads", "embed", "head_dim")),
+        (
+            rf"{_BLOCK}/attention/attention_output/kernel",
+            ("heads", "head_dim", "embed"),
+        ),
+        (rf"{_BLOCK}/ffw_gating(_2)?/kernel", ("embed", "mlp")),
+        (rf"{_BLOCK}/ffw_linear/kernel", ("mlp", "embed")),
+        (rf"{_BLOCK}/per_layer_input_gate/kernel", ("embed", "unsharded")),
+        (rf"{_BLOCK}/per_layer_up_proj/kernel", ("unsharded", "embed")),
+        (rf"{_BLOCK}/layer_scalar", ()),
+        (f"({'|'.join(_NORMS)})/scale", ("norm",)),
+    ),
+    config_fields=GEMMA4_CONFIG_FIELDS,
+)

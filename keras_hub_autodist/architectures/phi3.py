@@ -1,0 +1,57 @@
+"""Phi-3 (`Phi3Backbone`): Llama-style `(hidden, heads, head_dim)` kernels
+under `attention/`, pre/post-attention norms, always untied embeddings.
+
+Phi-3's rotary scaling ("su"/"longrope") has no variables.
+"""
+
+from __future__ import annotations
+
+from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import rule_table
+
+_LAYER = r"transformer_layer_\d+"
+
+PHI3_CONFIG_FIELDS = {
+    "vocab": "vocabulary_size",
+    "embed": "hidden_dim",
+    "heads": "num_query_heads",
+    "kv_heads": "num_key_value_heads",
+    # No config field: hidden_dim // heads. Named as the logical axis.
+    "head_dim": "head_dim",
+    "mlp": "intermediate_dim",
+}
+
+# The residual stream of a decoder layer: its norms' outputs, the
+# row-parallel attention output and down projection with their dropouts, and
+# the final norm's. Not the layer's own output: with a cache (generate) it is
+# an `(x, cache)` tuple.
+PHI3_SEQUENCE_PARALLEL_OUTPUTS = (
+    rf"{_LAYER}/(pre|post)_attention_layernorm/output",
+    rf"{_LAYER}/attention/attention_output/output",
+    rf"{_LAYER}/(attention|feedforward)_dropout/output",
+    rf"{_LAYER}/feedforward_output_dense/output",
+    "sequence_output_layernorm/output",
+)
+
+PHI3 = Architecture(
+    name="phi3",
+    rules=rule_table(
+        ("token_embedding/embeddings", ("vocab", "embed")),
+        ("token_embedding/reverse_embeddings", ("embed", "vocab")),
+        (rf"{_LAYER}/attention/query/kernel", ("embed", "heads", "head_dim")),
+        (rf"{_LAYER}/attention/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
+        (
+            rf"{_LAYER}/attention/attention_output/kernel",
+            ("heads", "head_dim", "embed"),
+        ),
+        (rf"{_LAYER}/feedforward_(intermediate|gate)_dense/kernel", ("embed", "mlp")),
+        (rf"{_LAYER}/feedforward_output_dense/kernel", ("mlp", "embed")),
+        (
+            rf"({_LAYER}/(pre|post)_attention_layernorm"
+            r"|sequence_output_layernorm)/scale",
+            ("norm",),
+        ),
+    ),
+    config_fields=PHI3_CONFIG_FIELDS,
+    sequence_parallel_outputs=PHI3_SEQUENCE_PARALLEL_OUTPUTS,
+)
