@@ -105,12 +105,17 @@ def test_known_subclasses_match_keras_hub():
     assert registry.handler_by_name("BertBackbone") is None
 
 
-def test_unknown_formats_take_keras_hubs_path(tmp_path):
+def test_unknown_formats_take_keras_hubs_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_HUB_AUTODIST_CACHE", str(tmp_path / "cache"))
     assert read_local_config("gemma_2b_en") is None  # a built-in name
     assert read_local_config("hf://google/gemma-2b") is None
     qwen = str(pytest.shared / "qwen2.5_7b")
-    assert read_local_config(qwen) is None
+    assert read_local_config(qwen) is None  # no keras-free conversion
     assert read_config(qwen).backbone_cls is keras_hub.models.QwenBackbone
+    # keras-hub's conversion is now on disk: read without keras-hub next time.
+    again = read_local_config(qwen)
+    assert (again.backbone_cls, again.backbone_class) == (None, "QwenBackbone")
+    assert again.config == read_config(qwen).config
 
 
 @pytest.mark.parametrize(
