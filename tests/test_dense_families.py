@@ -101,6 +101,19 @@ FAMILIES = {
     "phi3": (keras_hub.models.Phi3Backbone, PHI3, PHI3_CONFIG),
     "smollm3": (keras_hub.models.SmolLM3Backbone, SMOLLM3, SMOLLM3_CONFIG),
     "gemma4": (keras_hub.models.Gemma4Backbone, GEMMA4, GEMMA4_CONFIG),
+    # Gemma 4 with its mixture of experts beside the dense MLP: 6 experts,
+    # which a model axis of 4 does not divide (tensor parallel experts).
+    "gemma4_moe": (
+        keras_hub.models.Gemma4Backbone,
+        GEMMA4,
+        dict(
+            GEMMA4_CONFIG,
+            enable_moe_block=True,
+            num_experts=6,
+            expert_intermediate_dim=8,
+            num_experts_per_token=2,
+        ),
+    ),
 }
 # Variants of the same tables: tied/untied embeddings, biases.
 VARIANTS = {
@@ -274,6 +287,7 @@ TASKS = {
     "phi3": keras_hub.models.Phi3CausalLM,
     "smollm3": keras_hub.models.SmolLM3CausalLM,
     "gemma4": keras_hub.models.Gemma4CausalLM,
+    "gemma4_moe": keras_hub.models.Gemma4CausalLM,
 }
 
 
@@ -301,7 +315,7 @@ def presets(tmp_path_factory):
 def batch_for(name, batch_size=8, seed=0):
     """Token ids (and Gemma 4's position ids) with next-token labels."""
     x = tiny_presets.token_batch(batch_size, FAMILIES[name][2]["vocabulary_size"])
-    if name == "gemma4":
+    if name.startswith("gemma4"):
         positions = np.arange(x["token_ids"].shape[1], dtype="int32")
         x["position_ids"] = np.broadcast_to(positions, x["token_ids"].shape).copy()
     return x, np.roll(x["token_ids"], -1, axis=1)
@@ -348,6 +362,7 @@ FAST = {
     "training": {
         "qwen2": ("batch2-model4", "tp"),
         "smollm3": ("model4-batch2", "fsdp"),
+        "gemma4_moe": ("batch2-model4", "tp"),
     },
     "hf": {"qwen3"},
     "lora": {"phi3"},
@@ -525,6 +540,7 @@ LORA_TARGETS = {
     "gemma4": ["query", "key", "attention_output", "ffw_gating", "ffw_linear"],
 }
 LORA_TARGETS["qwen3"] = LORA_TARGETS["qwen2"]
+LORA_TARGETS["gemma4_moe"] = LORA_TARGETS["gemma4"]
 
 
 @pytest.mark.parametrize(

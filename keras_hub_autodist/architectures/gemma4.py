@@ -25,10 +25,14 @@ GEMMA4_CONFIG_FIELDS = {
     "kv_heads": "num_key_value_heads",
     "head_dim": "head_dim",
     "mlp": "intermediate_dim",
+    "expert": "num_experts",
+    # Expert kernels' MLP dimension.
+    "expert_mlp": "expert_intermediate_dim",
 }
 
 _NORMS = (
     rf"{_BLOCK}/((pre|post)_(attention|ffw)_norm|post_per_layer_input_norm)",
+    rf"{_BLOCK}/(pre_ffw_norm_moe|post_ffw_norm_dense|post_ffw_norm_moe_path)",
     rf"{_BLOCK}/attention/(query|key)_norm",
     "per_layer_projection_norm",
     "final_normalization",
@@ -50,7 +54,16 @@ GEMMA4 = Architecture(
         (rf"{_BLOCK}/per_layer_input_gate/kernel", ("embed", "unsharded")),
         (rf"{_BLOCK}/per_layer_up_proj/kernel", ("unsharded", "embed")),
         (rf"{_BLOCK}/layer_scalar", ()),
-        (f"({'|'.join(_NORMS)})/scale", ("norm",)),
+        # The optional mixture of experts beside the dense MLP.
+        (rf"{_BLOCK}/moe_router/proj/kernel", ("embed", "unsharded")),
+        (rf"{_BLOCK}/moe_expert_bank/(gate|up)_proj", ("expert", "embed", "mlp")),
+        (rf"{_BLOCK}/moe_expert_bank/down_proj", ("expert", "mlp", "embed")),
+        (
+            f"({'|'.join(_NORMS)})/scale"
+            rf"|{_BLOCK}/moe_router/per_dim_scale"
+            rf"|{_BLOCK}/moe_expert_bank/per_expert_scale",
+            ("norm",),
+        ),
     ),
     config_fields=GEMMA4_CONFIG_FIELDS,
 )
