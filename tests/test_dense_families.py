@@ -361,8 +361,6 @@ def assert_same_training(name, preset, optimizer, **mesh_kwargs):
 FAST = {
     "training": {
         "qwen2": ("batch2-model4", "tp"),
-        "smollm3": ("model4-batch2", "fsdp"),
-        "gemma4_moe": ("batch2-model4", "tp"),
     },
     "hf": {"qwen3"},
     "lora": {"phi3"},

@@ -114,7 +114,7 @@ def test_sgd_training_matches_single_device(tiny_presets_dir, name, mesh, strate
     [
         pytest.param(
             name,
-            marks=[] if name in ("gemma_mqa", "llama3_untied") else [pytest.mark.slow],
+            marks=[] if name == "gemma_mqa" else [pytest.mark.slow],
         )
         for name in PRESETS
     ],

@@ -77,8 +77,8 @@ def test_every_vision_weight_matches_one_rule():
 @pytest.mark.parametrize(
     "mesh",
     [
-        {"batch": 2, "model": 4},
-        pytest.param({"batch": 1, "model": 8}, marks=pytest.mark.slow),
+        pytest.param(mesh, marks=pytest.mark.slow)
+        for mesh in ({"batch": 2, "model": 4}, {"batch": 1, "model": 8})
     ],
 )
 def test_sharded_forward_with_images_matches_one_device(vision_preset, mesh):

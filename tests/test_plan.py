@@ -89,14 +89,15 @@ def test_planning_is_fast_and_allocates_no_weights(real_configs, tmp_path):
     keras_hub_autodist.plan(
         str(real_configs[0]), {"batch": 2, "model": 4}
     )  # warm imports
-    arrays_before = len(jax.live_arrays())
+    arrays_before = {id(array) for array in jax.live_arrays()}
     tracemalloc.start()
     for preset in [folder, *real_configs]:
         plan = keras_hub_autodist.plan(str(preset), {"batch": 16, "model": 16})
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1024**3
-    assert len(jax.live_arrays()) == arrays_before
+    # Earlier tests' arrays may be collected meanwhile; none may appear.
+    assert not {id(array) for array in jax.live_arrays()} - arrays_before
     plan = keras_hub_autodist.plan(
         str(folder), {"batch": 16, "model": 16}, dtype="bfloat16"
     )

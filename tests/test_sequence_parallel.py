@@ -117,6 +117,7 @@ def test_training_matches_one_device(tiny_presets_dir, name, sequence_length):
     assert sp["all-reduce"] <= tp["all-reduce"] * 0.6, (sp, tp)
 
 
+@pytest.mark.slow
 def test_layer_outputs_and_weights_never_share_keys(tiny_presets_dir):
     """Each sequence-parallel key names real layer outputs and no weight;
     no weight key matches a layer output."""
