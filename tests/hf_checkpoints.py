@@ -224,5 +224,49 @@ def qwen2_moe(path, num_experts=E):
     return _write(path, config, tensors)
 
 
+def qwen3_moe(path, num_experts=E):
+    """Qwen3-MoE: per-head query/key norms, `num_experts` experts, no biases
+    and no shared expert."""
+    config = _common("qwen3_moe", 2) | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "head_dim": HD,
+        "moe_intermediate_size": MOE_F,
+        "num_experts": num_experts,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "sliding_window": None,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+    }
+    tensors = {}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": (H * HD, D),
+                p + "self_attn.q_norm.weight": (HD,),
+                p + "self_attn.k_proj.weight": (2 * HD, D),
+                p + "self_attn.k_norm.weight": (HD,),
+                p + "self_attn.v_proj.weight": (2 * HD, D),
+                p + "self_attn.o_proj.weight": (D, H * HD),
+                p + "mlp.gate.weight": (num_experts, D),
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+            }
+        )
+        for e in range(num_experts):
+            expert = f"{p}mlp.experts.{e}."
+            tensors[expert + "gate_proj.weight"] = (MOE_F, D)
+            tensors[expert + "up_proj.weight"] = (MOE_F, D)
+            tensors[expert + "down_proj.weight"] = (D, MOE_F)
+    tensors["model.embed_tokens.weight"] = (V, D)
+    tensors["model.norm.weight"] = (D,)
+    tensors["lm_head.weight"] = (V, D)
+    return _write(path, config, tensors)
+
+
 # Mixtures of experts, kept apart from `WRITERS` (the dense families).
-MOE_WRITERS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
+MOE_WRITERS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}

@@ -312,6 +312,8 @@ def test_adam_losses_match_single_device(moe_presets):
         pytest.param("mixtral", 8, EXPERT_MESH, marks=SLOW),
         pytest.param("qwen2_moe", 6, {"batch": 1, "model": 8}, marks=SLOW),
         pytest.param("qwen2_moe", 8, {"batch": 2, "model": 4}, marks=SLOW),
+        pytest.param("qwen3_moe", 6, {"batch": 2, "model": 4}, marks=SLOW),
+        pytest.param("qwen3_moe", 8, EXPERT_MESH, marks=SLOW),
     ],
     ids=lambda v: mesh_id(v) if isinstance(v, dict) else str(v),
 )
