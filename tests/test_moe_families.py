@@ -329,3 +329,35 @@ def test_hugging_face_checkpoint_matches_single_device(tmp_path, family, experts
         sharded.predict(x, batch_size=BATCH, verbose=0), expected, atol=1e-5
     )
     assert_laid_out_as_planned(sharded)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen_moe"])
+def test_lora_kernels_follow_their_kernels(moe_presets, family):
+    lm = keras_hub.models.CausalLM.from_preset(
+        moe_presets[family, 6], preprocessor=None, device_mesh={"batch": 2, "model": 4}
+    )
+    lm.backbone.enable_lora(4)  # keras-hub's default targets: query and value
+    with_lora = [
+        layer
+        for layer in lm.backbone._flatten_layers()
+        if getattr(layer, "lora_enabled", False)
+    ]
+    assert with_lora
+    for layer in with_lora:
+        kernel = tuple(layer._kernel.value.sharding.spec)
+        kernel += (None,) * (len(layer._kernel.shape) - len(kernel))
+        a = tuple(layer.lora_kernel_a.value.sharding.spec)
+        a += (None,) * (len(layer.lora_kernel_a.shape) - len(a))
+        b = tuple(layer.lora_kernel_b.value.sharding.spec)
+        b += (None,) * (2 - len(b))
+        assert a == kernel[:-1] + (None,), (layer.lora_kernel_a.path, a, kernel)
+        assert b == (None, kernel[-1]), (layer.lora_kernel_b.path, b, kernel)
+    lm.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = batch_for(moe_presets[family, 6])
+    losses = [lm.train_on_batch(x, y) for _ in range(2)]
+    assert np.isfinite(losses).all() and losses[1] < losses[0]
+    assert keras.distribution.distribution() is None
