@@ -94,3 +94,32 @@ def test_sharded_forward_with_images_matches_one_device(vision_preset, mesh):
     np.testing.assert_allclose(
         np.asarray(sharded(inputs)), np.asarray(single(inputs)), atol=1e-5, rtol=1e-5
     )
+
+
+def _train(preset, **mesh_kwargs):
+    backbone = keras_hub.models.Backbone.from_preset(preset, **mesh_kwargs)
+    backbone.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    inputs = _inputs()
+    target = np.zeros((4, 12, TEXT["hidden_dim"]), dtype="float32")
+    losses = [float(backbone.train_on_batch(inputs, target)) for _ in range(2)]
+    return losses, {w.path: np.asarray(w.value) for w in backbone.weights}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh, strategy",
+    [({"batch": 2, "model": 4}, "tp"), ({"model": 2, "batch": 4}, "fsdp")],
+)
+def test_training_with_images_matches_one_device(vision_preset, mesh, strategy):
+    losses, weights = _train(vision_preset, device_mesh=mesh, strategy=strategy)
+    ref_losses, ref_weights = _train(vision_preset)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert weights.keys() == ref_weights.keys()
+    for path, value in weights.items():
+        np.testing.assert_allclose(value, ref_weights[path], atol=1e-5, err_msg=path)
+    initial = {
+        w.path: np.asarray(w.value)
+        for w in keras_hub.models.Backbone.from_preset(vision_preset).weights
+    }
+    vision = [p for p in weights if p.startswith("image_encoder/")]
+    assert any(not np.allclose(weights[p], initial[p]) for p in vision)
