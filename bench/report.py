@@ -100,9 +100,14 @@ def write(results, md_path, img_dir):
         "ideal grows with the batch axis; the planner's target is per model-axis shard:",
         f"tp <= 1.10 x total / model-axis size: **{'met' if tp_ok else 'NOT met'}** on every row;",
         f"fsdp <= 1.05 x ideal: **{'met' if fsdp_ok else 'NOT met'}** on every row.",
-        "Not planned yet (their families are issue 10's work): "
-        + ", ".join(f"{r['preset']} ({r['unsupported']})" for r in waiting)
-        + ".",
+    ]
+    if waiting:
+        lines.append(
+            "Not planned (no architecture registered): "
+            + ", ".join(f"{r['preset']} ({r['unsupported']})" for r in waiting)
+            + "."
+        )
+    lines += [
         "",
     ]
     lines += [f"![{p.stem}](img/{p.name})" for p in memory_plots]
