@@ -166,13 +166,30 @@ def mixtral(path, num_experts=E):
             tensors[expert + "w1.weight"] = (F, D)
             tensors[expert + "w3.weight"] = (F, D)
             tensors[expert + "w2.weight"] = (D, F)
-    tensors["model.embed_tokens.weight"] = (V, D)
-    tensors["model.norm.weight"] = (D,)
-    tensors["lm_head.weight"] = (V, D)
-    return _write(path, config, tensors)
+    return _write(path, config, tensors | _untied_globals())
 
 
 MOE_F, SHARED_F = 16, 24
+
+
+def _untied_globals():
+    """The embedding, final norm and separate output projection."""
+    return {
+        "model.embed_tokens.weight": (V, D),
+        "model.norm.weight": (D,),
+        "lm_head.weight": (V, D),
+    }
+
+
+def _qwen_experts(prefix, num_experts):
+    """A Qwen MoE layer's experts (`mlp.experts.<e>.*_proj`)."""
+    tensors = {}
+    for e in range(num_experts):
+        expert = f"{prefix}mlp.experts.{e}."
+        tensors[expert + "gate_proj.weight"] = (MOE_F, D)
+        tensors[expert + "up_proj.weight"] = (MOE_F, D)
+        tensors[expert + "down_proj.weight"] = (D, MOE_F)
+    return tensors
 
 
 def qwen2_moe(path, num_experts=E):
@@ -213,15 +230,8 @@ def qwen2_moe(path, num_experts=E):
                 p + "post_attention_layernorm.weight": (D,),
             }
         )
-        for e in range(num_experts):
-            expert = f"{p}mlp.experts.{e}."
-            tensors[expert + "gate_proj.weight"] = (MOE_F, D)
-            tensors[expert + "up_proj.weight"] = (MOE_F, D)
-            tensors[expert + "down_proj.weight"] = (D, MOE_F)
-    tensors["model.embed_tokens.weight"] = (V, D)
-    tensors["model.norm.weight"] = (D,)
-    tensors["lm_head.weight"] = (V, D)
-    return _write(path, config, tensors)
+        tensors.update(_qwen_experts(p, num_experts))
+    return _write(path, config, tensors | _untied_globals())
 
 
 def qwen3_moe(path, num_experts=E):
@@ -257,15 +267,8 @@ def qwen3_moe(path, num_experts=E):
                 p + "post_attention_layernorm.weight": (D,),
             }
         )
-        for e in range(num_experts):
-            expert = f"{p}mlp.experts.{e}."
-            tensors[expert + "gate_proj.weight"] = (MOE_F, D)
-            tensors[expert + "up_proj.weight"] = (MOE_F, D)
-            tensors[expert + "down_proj.weight"] = (D, MOE_F)
-    tensors["model.embed_tokens.weight"] = (V, D)
-    tensors["model.norm.weight"] = (D,)
-    tensors["lm_head.weight"] = (V, D)
-    return _write(path, config, tensors)
+        tensors.update(_qwen_experts(p, num_experts))
+    return _write(path, config, tensors | _untied_globals())
 
 
 # Mixtures of experts, kept apart from `WRITERS` (the dense families).
