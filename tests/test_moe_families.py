@@ -8,6 +8,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+from test_dense_families import _spec
 from test_from_preset import BATCH
 from test_from_preset import batch_for
 from test_from_preset import mesh_id
@@ -345,12 +346,8 @@ def test_lora_kernels_follow_their_kernels(moe_presets, family):
     ]
     assert with_lora
     for layer in with_lora:
-        kernel = tuple(layer._kernel.value.sharding.spec)
-        kernel += (None,) * (len(layer._kernel.shape) - len(kernel))
-        a = tuple(layer.lora_kernel_a.value.sharding.spec)
-        a += (None,) * (len(layer.lora_kernel_a.shape) - len(a))
-        b = tuple(layer.lora_kernel_b.value.sharding.spec)
-        b += (None,) * (2 - len(b))
+        kernel = _spec(layer._kernel)
+        a, b = _spec(layer.lora_kernel_a), _spec(layer.lora_kernel_b)
         assert a == kernel[:-1] + (None,), (layer.lora_kernel_a.path, a, kernel)
         assert b == (None, kernel[-1]), (layer.lora_kernel_b.path, b, kernel)
     lm.compile(
