@@ -990,20 +990,14 @@ def _plan_rows(weights, mesh_axes, strategy, fields, dtype, device_memory=None):
 
     When the query heads don't divide the model axis either, K/V follow the
     query's layout: sharded on head_dim when the query is, else replicated.
-    Otherwise unshardable K/V heads are replicated over the model axis (the
-    Megatron choice: no collective beyond the query's), unless
-
-    - the plan with replicated K/V does not fit `device_memory` (weights,
-      gradients and Adam state, the `LayoutPlan.fits` rule) while the plan
-      with K/V sharded on head_dim does, or
-    - replicating K/V would break the planner's per-device parameter target
-      (`rules.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
-      `rules.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp") while
-      sharding head_dim keeps it,
-
-    in which case their head_dim is sharded, at the price of extra
-    collectives in attention. The reason is derived from the rows as laid
-    out, so it always agrees with them.
+    Otherwise each of `rules.KV_LAYOUTS` is laid out and
+    `rules.choose_kv_layout` takes the one moving the fewest bytes among
+    those whose weights, gradients and Adam state fit `device_memory` and
+    whose parameters meet the planner's per-device target
+    (`rules.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
+    `rules.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp"). The
+    reason is derived from the rows as laid out, so it always agrees with
+    them.
     """
 
     def rows_with(kv_fallback):
@@ -1027,48 +1021,29 @@ def _plan_rows(weights, mesh_axes, strategy, fields, dtype, device_memory=None):
         # The query is replicated over the model axis; so are K/V, and their
         # own notes say why.
         return rows_with("replicate"), ""
-    replicated, sharded = rows_with("replicate"), rows_with("head_dim")
     capacity = (
         rules.DEFAULT_DEVICE_MEMORY_BYTES if device_memory is None else device_memory
     )
-
-    def training(rows):
-        return ADAM_STATE_FACTOR * sum(r.device_bytes for r in rows)
-
     if strategy == "fsdp":
         target, shards = rules.FSDP_DEVICE_BYTES_TARGET, mesh_axes.num_devices
     else:
         target, shards = rules.TP_DEVICE_BYTES_TARGET, model_size
-
-    def ideal_ratio(rows):
-        """Per-device parameter bytes over the ideal the target refers to."""
-        total = sum(r.bytes for r in rows)
-        return sum(r.device_bytes for r in rows) / (total / shards)
-
-    need, need_sharded = training(replicated), training(sharded)
-    where = f"'{model_axis}'"
-    if need > capacity and need_sharded <= capacity:
-        return sharded, (
-            f"K/V sharded on head_dim: replicating them over {where} would need "
-            f"{need / GIB:.2f} GiB > {capacity / GIB:.2f} GiB per device "
-            f"(weights+grads+Adam), sharded needs {need_sharded / GIB:.2f} GiB"
+    laid_out, candidates = {}, []
+    for layout in rules.KV_LAYOUTS:
+        rows = laid_out[layout.kv_fallback] = rows_with(layout.kv_fallback)
+        held = sum(r.device_bytes for r in rows)
+        ideal = sum(r.bytes for r in rows) / shards
+        candidates.append(
+            rules.KVCandidate(layout, ADAM_STATE_FACTOR * held, held / ideal)
         )
-    ratio = ideal_ratio(replicated)
-    if ratio > target and ideal_ratio(sharded) <= target:
-        return sharded, (
-            f"K/V sharded on head_dim: replicating them over {where} would hold "
-            f"{ratio:.3f}x the ideal per-device parameter bytes, over the "
-            f"{target:.2f}x {strategy} target"
-        )
-    return replicated, (
-        f"K/V replicated over {where}: fewer collectives; weights+grads+Adam "
-        f"{need / GIB:.2f} GiB per device "
-        + (
-            f"fit in {capacity / GIB:.2f} GiB"
-            if need <= capacity
-            else f"(neither K/V layout fits {capacity / GIB:.2f} GiB)"
-        )
+    chosen, reason = rules.choose_kv_layout(
+        candidates,
+        capacity=capacity,
+        target=target,
+        strategy=strategy,
+        axis=model_axis,
     )
+    return laid_out[chosen.kv_fallback], reason
 
 
 def tp_fits(tp_plan: LayoutPlan) -> bool:
