@@ -8,6 +8,7 @@ checkpoint loads with `device_mesh=` where keras-hub converts the family;
 LoRA kernels are laid out like their kernels.
 """
 
+import functools
 import re
 
 import hf_checkpoints
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import tiny_presets
 from test_from_preset import optimizer_for
+from test_loading import assert_laid_out_as_planned
 
 import keras_hub_autodist
 from keras_hub_autodist.architectures.gemma4 import GEMMA4
@@ -314,7 +316,7 @@ def presets(tmp_path_factory):
 
 def batch_for(name, batch_size=8, seed=0):
     """Token ids (and Gemma 4's position ids) with next-token labels."""
-    x = tiny_presets.token_batch(batch_size, FAMILIES[name][2]["vocabulary_size"])
+    x = tiny_presets.token_batch(batch_size, VARIANTS[name][2]["vocabulary_size"])
     if name.startswith("gemma4"):
         positions = np.arange(x["token_ids"].shape[1], dtype="int32")
         x["position_ids"] = np.broadcast_to(positions, x["token_ids"].shape).copy()
@@ -482,6 +484,20 @@ HF_CASES = {
     "qwen2": (_qwen2_checkpoint, {"batch": 2, "model": 4}, "tp"),
     "qwen3": (_qwen3_checkpoint, {"model": 2, "batch": 4}, "fsdp"),
     "smollm3": (_smollm3_checkpoint, {"batch": 1, "model": 8}, "fsdp"),
+    # `model_type="gemma4_text"`: global layers with their own head size and
+    # one key head that is also the value's, a key/value-sharing last layer.
+    "gemma4": (hf_checkpoints.gemma4, {"batch": 2, "model": 4}, "tp"),
+    "gemma4_per_layer_inputs": (
+        functools.partial(hf_checkpoints.gemma4, per_layer_inputs=True),
+        {"batch": 1, "model": 8},
+        "fsdp",
+    ),
+    # 6 experts: expert parallel over an expert axis of 2.
+    "gemma4_moe": (
+        functools.partial(hf_checkpoints.gemma4, num_experts=6),
+        {"batch": 2, "expert": 2, "model": 2},
+        "tp",
+    ),
 }
 
 
@@ -503,17 +519,19 @@ def test_hugging_face_checkpoint_loads_on_a_mesh(tmp_path, name):
     sharded = keras_hub.models.Backbone.from_preset(
         path, device_mesh=mesh, strategy=strategy
     )
-    cls, table, _ = FAMILIES[name]
+    cls, table, _ = VARIANTS[name]
     assert type(sharded) is cls
-    plan = keras_hub_autodist.distribution_of(sharded).plan
+    distribution, plan = keras_hub_autodist.distribution_of(sharded)
     assert plan.architecture == table.name
     assert any("model" in row.spec for row in plan.rows)
+    assert_laid_out_as_planned(sharded, distribution.device_mesh)
+    assert len(sharded.weights) == len(single.weights)
     for variable, reference in zip(sharded.weights, single.weights):
         assert variable.path == reference.path
         np.testing.assert_array_equal(
             np.asarray(variable.value), np.asarray(reference.value)
         )
-    x = tiny_presets.token_batch(8, hf_checkpoints.V)
+    x, _ = batch_for(name)
     np.testing.assert_allclose(
         _logits(sharded, x), _logits(single, x), rtol=1e-5, atol=1e-5
     )
