@@ -582,6 +582,30 @@ def test_hugging_face_checkpoint_loads_on_a_mesh(tmp_path, name):
     )
 
 
+# The task on a Hugging Face Gemma 4 checkpoint, named explicitly (see
+# `TASKS`): its logits on 8 devices are the single-device task's.
+@pytest.mark.slow
+def test_gemma4_causal_lm_loads_a_hugging_face_checkpoint_on_a_mesh(tmp_path):
+    path = hf_checkpoints.gemma4(tmp_path / "gemma4", per_layer_inputs=True)
+    x, _ = batch_for("gemma4_per_layer_inputs")
+    task = keras_hub.models.Gemma4CausalLM
+    single = task.from_preset(path, preprocessor=None)
+    sharded = task.from_preset(
+        path, preprocessor=None, device_mesh={"batch": 2, "model": 4}, strategy="fsdp"
+    )
+    assert type(sharded) is task
+    distribution, _ = keras_hub_autodist.distribution_of(sharded)
+    assert_laid_out_as_planned(sharded.backbone, distribution.device_mesh)
+    np.testing.assert_allclose(
+        sharded.predict(x, batch_size=8, verbose=0),
+        single.predict(x, batch_size=8, verbose=0),
+        rtol=1e-5,
+        # The checkpoint's 0.05-scale weights give logits below 0.1.
+        atol=1e-6,
+    )
+    assert keras.distribution.distribution() is None
+
+
 # (d) LoRA: `enable_lora` on the distributed model gives each lora kernel the
 # layout of its kernel: `lora_kernel_a` the kernel's input dimensions,
 # `lora_kernel_b` its output dimension, so that `a @ b` is laid out like the
