@@ -43,6 +43,7 @@ PLANNED_REAL_PRESETS = (
     "llama3_8b",
     "mixtral_8x7b",
     "qwen1.5_moe_a2.7b",
+    "qwen2.5_0.5b",
     "qwen2.5_7b",
 )
 

@@ -74,12 +74,31 @@ def test_tp_target_on_every_real_config(real_configs, model_size):
 )
 def test_fsdp_target_on_every_real_config(real_configs, mesh):
     devices = mesh["batch"] * mesh["model"]
+    mesh_id = "x".join(map(str, mesh.values()))
     for preset in real_configs:
         plan = keras_hub_autodist.plan(str(preset), mesh, strategy="fsdp")
-        assert plan.max_device_bytes <= 1.05 * plan.total_bytes / devices, (
-            preset.name,
-            plan.max_device_bytes / (plan.total_bytes / devices),
-        )
+        ratio = plan.max_device_bytes / (plan.total_bytes / devices)
+        if (preset.name, mesh_id) in EVEN_SHARDING_IMPOSSIBLE:
+            assert ratio > 1.05
+            assert_no_dimension_divides(plan, mesh["batch"])
+            continue
+        assert ratio <= 1.05, (preset.name, ratio)
+
+
+# JAX shards a dimension only evenly. Qwen 2.5 0.5B on 256 devices in one
+# axis: vocabulary 151936, hidden 896, 14 and 2 heads of 64 divide by at most
+# 128; only the MLP (4864 = 19 x 256) can be split 256 ways. The same 256
+# devices as 16 x 16 (above) meet the target.
+EVEN_SHARDING_IMPOSSIBLE = {("qwen2.5_0.5b", "256x1")}
+
+
+def assert_no_dimension_divides(plan, size):
+    """Every weight left whole on the batch axis has no dimension that
+    divides by its size: no even layout shards it further."""
+    whole = [row for row in plan.rows if plan.batch_axis not in row.spec]
+    assert whole
+    for row in whole:
+        assert all(dim % size for dim in row.shape), (row.path, row.shape)
 
 
 def test_planning_is_fast_and_allocates_no_weights(real_configs, tmp_path):
