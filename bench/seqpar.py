@@ -62,7 +62,11 @@ def temp_bytes(path, sequence_parallel, name=MODEL, sequence_length=SEQ):
         layout = distribution.get_data_layout(x["token_ids"].shape).backend_layout
         data = jax.device_put((x, y, None), layout)
         compiled = jax.jit(lm.train_step).lower(state, data).compile()
-    return comms.memory_of(compiled)
+    plan = keras_hub_autodist.distribution_of(lm).plan
+    return dict(
+        comms.memory_of(compiled),
+        estimate=plan.activation_bytes_per_device(BATCH, sequence_length),
+    )
 
 
 def run(paths, name=MODEL):
@@ -79,4 +83,9 @@ def run(paths, name=MODEL):
         temp_with=with_sp.get("temp"),
         ratio=ratio,
         met=ratio is not None and ratio <= TARGET,
+        # The planner's activation estimate with and without: how much of
+        # the activations the residual stream (all sequence parallelism
+        # shards) is.
+        estimate_without=without["estimate"],
+        estimate_with=with_sp["estimate"],
     )
