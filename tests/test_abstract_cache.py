@@ -101,6 +101,22 @@ def test_the_disk_cache_can_be_turned_off(tmp_path, monkeypatch, value):
     assert abstract.stored_variables("LlamaBackbone", config) is None
 
 
+def test_a_config_that_is_not_plain_json_is_cached_in_memory_only(
+    tmp_path, monkeypatch
+):
+    import keras
+
+    monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
+    config = {**CONFIG, "hidden_dim": 56, "dtype": keras.DTypePolicy("float32")}
+    assert abstract._variables_key("LlamaBackbone", config) is None
+    first = abstract.model_variables(keras_hub.models.LlamaBackbone, config)
+    misses = abstract._cached_variables.cache_info().misses
+    again = abstract.model_variables(keras_hub.models.LlamaBackbone, dict(config))
+    assert again == first
+    assert abstract._cached_variables.cache_info().misses == misses
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_quantization_scales_of_planned_weights_are_replicated():
     kernel = abstract.VariableShape(
         "transformer_layer_0/feedforward_output_dense/kernel", (32, 16), "int8"
