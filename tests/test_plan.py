@@ -34,28 +34,6 @@ FSDP_MESHES = [
     {"batch": 256, "model": 1},
 ]
 
-LLAMA31_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_attention_heads": 64,
-    "num_hidden_layers": 80,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
 
 @pytest.mark.parametrize("model_size", [1, 2, 4, 8])
 def test_tp_target_on_every_real_config(real_configs, model_size):
@@ -82,10 +60,8 @@ def test_fsdp_target_on_every_real_config(real_configs, mesh):
         )
 
 
-def test_planning_is_fast_and_allocates_no_weights(real_configs, tmp_path):
-    folder = tmp_path / "llama3.1_70b"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA31_70B))
+def test_planning_is_fast_and_allocates_no_weights(real_configs):
+    folder = pytest.shared / "llama3.1_70b"
     keras_hub_autodist.plan(
         str(real_configs[0]), {"batch": 2, "model": 4}
     )  # warm imports
