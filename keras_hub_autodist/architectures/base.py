@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -21,6 +22,25 @@ LOGICAL_AXES = (
     "norm",
     "expert",
     "unsharded",
+)
+
+# The config fields behind each logical axis, for fallback notes
+# ("num_key_value_heads=1 does not divide ..."): keras-hub's decoder
+# backbones name their sizes alike, so a family states only what differs,
+# e.g. `{**DECODER_CONFIG_FIELDS, "expert": "num_experts"}`. An
+# `expert_<axis>` entry names the field of `<axis>` in expert kernels
+# (`"expert_mlp": "moe_intermediate_dim"`). Families that derive the head
+# size (hidden_dim // num_query_heads) have no `head_dim` field: the notes
+# then say `head_dim=<size>` all the same.
+DECODER_CONFIG_FIELDS = types.MappingProxyType(
+    {
+        "vocab": "vocabulary_size",
+        "embed": "hidden_dim",
+        "heads": "num_query_heads",
+        "kv_heads": "num_key_value_heads",
+        "head_dim": "head_dim",
+        "mlp": "intermediate_dim",
+    }
 )
 
 
