@@ -91,10 +91,25 @@ def test_an_unreadable_cache_file_is_rebuilt(tmp_path, monkeypatch):
         "variables", abstract._variables_key("LlamaBackbone", config)
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("not json")
-    assert abstract.stored_variables("LlamaBackbone", config) is None
+    # Not JSON, or JSON of another shape (an older format, a truncated row).
+    for text in ["not json", '{"rows": 1}', "[5]", '[["a/kernel", [2, "x"], "f"]]']:
+        path.write_text(text)
+        assert abstract.stored_variables("LlamaBackbone", config) is None, text
     weights = LLAMA.weights(config, keras_hub.models.LlamaBackbone)
     assert len(weights) == 21
+
+
+def test_a_build_stored_by_other_keras_versions_is_not_read(tmp_path, monkeypatch):
+    """An upgrade of keras or keras-hub may build other variables."""
+    monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
+    config = {**CONFIG, "hidden_dim": 32}
+    built = abstract.model_variables(keras_hub.models.LlamaBackbone, config)
+    assert abstract.stored_variables("LlamaBackbone", config) == built
+    installed = {name: abstract._version(name) for name in ["keras", "keras-hub"]}
+    for upgraded in installed:
+        versions = {**installed, upgraded: installed[upgraded] + ".post1"}
+        monkeypatch.setattr(abstract, "_version", versions.__getitem__)
+        assert abstract.stored_variables("LlamaBackbone", config) is None, upgraded
 
 
 @pytest.mark.parametrize("value", ["off", "0", "false"])
