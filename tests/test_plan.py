@@ -555,15 +555,23 @@ def test_kv_sharded_on_head_dim_when_replicated_breaks_the_target(
 
 
 def test_a_plan_is_a_frozen_value():
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2})
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_2b"),
+        {"batch": 2, "model": 2},
+        sequence_parallel=True,
+    )
     with pytest.raises(AttributeError, match=r"frozen value.*plan\.replace"):
         plan.strategy = "fsdp"
+    with pytest.raises(AttributeError, match=r"frozen value.*Received: del strategy"):
+        del plan.strategy
     assert isinstance(plan.rows, tuple)
     with pytest.raises(TypeError):
         plan.config_fields["heads"] = "x"
     changed = plan.replace(mesh_reason="by hand")
     assert (changed.mesh_reason, plan.mesh_reason) == ("by hand", "")
-    assert changed.rows == plan.rows
+    # Every other field is carried over, the sequence-parallel ones included.
+    assert {**vars(changed), "mesh_reason": ""} == vars(plan)
+    assert changed.sequence_parallel and changed.activation_layouts()
     with pytest.raises(PlanError, match=r"no field \['colour'\].*Received"):
         plan.replace(colour="red")
 
