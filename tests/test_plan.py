@@ -595,3 +595,26 @@ def test_fallbacks_are_structured_and_their_text_is_derived():
         "num_key_value_heads=1 does not divide by model=2: replicated over 'model'"
     )
     assert fallback.policy  # the key/value policy says why it replicated
+
+
+def test_a_fallback_to_another_dimension_records_it():
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "llama3_8b"), {"batch": 16, "model": 16}, strategy="fsdp"
+    )
+    path = "transformer_layer_0/self_attention/key/kernel"
+    row = next(r for r in plan.rows if r.path == path)
+    (fallback,) = row.fallbacks
+    assert (
+        fallback.dimension,
+        fallback.wanted,
+        fallback.mesh_axis,
+        fallback.chosen,
+        fallback.chosen_dimension,
+        fallback.chosen_label,
+    ) == (1, "kv_heads", "model", "head_dim", 2, "head_dim=128")
+    assert row.spec[fallback.chosen_dimension] == "model"
+    assert row.note == str(fallback)
+    assert row.note.startswith(
+        "num_key_value_heads=8 does not divide by model=16: sharded "
+        "head_dim=128 over 'model' instead ("
+    )
