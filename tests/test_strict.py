@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import shutil
+import types
 
 import keras
 import keras_hub
@@ -163,6 +164,11 @@ def test_a_weight_with_another_path_is_checked_through_its_key(backbone_preset):
         r"\(32, 32\)",
     ):
         check.created("decoder_block_7/ffw_linear/kernel", (48, 32))
+    # The built model is checked the same way, after loading.
+    path = "decoder_block_7/ffw_linear/kernel"
+    check.built([types.SimpleNamespace(path=path, shape=(32, 32))])
+    with pytest.raises(WeightShapeError, match=r"built shape \(48, 32\), planned"):
+        check.built([types.SimpleNamespace(path=path, shape=(48, 32))])
 
 
 def test_a_key_over_weights_of_several_shapes_checks_only_named_paths(
