@@ -179,3 +179,28 @@ def test_a_keras_hub_conversion_is_reused_by_a_later_process(tmp_path, monkeypat
     planned, imported = done.stdout.strip().splitlines()[-2:]
     assert planned == f"mixtral {expected.max_device_bytes}"
     assert imported == "keras imported: False"
+
+
+def test_a_build_read_from_disk_is_refused_like_a_fresh_one(tmp_path, monkeypatch):
+    """Both go through `Architecture.weights_from`: the family's config
+    check applies to a build another process stored."""
+    import tiny_presets
+
+    from keras_hub_autodist.architectures.gemma3 import GEMMA3
+    from keras_hub_autodist.errors import UnsupportedArchitectureError
+    from keras_hub_autodist.presets import PresetConfig
+    from keras_hub_autodist.presets import validated_weights
+
+    monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
+    config = {
+        **tiny_presets.GEMMA3_TEXT,
+        "is_embedding_model": True,
+        "embedding_dim": 16,
+        "pooling_intermediate_dim": 32,
+    }
+    abstract.model_variables(keras_hub.models.Gemma3Backbone, config)
+    assert abstract.stored_variables("Gemma3Backbone", config) is not None
+    # As a process that has not imported keras-hub reads the preset.
+    info = PresetConfig("./embedder", None, config, "keras", "Gemma3Backbone")
+    with pytest.raises(UnsupportedArchitectureError, match="embedding models"):
+        validated_weights(GEMMA3, info, GEMMA3.config_fields)
