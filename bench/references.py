@@ -14,11 +14,18 @@
   divides); norms are replicated.
 
 Both are plain `keras.distribution.LayoutMap`s built without the planner.
+keras-hub names mixture-of-experts blocks from a process-wide counter
+(`mixtral_sparse_moe_block_3` in the fourth model built), so their keys
+accept any counter.
 """
 
 from __future__ import annotations
 
+import re
+
 import keras
+
+MOE_COUNTER = re.compile(r"(_sparse_moe_block)(?:_\d+)?")
 
 
 def _sizes(mesh):
@@ -67,6 +74,29 @@ def megatron_layout_map(backbone_name, config, mesh):
         layout_map[block + "feedforward_intermediate_dense/kernel"] = (None, model)
         layout_map[block + "feedforward_gate_dense/kernel"] = (None, model)
         layout_map[block + "feedforward_output_dense/kernel"] = (model, None)
+    elif backbone_name == "MixtralBackbone":
+        # Llama's attention; the router (hidden, experts) replicated; the
+        # experts (experts, hidden, mlp) / (experts, mlp, hidden) over the
+        # model axis (expert parallelism, Megatron's EP) when their count
+        # divides it, else gate/intermediate column- and output row-parallel
+        # inside each expert.
+        block = r"transformer_layer_\d+/"
+        experts = block + r"mixtral_sparse_moe_block(_\d+)?/experts/"
+        on_experts = config["num_experts"] % _sizes(mesh)[model] == 0
+        layout_map["token_embedding/embeddings"] = (model, None)
+        layout_map["token_embedding/reverse_embeddings"] = (None, model)
+        layout_map[block + "self_attention/query/kernel"] = (None, model, None)
+        layout_map[block + "self_attention/key/kernel"] = (None, kv, None)
+        layout_map[block + "self_attention/value/kernel"] = (None, kv, None)
+        layout_map[block + "self_attention/attention_output/kernel"] = (
+            model,
+            None,
+            None,
+        )
+        column = (model, None, None) if on_experts else (None, None, model)
+        row = (model, None, None) if on_experts else (None, model, None)
+        layout_map[experts + "expert_feedforward_(gate|intermediate)_dense"] = column
+        layout_map[experts + "expert_feedforward_output_dense"] = row
     else:
         raise ValueError(f"No hand-written Megatron map for {backbone_name}")
     return layout_map
@@ -99,5 +129,6 @@ def zero3_layout_map(weights, mesh):
     sizes = _sizes(mesh)
     layout_map = keras.distribution.LayoutMap(mesh)
     for path, shape in weights:
-        layout_map[path] = zero3_spec(tuple(shape), sizes)
+        key = MOE_COUNTER.sub(r"\1(_\\d+)?", path)
+        layout_map[key] = zero3_spec(tuple(shape), sizes)
     return layout_map

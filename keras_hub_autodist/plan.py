@@ -216,10 +216,20 @@ class LayoutPlan:
     def activation_layouts(self) -> dict[str, tuple]:
         """Layout-map keys of layer outputs (`<layer path>/output`) → spec.
 
-        Empty unless the plan is sequence parallel and its model axis has
-        more than one device; then each residual-stream output of the
-        family (`Architecture.sequence_parallel_outputs`) is laid out
-        `(batch axis, model axis, None)` on `[batch, sequence, hidden]`.
+        Each residual-stream output of the family
+        (`Architecture.sequence_parallel_outputs`), on `[batch, sequence,
+        hidden]`, is pinned
+
+        - `(batch axis, model axis, None)` when the plan is sequence
+          parallel and its model axis has more than one device;
+        - `(batch axis, None, None)` under `"fsdp"` with a batch axis of
+          more than one device. Without the pin XLA may reshard the
+          activations to follow the weights' batch-axis sharding (traffic
+          that grows with the tokens of the step) instead of gathering the
+          weights (fixed per step), which is what fully sharded data
+          parallelism means (MaxText pins its activations the same way).
+
+        Otherwise empty.
 
         Example:
         ```python
@@ -229,10 +239,20 @@ class LayoutPlan:
         # ('batch', 'model', None)
         ```
         """
-        spec = rules.sequence_parallel_spec(self.mesh_axes)
-        if not self._sequence_parallel or spec is None:
+        spec = self._sequence_parallel_spec() or self._fsdp_activation_spec()
+        if spec is None:
             return {}
         return {pattern: spec for pattern in self._sequence_parallel_outputs}
+
+    def _sequence_parallel_spec(self) -> tuple | None:
+        if not self._sequence_parallel:
+            return None
+        return rules.sequence_parallel_spec(self.mesh_axes)
+
+    def _fsdp_activation_spec(self) -> tuple | None:
+        if self.strategy != "fsdp":
+            return None
+        return rules.fsdp_activation_spec(self.mesh_axes)
 
     @property
     def batch_axis(self) -> str:
@@ -291,20 +311,23 @@ class LayoutPlan:
 
         Counted in the plan's dtype, for a decoder of `L` blocks with hidden
         size `d`, `H` query and `K` key/value heads of size `h`, gated MLP
-        width `F` (per up-projection, `U` of them), vocabulary `V`, on
+        width `F`, vocabulary `V`, on
         `b = batch_size / size of the batch axis` sequences of `s` tokens:
 
         - per block: `4·b·s·d` (block input, attention-norm output, residual
           after attention, MLP-norm output), `b·s·(2H + 2K)·h` (query, key,
           value, attention context), `2·b·H·s²` (attention scores and their
-          softmax), `2·U·b·s·F` (up-projections, activation, product);
+          softmax), `2·b·s·F` per up-projection of width `F` (its output,
+          and the activation or gated product), times `E` for a mixture of
+          `E` experts (keras-hub runs every expert on every token), plus
+          `E·b·s·d` for the experts' outputs before the weighted sum;
         - after the blocks: `2·b·s·d` (final norm in and out) and `3·b·s·V`
           (logits, their softmax and their gradient).
 
         Each term is divided by the shards the plan gives it on the model
         axes: head terms by those of the query (or key/value) kernel's head
-        dimensions, MLP terms by those of the up-projection's `mlp`
-        dimension, logits by those of the output embedding's vocabulary;
+        dimensions, MLP terms by those of each up-projection's `mlp` and
+        `expert` dimensions, logits by those of the output embedding's vocabulary;
         the residual stream is replicated over the model axis, or split over
         it with `sequence_parallel`. Gradients
         and optimizer state are not included (`training_bytes_per_device`).
@@ -328,7 +351,7 @@ class LayoutPlan:
                     f"`{name}` must be a positive integer for the activation "
                     f"estimate. Received: {name}={value!r}"
                 )
-        parallel = {"vocab", "heads", "kv_heads", "head_dim", "mlp"}
+        parallel = {"vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"}
 
         def dim(row, logical):
             return row.shape[row.logical_axes.index(logical)]
@@ -346,7 +369,9 @@ class LayoutPlan:
 
         query = first(lambda r: "query" in r.path and "heads" in r.logical_axes)
         key = first(lambda r: "kv_heads" in r.logical_axes)
-        ups = [r for r in self.rows if r.logical_axes == ("embed", "mlp")]
+        # Up-projections (hidden → MLP width), of dense MLPs and of experts.
+        ups = [r for r in self.rows if r.logical_axes[-2:] == ("embed", "mlp")]
+        downs = [r for r in self.rows if r.logical_axes[-2:] == ("mlp", "embed")]
         vocab = [r for r in self.rows if "vocab" in r.logical_axes]
         if query is None or not ups or not vocab:
             raise PlanError(
@@ -357,14 +382,20 @@ class LayoutPlan:
         # The output projection: the untied reverse embedding if any.
         output = vocab[-1]
         layers = sum(1 for r in self.rows if r.pattern == query.pattern)
-        per_layer_ups = len(ups) // max(1, layers)
         b = batch_size / self.mesh_axes.size(self.batch_axis)
         s = sequence_length
         d = dim(output, "embed")
         h = dim(query, "head_dim")
         heads = dim(query, "heads")
         kv_heads = dim(key, "kv_heads") if key is not None else heads
-        width = dim(ups[0], "mlp")
+
+        def experts(row):
+            return dim(row, "expert") if "expert" in row.logical_axes else 1
+
+        def expert_shards(row):
+            axis = row.spec[row.logical_axes.index("expert")]
+            return self.mesh_axes.size(axis) if axis != self.batch_axis else 1
+
         q_shards = model_shards(query)
         kv_shards = model_shards(key) if key is not None else q_shards
         # Scores split only where the heads are (head_dim is contracted).
@@ -377,7 +408,7 @@ class LayoutPlan:
         # The residual stream: split on the sequence with sequence parallelism.
         split = (
             self.mesh_axes.size(self.mesh_axes.model_axis)
-            if self.activation_layouts()
+            if self._sequence_parallel_spec()
             else 1
         )
         stream = b * s * d / split
@@ -386,10 +417,19 @@ class LayoutPlan:
             + 2 * b * s * heads * h / q_shards
             + 2 * b * s * kv_heads * h / kv_shards
             + 2 * b * heads * s * s / score_shards
-            + 2 * per_layer_ups * b * s * width / model_shards(ups[0])
+        )
+        # Each up-projection's output and its activation or gated product,
+        # for every expert (keras-hub runs each expert on every token), and
+        # each expert's output before the routing-weighted sum.
+        mlp = sum(
+            2 * b * s * dim(r, "mlp") * experts(r) / model_shards(r) for r in ups
+        ) + sum(
+            b * s * d * experts(r) / expert_shards(r)
+            for r in downs
+            if "expert" in r.logical_axes
         )
         head = 2 * stream + 3 * b * s * dim(output, "vocab") / model_shards(output)
-        return int((layers * block + head) * _itemsize(self.dtype))
+        return int((layers * block + mlp + head) * _itemsize(self.dtype))
 
     @property
     def fallbacks(self) -> list[PlanRow]:
@@ -449,7 +489,7 @@ class LayoutPlan:
             hits = [path for path in weight_paths if re.fullmatch(key, path)]
             if not key.endswith("/output") or hits:
                 raise PlanError(
-                    f"The sequence-parallel key {key!r} must match layer "
+                    f"The activation key {key!r} must match layer "
                     "outputs (`<layer path>/output`) only, but it matches "
                     f"weight paths {hits[:3]}. Fix the {self.architecture!r} "
                     "handler's `sequence_parallel_outputs`. Received: "
@@ -592,15 +632,15 @@ class LayoutPlan:
     def _sequence_parallel_note(self) -> str:
         if not self._sequence_parallel:
             return "off"
-        layouts = self.activation_layouts()
-        if not layouts:
+        spec = self._sequence_parallel_spec()
+        if spec is None:
             return (
                 f"on, but the model axis ({self.mesh_axes.model_axis}) has one "
                 "device: activations stay as they are"
             )
         return (
-            f"on: {len(layouts)} residual-stream layer outputs sharded "
-            f"{next(iter(layouts.values()))} on [batch, sequence, hidden]"
+            f"on: {len(self._sequence_parallel_outputs)} residual-stream layer "
+            f"outputs sharded {spec} on [batch, sequence, hidden]"
         )
 
     def table_groups(self) -> dict[tuple, list[PlanRow]]:
@@ -950,20 +990,14 @@ def _plan_rows(weights, mesh_axes, strategy, fields, dtype, device_memory=None):
 
     When the query heads don't divide the model axis either, K/V follow the
     query's layout: sharded on head_dim when the query is, else replicated.
-    Otherwise unshardable K/V heads are replicated over the model axis (the
-    Megatron choice: no collective beyond the query's), unless
-
-    - the plan with replicated K/V does not fit `device_memory` (weights,
-      gradients and Adam state, the `LayoutPlan.fits` rule) while the plan
-      with K/V sharded on head_dim does, or
-    - replicating K/V would break the planner's per-device parameter target
-      (`rules.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
-      `rules.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp") while
-      sharding head_dim keeps it,
-
-    in which case their head_dim is sharded, at the price of extra
-    collectives in attention. The reason is derived from the rows as laid
-    out, so it always agrees with them.
+    Otherwise each of `rules.KV_LAYOUTS` is laid out and
+    `rules.choose_kv_layout` takes the one moving the fewest bytes among
+    those whose weights, gradients and Adam state fit `device_memory` and
+    whose parameters meet the planner's per-device target
+    (`rules.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
+    `rules.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp"). The
+    reason is derived from the rows as laid out, so it always agrees with
+    them.
     """
 
     def rows_with(kv_fallback):
@@ -987,48 +1021,29 @@ def _plan_rows(weights, mesh_axes, strategy, fields, dtype, device_memory=None):
         # The query is replicated over the model axis; so are K/V, and their
         # own notes say why.
         return rows_with("replicate"), ""
-    replicated, sharded = rows_with("replicate"), rows_with("head_dim")
     capacity = (
         rules.DEFAULT_DEVICE_MEMORY_BYTES if device_memory is None else device_memory
     )
-
-    def training(rows):
-        return ADAM_STATE_FACTOR * sum(r.device_bytes for r in rows)
-
     if strategy == "fsdp":
         target, shards = rules.FSDP_DEVICE_BYTES_TARGET, mesh_axes.num_devices
     else:
         target, shards = rules.TP_DEVICE_BYTES_TARGET, model_size
-
-    def ideal_ratio(rows):
-        """Per-device parameter bytes over the ideal the target refers to."""
-        total = sum(r.bytes for r in rows)
-        return sum(r.device_bytes for r in rows) / (total / shards)
-
-    need, need_sharded = training(replicated), training(sharded)
-    where = f"'{model_axis}'"
-    if need > capacity and need_sharded <= capacity:
-        return sharded, (
-            f"K/V sharded on head_dim: replicating them over {where} would need "
-            f"{need / GIB:.2f} GiB > {capacity / GIB:.2f} GiB per device "
-            f"(weights+grads+Adam), sharded needs {need_sharded / GIB:.2f} GiB"
+    laid_out, candidates = {}, []
+    for layout in rules.KV_LAYOUTS:
+        rows = laid_out[layout.kv_fallback] = rows_with(layout.kv_fallback)
+        held = sum(r.device_bytes for r in rows)
+        ideal = sum(r.bytes for r in rows) / shards
+        candidates.append(
+            rules.KVCandidate(layout, ADAM_STATE_FACTOR * held, held / ideal)
         )
-    ratio = ideal_ratio(replicated)
-    if ratio > target and ideal_ratio(sharded) <= target:
-        return sharded, (
-            f"K/V sharded on head_dim: replicating them over {where} would hold "
-            f"{ratio:.3f}x the ideal per-device parameter bytes, over the "
-            f"{target:.2f}x {strategy} target"
-        )
-    return replicated, (
-        f"K/V replicated over {where}: fewer collectives; weights+grads+Adam "
-        f"{need / GIB:.2f} GiB per device "
-        + (
-            f"fit in {capacity / GIB:.2f} GiB"
-            if need <= capacity
-            else f"(neither K/V layout fits {capacity / GIB:.2f} GiB)"
-        )
+    chosen, reason = rules.choose_kv_layout(
+        candidates,
+        capacity=capacity,
+        target=target,
+        strategy=strategy,
+        axis=model_axis,
     )
+    return laid_out[chosen.kv_fallback], reason
 
 
 def tp_fits(tp_plan: LayoutPlan) -> bool:

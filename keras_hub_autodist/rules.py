@@ -55,12 +55,17 @@ EXPERT_AXIS_FALLBACKS = ("expert", "mlp", "embed")
 HIDDEN_AXIS_PREFERENCE = ("embed",)
 
 # The batch axis under "fsdp" shards the first of these that is still free
-# and divides: the large dimensions first, norms last.
+# and divides: the largest dimensions of a decoder first (vocabulary, MLP
+# width, experts, hidden), norms last. With the activations pinned to the
+# batch axis (`fsdp_activation_spec`), XLA then gathers each weight once per
+# use; measured in docs/benchmarks.md section 2, putting `embed` first
+# instead made XLA reshard activations around the embedding and MLP on a
+# batch-only mesh (1.3x the temporaries of the ZeRO-3 reference).
 FSDP_AXIS_PREFERENCE = (
-    "embed",
+    "vocab",
     "mlp",
     "expert",
-    "vocab",
+    "embed",
     "head_dim",
     "heads",
     "kv_heads",
@@ -75,6 +80,132 @@ FSDP_AXIS_PREFERENCE = (
 # size; "fsdp": at most this factor x total bytes / devices.
 TP_DEVICE_BYTES_TARGET = 1.10
 FSDP_DEVICE_BYTES_TARGET = 1.05
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """One way to lay out key/value kernels whose heads don't divide the
+    model axis, for `choose_kv_layout` to compare.
+
+    Args:
+        kv_fallback: the `assign_mesh_axes` option that lays it out.
+        label: how the plan names it, e.g. `"K/V replicated"`.
+        collective_rank: its communication cost relative to the other
+            layouts; lower moves fewer bytes.
+        cost_note: why it moves the bytes it does.
+        gerund: the layout as a reason's subject, e.g. `"replicating
+            them"`.
+    """
+
+    kv_fallback: str
+    label: str
+    collective_rank: int
+    cost_note: str
+    gerund: str
+
+
+# The alternatives, cheapest communication first. Measured on compiled train
+# steps against a hand-written Megatron layout (docs/benchmarks.md section
+# 2): replicating K/V adds no collective beyond the query's; sharding their
+# head_dim splits the attention contraction, whose partial scores and their
+# gradients cross the model axis in every block (1.39x the bytes of
+# replication for multi-query attention on 2x4, 1.08x for 2 key/value heads
+# on a 4-way model axis).
+KV_LAYOUTS = (
+    KVLayout("replicate", "K/V replicated", 0, "fewer collectives", "replicating them"),
+    KVLayout(
+        "head_dim",
+        "K/V sharded on head_dim",
+        1,
+        "attention scores reduced over the model axis in every block",
+        "sharding their head_dim",
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCandidate:
+    """A `KVLayout` as planned: what it would hold per device.
+
+    Args:
+        layout: the `KVLayout`.
+        training_bytes: weights, gradients and Adam state per device.
+        ideal_ratio: per-device parameter bytes over the strategy's ideal
+            (total / model-axis size for `"tp"`, total / devices for
+            `"fsdp"`).
+    """
+
+    layout: KVLayout
+    training_bytes: int
+    ideal_ratio: float
+
+
+def choose_kv_layout(
+    candidates, *, capacity: int, target: float, strategy: str, axis: str
+) -> tuple[KVLayout, str]:
+    """The layout that moves the fewest bytes among those that fit.
+
+    A candidate is acceptable when its weights, gradients and Adam state fit
+    `capacity` bytes per device and its parameters stay within `target` x
+    the ideal. The cheapest acceptable one wins; when none is acceptable,
+    the cheapest that fits the memory; when none fits, the cheapest.
+
+    Args:
+        candidates: `KVCandidate`s, one per `KVLayout`.
+        capacity: bytes of memory per device.
+        target: the strategy's per-device parameter target.
+        strategy: `"tp"` or `"fsdp"`, for the reason.
+        axis: the model axis name, for the reason.
+
+    Returns:
+        `(layout, reason)`.
+
+    Example:
+    >>> replicate, head_dim = KV_LAYOUTS
+    >>> layout, reason = choose_kv_layout(
+    ...     [KVCandidate(replicate, 2**30, 1.02), KVCandidate(head_dim, 2**29, 1.0)],
+    ...     capacity=16 * 2**30, target=1.10, strategy="tp", axis="model")
+    >>> layout.kv_fallback, reason.split(":")[0]
+    ('replicate', "K/V replicated over 'model'")
+    """
+    gib = 1024**3
+    ranked = sorted(candidates, key=lambda c: c.layout.collective_rank)
+
+    def fits(c):
+        return c.training_bytes <= capacity
+
+    acceptable = [c for c in ranked if fits(c) and c.ideal_ratio <= target]
+    fitting = [c for c in ranked if fits(c)]
+    chosen = (acceptable or fitting or ranked)[0]
+    cheapest = ranked[0]
+    where = f"'{axis}'"
+    if chosen is cheapest:
+        held = f"weights+grads+Adam {chosen.training_bytes / gib:.2f} GiB per device "
+        return chosen.layout, (
+            f"{chosen.layout.label} over {where}: {chosen.layout.cost_note}; "
+            + held
+            + (
+                f"fit in {capacity / gib:.2f} GiB"
+                if fits(chosen)
+                else f"(neither K/V layout fits {capacity / gib:.2f} GiB)"
+            )
+        )
+    rejected = cheapest.layout.gerund
+    if not fits(cheapest):
+        why = (
+            f"{rejected} over {where} would need "
+            f"{cheapest.training_bytes / gib:.2f} GiB > {capacity / gib:.2f} GiB "
+            f"per device (weights+grads+Adam), sharded needs "
+            f"{chosen.training_bytes / gib:.2f} GiB"
+        )
+    else:
+        why = (
+            f"{rejected} over {where} would hold {cheapest.ideal_ratio:.3f}x the "
+            f"ideal per-device parameter bytes, over the {target:.2f}x "
+            f"{strategy} target"
+        )
+    return chosen.layout, f"{chosen.layout.label}: {why}"
+
 
 # Under strategy "auto", "tp" is chosen while parameters, gradients and the
 # two Adam moments fit in this share of a device's memory; the rest is left
@@ -105,6 +236,25 @@ def sequence_parallel_spec(mesh_axes) -> tuple[str | None, ...] | None:
     if model_axis is None or mesh_axes.size(model_axis) <= 1:
         return None
     return (mesh_axes.batch_axis, model_axis, None)
+
+
+def fsdp_activation_spec(mesh_axes) -> tuple[str | None, ...] | None:
+    """The layout of a `[batch, sequence, hidden]` residual-stream activation
+    under `"fsdp"`, or `None` when the batch axis has one device.
+
+    The batch dimension stays on the batch axis, so that the weights sharded
+    over that axis are gathered where they are used, rather than the
+    activations resharded to follow them.
+
+    Example:
+    >>> from keras_hub_autodist.mesh import resolve_mesh_axes
+    >>> fsdp_activation_spec(resolve_mesh_axes({"batch": 2, "model": 4}))
+    ('batch', None, None)
+    """
+    batch_axis = mesh_axes.batch_axis
+    if mesh_axes.size(batch_axis) <= 1:
+        return None
+    return (batch_axis, None, None)
 
 
 def parallel_axis(logical_axes: tuple[str | None, ...]) -> str | None:

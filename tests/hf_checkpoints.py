@@ -23,7 +23,10 @@ def _write(path, config, tensors):
         json.dump(config, f, indent=2)
     rng = np.random.default_rng(0)
     arrays = {
-        name: (rng.standard_normal(shape) * 0.05).astype("float32")
+        # A shape gets random weights; an array is written as is.
+        name: shape.astype("float32")
+        if isinstance(shape, np.ndarray)
+        else (rng.standard_normal(shape) * 0.05).astype("float32")
         for name, shape in tensors.items()
     }
     save_file(arrays, os.path.join(path, "model.safetensors"))
@@ -273,3 +276,110 @@ def qwen3_moe(path, num_experts=E):
 
 # Mixtures of experts, kept apart from `WRITERS` (the dense families).
 MOE_WRITERS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
+
+
+# Gemma 4: three layers (local, global, local) whose last shares the first's
+# keys and values; the global layer has its own head size and one key head
+# whose projection is also the value's (no `v_proj`).
+G4_LAYERS, G4_GLOBAL_HD, G4_PER_LAYER = 3, 16, 4
+
+
+def gemma4(path, per_layer_inputs=False, num_experts=0):
+    """Gemma 4 text (`model_type="gemma4_text"`, no vision or audio tower).
+
+    `per_layer_inputs=True` adds the small models' per-layer input embeddings
+    (and their double-wide MLP on the key/value-sharing layer);
+    `num_experts` adds a mixture of experts beside each layer's dense MLP.
+    """
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    config = {
+        "model_type": "gemma4_text",
+        "architectures": ["Gemma4ForCausalLM"],
+        "vocab_size": V,
+        "num_hidden_layers": G4_LAYERS,
+        "num_attention_heads": H,
+        "num_key_value_heads": 2,
+        "num_global_key_value_heads": 1,
+        "hidden_size": D,
+        "intermediate_size": F,
+        "head_dim": HD,
+        "global_head_dim": G4_GLOBAL_HD,
+        "layer_types": layer_types,
+        "sliding_window": 4,
+        "num_kv_shared_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"rope_theta": 1e6, "partial_rotary_factor": 0.25},
+            "sliding_attention": {"rope_theta": 1e4},
+        },
+        "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "hidden_size_per_layer_input": G4_PER_LAYER if per_layer_inputs else 0,
+        "vocab_size_per_layer_input": V,
+        "use_double_wide_mlp": per_layer_inputs,
+        "enable_moe_block": bool(num_experts),
+    }
+    if num_experts:
+        config |= {
+            "num_experts": num_experts,
+            "moe_intermediate_size": MOE_F,
+            "top_k_experts": 2,
+        }
+    tensors = {}
+    for i, layer_type in enumerate(layer_types):
+        p = f"model.layers.{i}."
+        is_global = layer_type == "full_attention"
+        head_dim = G4_GLOBAL_HD if is_global else HD
+        kv_shared = i == G4_LAYERS - 1
+        mlp = 2 * F if per_layer_inputs and kv_shared else F
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            tensors[p + norm + ".weight"] = (D,)
+        tensors |= {
+            p + "self_attn.q_proj.weight": (H * head_dim, D),
+            p + "self_attn.q_norm.weight": (head_dim,),
+            p + "self_attn.o_proj.weight": (D, H * head_dim),
+            p + "mlp.gate_proj.weight": (mlp, D),
+            p + "mlp.up_proj.weight": (mlp, D),
+            p + "mlp.down_proj.weight": (D, mlp),
+            # Random scalars would scale the residual stream down each layer.
+            p + "layer_scalar": np.ones((1,)),
+        }
+        if not kv_shared:
+            kv_heads = 1 if is_global else 2
+            tensors[p + "self_attn.k_proj.weight"] = (kv_heads * head_dim, D)
+            tensors[p + "self_attn.k_norm.weight"] = (head_dim,)
+            if not is_global:
+                tensors[p + "self_attn.v_proj.weight"] = (kv_heads * head_dim, D)
+        if per_layer_inputs:
+            tensors |= {
+                p + "per_layer_input_gate.weight": (G4_PER_LAYER, D),
+                p + "per_layer_projection.weight": (D, G4_PER_LAYER),
+                p + "post_per_layer_input_norm.weight": (D,),
+            }
+        if num_experts:
+            tensors |= {
+                p + "pre_feedforward_layernorm_2.weight": (D,),
+                p + "post_feedforward_layernorm_1.weight": (D,),
+                p + "post_feedforward_layernorm_2.weight": (D,),
+                p + "router.scale": (D,),
+                p + "router.proj.weight": (num_experts, D),
+                p + "router.per_expert_scale": (num_experts,),
+                p + "experts.gate_up_proj": (num_experts, 2 * MOE_F, D),
+                p + "experts.down_proj": (num_experts, D, MOE_F),
+            }
+    tensors["model.embed_tokens.weight"] = (V, D)
+    tensors["model.norm.weight"] = (D,)
+    if per_layer_inputs:
+        tensors |= {
+            "model.embed_tokens_per_layer.weight": (V, G4_LAYERS * G4_PER_LAYER),
+            "model.per_layer_model_projection.weight": (G4_LAYERS * G4_PER_LAYER, D),
+            "model.per_layer_projection_norm.weight": (G4_PER_LAYER,),
+        }
+    return _write(path, config, tensors)

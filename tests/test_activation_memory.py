@@ -74,3 +74,23 @@ def test_bfloat16_halves_the_estimate():
 def test_bad_sizes_are_refused(kwargs, match):
     with pytest.raises(PlanError, match=match):
         _plan({"batch": 2, "model": 4}).activation_bytes_per_device(**kwargs)
+
+
+def test_mixtral_by_hand():
+    # mixtral_8x7b: 32 blocks, d=4096, 32 query and 8 kv heads of 128, 8
+    # experts with gate and up of 14336 each, every expert run on every token
+    # (keras-hub's batched MoE), untied vocab 32000. Mesh 2 x 8: the experts
+    # go over 'model' (expert parallelism), heads and vocab split 8 ways,
+    # K/V 8 ways.
+    plan = _plan({"batch": 2, "model": 8}, preset="mixtral_8x7b")
+    b, s = 8 / 2, 128
+    block = (
+        4 * b * s * 4096
+        + 2 * b * s * 32 * 128 / 8
+        + 2 * b * s * 8 * 128 / 8
+        + 2 * b * 32 * s * s / 8
+    )
+    experts = 2 * (2 * b * s * 14336 * 8 / 8) + b * s * 4096 * 8 / 8
+    head = 2 * b * s * 4096 + 3 * b * s * 32000 / 8
+    expected = int((32 * (block + experts) + head) * 4)
+    assert plan.activation_bytes_per_device(8, 128) == expected

@@ -358,3 +358,17 @@ def test_lora_kernels_follow_their_kernels(moe_presets, family):
     losses = [lm.train_on_batch(x, y) for _ in range(2)]
     assert np.isfinite(losses).all() and losses[1] < losses[0]
     assert keras.distribution.distribution() is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen_moe"])
+def test_sequence_parallel_training_matches_single_device(moe_presets, family):
+    """The residual stream outside the MoE blocks is split on the sequence
+    over the model axis; training still equals one device."""
+    lm = assert_same_training(
+        moe_presets[family, 8],
+        device_mesh={"batch": 2, "model": 4},
+        sequence_parallel=True,
+    )
+    plan = keras_hub_autodist.distribution_of(lm).plan
+    assert set(plan.activation_layouts().values()) == {("batch", "model", None)}

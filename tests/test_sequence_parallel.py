@@ -204,3 +204,32 @@ def test_sequence_parallel_needs_a_device_mesh(tiny_presets_dir):
         keras_hub.models.CausalLM.from_preset(
             tiny_presets_dir["gemma_mqa"], sequence_parallel=True
         )
+
+
+def test_fsdp_pins_residual_outputs_to_the_batch_axis(tiny_presets_dir):
+    """Under fsdp the residual stream stays on the batch axis (weights are
+    gathered, activations not resharded); sequence parallelism, when on,
+    takes precedence; a batch axis of one pins nothing."""
+    preset = tiny_presets_dir["llama3_untied"]
+    key = "sequence_output_layernorm/output"
+    fsdp = keras_hub_autodist.plan(preset, MESH, strategy="fsdp")
+    assert fsdp.activation_layouts()[key] == ("batch", None, None)
+    assert len(fsdp.activation_layouts()) == 5
+    assert "sequence parallel: off" in fsdp.summary()
+    layout_map = fsdp.layout_map(
+        keras.distribution.DeviceMesh(
+            (2, 4), ("batch", "model"), keras.distribution.list_devices()
+        )
+    )
+    assert tuple(layout_map[key].axes) == ("batch", None, None)
+    both = keras_hub_autodist.plan(
+        preset, MESH, strategy="fsdp", sequence_parallel=True
+    )
+    assert both.activation_layouts()[key] == ("batch", "model", None)
+    assert keras_hub_autodist.plan(preset, MESH).activation_layouts() == {}
+    one = keras_hub_autodist.plan(preset, {"batch": 1, "model": 8}, strategy="fsdp")
+    assert one.activation_layouts() == {}
+    # The estimate splits the residual stream only under sequence parallelism.
+    assert fsdp.activation_bytes_per_device(8, 64) > both.activation_bytes_per_device(
+        8, 64
+    )

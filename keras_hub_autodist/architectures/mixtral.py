@@ -16,6 +16,7 @@ from __future__ import annotations
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import rule_table
+from keras_hub_autodist.architectures.llama import LLAMA_SEQUENCE_PARALLEL_OUTPUTS
 
 # keras-hub names the MoE block of each layer from a process-wide counter.
 MOE_BLOCK = r"transformer_layer_\d+/mixtral_sparse_moe_block(_\d+)?"
@@ -55,4 +56,6 @@ MIXTRAL = Architecture(
         ),
     ),
     config_fields=MIXTRAL_CONFIG_FIELDS,
+    # The MoE block returns (output, router logits): not pinned.
+    sequence_parallel_outputs=LLAMA_SEQUENCE_PARALLEL_OUTPUTS,
 )

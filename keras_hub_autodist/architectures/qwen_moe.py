@@ -19,6 +19,7 @@ from __future__ import annotations
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import rule_table
+from keras_hub_autodist.architectures.llama import LLAMA_SEQUENCE_PARALLEL_OUTPUTS
 
 _LAYER = r"transformer_layer_\d+"
 _ATTENTION = _LAYER + "/self_attention"
@@ -81,6 +82,8 @@ QWEN_MOE = Architecture(
         (_NORMS, ("norm",)),
     ),
     config_fields=QWEN_MOE_CONFIG_FIELDS,
+    # The MoE block returns (output, router logits): not pinned.
+    sequence_parallel_outputs=LLAMA_SEQUENCE_PARALLEL_OUTPUTS,
 )
 
 QWEN3_MOE = Architecture(
@@ -97,4 +100,6 @@ QWEN3_MOE = Architecture(
         (_NORMS, ("norm",)),
     ),
     config_fields=QWEN_MOE_CONFIG_FIELDS,
+    # The MoE block returns (output, router logits): not pinned.
+    sequence_parallel_outputs=LLAMA_SEQUENCE_PARALLEL_OUTPUTS,
 )
