@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import keras_hub_autodist
+from bench import planning
 from bench.static_maps import static_device_bytes
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.presets import read_preset_config
@@ -22,7 +23,11 @@ def meshes(devices):
 
 def run():
     rows = []
-    for preset in sorted(p for p in SHARED.iterdir() if (p / "config.json").exists()):
+    for preset in sorted(
+        p
+        for p in SHARED.iterdir()
+        if (p / "config.json").exists() and p.name not in planning.PRESETS
+    ):  # the 70B-class configs have their own section (bench/planning.py)
         info = read_preset_config(str(preset))
         try:
             weights = handler_for(info.backbone_cls).weights(

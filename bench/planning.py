@@ -3,53 +3,24 @@
 Each preset is planned in a fresh process (`python -m bench.planning CHILD
 <config.json>`), so imports, time and peak RSS are its own: the child times
 importing keras-hub, the first `plan()` (which builds the backbone abstractly
-from config.json), a re-plan of the same preset on another mesh (served by
-the cache), and counts JAX's live arrays before and after.
+from config.json: the child's disk cache starts empty), a re-plan of the same
+preset on another mesh (served by the cache), and counts JAX's live arrays
+before and after.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
 
-# Llama 3.1 70B and Qwen 2.5 72B, as their Hugging Face config.json files.
-CONFIGS = {
-    "llama3.1_70b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_attention_heads": 64,
-        "num_hidden_layers": 80,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
-    "qwen2.5_72b": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": 8192,
-        "intermediate_size": 29568,
-        "num_attention_heads": 64,
-        "num_hidden_layers": 80,
-        "num_key_value_heads": 8,
-        "vocab_size": 152064,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 32768,
-        "use_sliding_window": False,
-        "sliding_window": 131072,
-        "max_window_layers": 70,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
-}
+# Llama 3.1 70B and Qwen 2.5 72B: their Hugging Face config.json files, kept
+# with the other real configs (tests/test_plan.py plans the 70B too).
+PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "presets"
+PRESETS = ("llama3.1_70b", "qwen2.5_72b")
 FIRST_MESH = {"batch": 16, "model": 16}
 SECOND_MESH = {"batch": 8, "model": 32}
 
@@ -93,24 +64,26 @@ def child(folder: str) -> dict:
 
 def run() -> list[dict]:
     rows = []
-    with tempfile.TemporaryDirectory() as root:
-        for name, config in CONFIGS.items():
-            folder = os.path.join(root, name)
-            os.makedirs(folder)
-            with open(os.path.join(folder, "config.json"), "w") as file:
-                json.dump(config, file)
+    for name in PRESETS:
+        # An empty disk cache: the first plan builds, as a new user's does.
+        with tempfile.TemporaryDirectory() as cache:
+            folder = str(PRESETS_DIR / name)
             done = subprocess.run(
                 [sys.executable, "-m", "bench.planning", "CHILD", folder],
                 capture_output=True,
                 text=True,
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+                env={
+                    **os.environ,
+                    "TF_CPP_MIN_LOG_LEVEL": "3",
+                    "KERAS_HUB_AUTODIST_CACHE": cache,
+                },
             )
-            if done.returncode != 0:
-                last = done.stderr.strip().splitlines()[-1:] or ["?"]
-                rows.append(dict(preset=name, error=last[0]))
-                continue
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append(dict(preset=name, **result))
+        if done.returncode != 0:
+            last = done.stderr.strip().splitlines()[-1:] or ["?"]
+            rows.append(dict(preset=name, error=last[0]))
+            continue
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(dict(preset=name, **result))
     return rows
 
 

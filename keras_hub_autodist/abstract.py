@@ -50,11 +50,26 @@ class VariableShape:
     dtype: str
 
 
-def _config_key(config: Mapping) -> str:
+def _config_key(config: Mapping) -> tuple[str, bool]:
+    """The config as one canonical text, and whether it is plain JSON.
+
+    The text keys the memory cache; with the backbone class name (and the
+    keras/keras-hub versions, `_disk_file`) it keys the disk cache too, but
+    only when it is plain JSON: a value that is not (a layer, a dtype
+    policy) is written as its `repr`, which is fine within this process but
+    not a stable name across processes.
+    """
+    plain = True
+
+    def not_json(value):
+        nonlocal plain
+        plain = False
+        return repr(value)
+
     try:
-        return json.dumps(config, sort_keys=True, default=repr)
-    except (TypeError, ValueError):
-        return repr(sorted(config.items(), key=lambda item: str(item[0])))
+        return json.dumps(config, sort_keys=True, default=not_json), plain
+    except (TypeError, ValueError):  # keys of mixed types, or a cycle
+        return repr(sorted(config.items(), key=lambda item: str(item[0]))), False
 
 
 def model_variables(backbone_cls: type, config: Mapping) -> tuple[VariableShape, ...]:
@@ -75,8 +90,14 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[VariableShape,
     ```
     """
     config = _serialized(config)
-    found = _cached_variables(backbone_cls, _config_key(config), _Frozen(config))
-    _store(backbone_cls.__name__, config, found)
+    text, plain = _config_key(config)
+    found = _cached_variables(backbone_cls, text, _Frozen(config))
+    if plain:  # a config that is not plain JSON is cached in memory only
+        store(
+            "variables",
+            _disk_key(backbone_cls.__name__, text),
+            [[v.path, list(v.shape), v.dtype] for v in found],
+        )
     return found
 
 
@@ -120,11 +141,15 @@ def _disk_file(kind: str, text: str) -> pathlib.Path | None:
     return folder / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()}.json"
 
 
+def _disk_key(class_name: str, config_text: str) -> str:
+    return f"{class_name}|{config_text}"
+
+
 def _variables_key(class_name: str, config: Mapping) -> str | None:
-    try:
-        return f"{class_name}|{json.dumps(config, sort_keys=True)}"
-    except (TypeError, ValueError):
-        return None  # a config that is not plain JSON is cached in memory only
+    """The disk key of `class_name` built from `config`, or `None` when the
+    config is not plain JSON (cached in memory only)."""
+    text, plain = _config_key(config)
+    return _disk_key(class_name, text) if plain else None
 
 
 def read_stored(kind: str, text: str):
@@ -176,12 +201,6 @@ def stored_variables(
         )
     except (TypeError, ValueError):
         return None  # absent, or unreadable: build again
-
-
-def _store(class_name: str, config: Mapping, variables) -> None:
-    key = _variables_key(class_name, config)
-    if key is not None:
-        store("variables", key, [[v.path, list(v.shape), v.dtype] for v in variables])
 
 
 def _serialized(config: Mapping) -> dict:

@@ -772,9 +772,8 @@ def _model_weights(handler, preset_config: PresetConfig, strict: bool):
 
         stored = stored_variables(preset_config.backbone_class, config)
         if stored is not None:
-            handler.check_config(config)
-            return handler.match_variables(
-                stored, preset_config.backbone_class, strict=strict
+            return handler.weights_from(
+                stored, config, preset_config.backbone_class, strict=strict
             )
     backbone_cls = preset_config.backbone_cls or backbone_class_named(
         preset_config.backbone_class

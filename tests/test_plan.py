@@ -34,28 +34,6 @@ FSDP_MESHES = [
     {"batch": 256, "model": 1},
 ]
 
-LLAMA31_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_attention_heads": 64,
-    "num_hidden_layers": 80,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
 
 @pytest.mark.parametrize("model_size", [1, 2, 4, 8])
 def test_tp_target_on_every_real_config(real_configs, model_size):
@@ -101,10 +79,8 @@ def assert_no_dimension_divides(plan, size):
         assert all(dim % size for dim in row.shape), (row.path, row.shape)
 
 
-def test_planning_is_fast_and_allocates_no_weights(real_configs, tmp_path):
-    folder = tmp_path / "llama3.1_70b"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA31_70B))
+def test_planning_is_fast_and_allocates_no_weights(real_configs):
+    folder = pytest.shared / "llama3.1_70b"
     keras_hub_autodist.plan(
         str(real_configs[0]), {"batch": 2, "model": 4}
     )  # warm imports
@@ -598,15 +574,23 @@ def test_kv_sharded_on_head_dim_when_replicated_breaks_the_target(
 
 
 def test_a_plan_is_a_frozen_value():
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2})
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_2b"),
+        {"batch": 2, "model": 2},
+        sequence_parallel=True,
+    )
     with pytest.raises(AttributeError, match=r"frozen value.*plan\.replace"):
         plan.strategy = "fsdp"
+    with pytest.raises(AttributeError, match=r"frozen value.*Received: del strategy"):
+        del plan.strategy
     assert isinstance(plan.rows, tuple)
     with pytest.raises(TypeError):
         plan.config_fields["heads"] = "x"
     changed = plan.replace(mesh_reason="by hand")
     assert (changed.mesh_reason, plan.mesh_reason) == ("by hand", "")
-    assert changed.rows == plan.rows
+    # Every other field is carried over, the sequence-parallel ones included.
+    assert {**vars(changed), "mesh_reason": ""} == vars(plan)
+    assert changed.sequence_parallel and changed.activation_layouts()
     with pytest.raises(PlanError, match=r"no field \['colour'\].*Received"):
         plan.replace(colour="red")
 
@@ -630,3 +614,26 @@ def test_fallbacks_are_structured_and_their_text_is_derived():
         "num_key_value_heads=1 does not divide by model=2: replicated over 'model'"
     )
     assert fallback.policy  # the key/value policy says why it replicated
+
+
+def test_a_fallback_to_another_dimension_records_it():
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "llama3_8b"), {"batch": 16, "model": 16}, strategy="fsdp"
+    )
+    path = "transformer_layer_0/self_attention/key/kernel"
+    row = next(r for r in plan.rows if r.path == path)
+    (fallback,) = row.fallbacks
+    assert (
+        fallback.dimension,
+        fallback.wanted,
+        fallback.mesh_axis,
+        fallback.chosen,
+        fallback.chosen_dimension,
+        fallback.chosen_label,
+    ) == (1, "kv_heads", "model", "head_dim", 2, "head_dim=128")
+    assert row.spec[fallback.chosen_dimension] == "model"
+    assert row.note == str(fallback)
+    assert row.note.startswith(
+        "num_key_value_heads=8 does not divide by model=16: sharded "
+        "head_dim=128 over 'model' instead ("
+    )

@@ -1,7 +1,9 @@
 """Every weight of the built model matches exactly one rule of the plan."""
 
+import dataclasses
 import json
 import shutil
+import types
 
 import keras
 import keras_hub
@@ -162,3 +164,27 @@ def test_a_weight_with_another_path_is_checked_through_its_key(backbone_preset):
         r"\(32, 32\)",
     ):
         check.created("decoder_block_7/ffw_linear/kernel", (48, 32))
+    # The built model is checked the same way, after loading.
+    path = "decoder_block_7/ffw_linear/kernel"
+    check.built([types.SimpleNamespace(path=path, shape=(32, 32))])
+    with pytest.raises(WeightShapeError, match=r"built shape \(48, 32\), planned"):
+        check.built([types.SimpleNamespace(path=path, shape=(48, 32))])
+
+
+def test_a_key_over_weights_of_several_shapes_checks_only_named_paths(
+    backbone_preset,
+):
+    """One key can cover weights of two shapes (Gemma 4's global layers have
+    their own head size). A path the plan does not name can't be told which
+    shape it should have: only its key is checked."""
+    plan = keras_hub_autodist.plan(backbone_preset, {"batch": 2, "model": 4})
+    first = next(r for r in plan.rows if r.path.endswith("ffw_linear/kernel"))
+    wider = dataclasses.replace(first, shape=(48, 32))
+    plan = plan.replace(rows=[wider if r is first else r for r in plan.rows])
+    check = plan.weight_check()
+    other = "decoder_block_7/ffw_linear/kernel"
+    assert check.matching_keys(other) == [first.pattern]
+    check.created(other, (48, 32))
+    check.created(other, (32, 32))
+    with pytest.raises(WeightShapeError, match=r"planned shape \(48, 32\)"):
+        check.created(first.path, (32, 32))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -21,6 +22,25 @@ LOGICAL_AXES = (
     "norm",
     "expert",
     "unsharded",
+)
+
+# The config fields behind each logical axis, for fallback notes
+# ("num_key_value_heads=1 does not divide ..."): keras-hub's decoder
+# backbones name their sizes alike, so a family states only what differs,
+# e.g. `{**DECODER_CONFIG_FIELDS, "expert": "num_experts"}`. An
+# `expert_<axis>` entry names the field of `<axis>` in expert kernels
+# (`"expert_mlp": "moe_intermediate_dim"`). Families that derive the head
+# size (hidden_dim // num_query_heads) have no `head_dim` field: the notes
+# then say `head_dim=<size>` all the same.
+DECODER_CONFIG_FIELDS = types.MappingProxyType(
+    {
+        "vocab": "vocabulary_size",
+        "embed": "hidden_dim",
+        "heads": "num_query_heads",
+        "kv_heads": "num_key_value_heads",
+        "head_dim": "head_dim",
+        "mlp": "intermediate_dim",
+    }
 )
 
 
@@ -202,15 +222,51 @@ class Architecture:
         """
         from keras_hub_autodist.abstract import model_variables
 
-        self.check_config(config)
-        return self.match_variables(
-            model_variables(backbone_cls, config), backbone_cls.__name__, strict=strict
+        self.check_config(config)  # refuse before building anything
+        return self.weights_from(
+            model_variables(backbone_cls, config),
+            config,
+            backbone_cls.__name__,
+            strict=strict,
         )
+
+    def weights_from(
+        self,
+        variables,
+        config: Mapping,
+        backbone_class: str,
+        *,
+        strict: bool = True,
+    ) -> list[WeightSpec]:
+        """`weights()` for a model already built from `config`: its config
+        checked (`check_config`), each variable given the logical axes of
+        the rule it matches (`match_variables`).
+
+        The one path from built variables to weights, for a fresh abstract
+        build and for one read from the disk cache alike.
+
+        Args:
+            variables: the model's variables (`abstract.VariableShape`, or
+                any objects with `.path` and `.shape`).
+            config: the backbone's constructor arguments they were built from.
+            backbone_class: the backbone class name, for messages.
+            strict: as for `weights()`.
+
+        Example:
+        ```python
+        from keras_hub_autodist.abstract import stored_variables
+
+        variables = stored_variables("LlamaBackbone", config)
+        weights = LLAMA.weights_from(variables, config, "LlamaBackbone")
+        ```
+        """
+        self.check_config(config)
+        return self.match_variables(variables, backbone_class, strict=strict)
 
     def match_variables(
         self, variables, backbone_class: str, *, strict: bool = True
     ) -> list[WeightSpec]:
-        """`weights()` for variables already built (`abstract.VariableShape`).
+        """Each variable's rule, without the config check of `weights_from()`.
 
         Args:
             variables: objects with `.path` and `.shape`.

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
 from keras_hub_autodist.architectures.base import global_weight
 from keras_hub_autodist.architectures.base import layer_weights
 from keras_hub_autodist.architectures.base import rule_table
-
-GEMMA_CONFIG_FIELDS = {
-    "vocab": "vocabulary_size",
-    "embed": "hidden_dim",
-    "heads": "num_query_heads",
-    "kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "mlp": "intermediate_dim",
-}
 
 # The residual stream of a Gemma decoder block (Gemma 1, 2 and 3): its
 # norms' outputs, the row-parallel attention output and down projection, and
@@ -108,7 +100,7 @@ class GemmaArchitecture(Architecture):
 
     name = "gemma"
     rules = GEMMA_RULES
-    config_fields = GEMMA_CONFIG_FIELDS
+    config_fields = DECODER_CONFIG_FIELDS
     sequence_parallel_outputs = GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 
     def shape_hints(self, config: Mapping) -> list[WeightSpec]:

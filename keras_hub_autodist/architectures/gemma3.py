@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
 from keras_hub_autodist.architectures.base import layer_weights
 from keras_hub_autodist.architectures.base import rule_table
-from keras_hub_autodist.architectures.gemma import GEMMA_CONFIG_FIELDS
 from keras_hub_autodist.architectures.gemma import GEMMA_RULES
 from keras_hub_autodist.architectures.gemma import GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 from keras_hub_autodist.architectures.gemma import gemma_block_entries
@@ -60,7 +60,7 @@ class Gemma3Architecture(Architecture):
 
     name = "gemma3"
     rules = GEMMA_RULES + GEMMA3_VISION_RULES
-    config_fields = GEMMA_CONFIG_FIELDS
+    config_fields = DECODER_CONFIG_FIELDS
     sequence_parallel_outputs = GEMMA_SEQUENCE_PARALLEL_OUTPUTS
 
     def check_config(self, config: Mapping) -> None:

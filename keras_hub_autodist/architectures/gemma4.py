@@ -13,20 +13,15 @@ dimensions are left to the batch axis under "fsdp".
 
 from __future__ import annotations
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import rule_table
 
 _BLOCK = r"decoder_block_\d+"
 
 GEMMA4_CONFIG_FIELDS = {
-    "vocab": "vocabulary_size",
-    "embed": "hidden_dim",
-    "heads": "num_query_heads",
-    "kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "mlp": "intermediate_dim",
+    **DECODER_CONFIG_FIELDS,
     "expert": "num_experts",
-    # Expert kernels' MLP dimension.
     "expert_mlp": "expert_intermediate_dim",
 }
 

@@ -8,20 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
 from keras_hub_autodist.architectures.base import global_weight
 from keras_hub_autodist.architectures.base import layer_weights
 from keras_hub_autodist.architectures.base import rule_table
-
-LLAMA_CONFIG_FIELDS = {
-    "vocab": "vocabulary_size",
-    "embed": "hidden_dim",
-    "heads": "num_query_heads",
-    "kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "mlp": "intermediate_dim",
-}
 
 # The residual stream of a Llama/Mistral decoder layer: its norms' outputs,
 # the row-parallel attention output (and its dropout) and down projection,
@@ -68,7 +60,7 @@ class LlamaArchitecture(Architecture):
 
     name = "llama"
     rules = LLAMA_RULES
-    config_fields = LLAMA_CONFIG_FIELDS
+    config_fields = DECODER_CONFIG_FIELDS
     sequence_parallel_outputs = LLAMA_SEQUENCE_PARALLEL_OUTPUTS
 
     def __init__(self, *, always_untied: bool = False, name: str | None = None):

@@ -13,6 +13,7 @@ over the model axis.
 
 from __future__ import annotations
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import rule_table
 from keras_hub_autodist.architectures.llama import LLAMA_SEQUENCE_PARALLEL_OUTPUTS
@@ -20,16 +21,7 @@ from keras_hub_autodist.architectures.llama import LLAMA_SEQUENCE_PARALLEL_OUTPU
 # keras-hub names the MoE block of each layer from a process-wide counter.
 MOE_BLOCK = r"transformer_layer_\d+/mixtral_sparse_moe_block(_\d+)?"
 
-MIXTRAL_CONFIG_FIELDS = {
-    "vocab": "vocabulary_size",
-    "embed": "hidden_dim",
-    "heads": "num_query_heads",
-    "kv_heads": "num_key_value_heads",
-    # Not a Mixtral config field (hidden_dim / num_query_heads): named as is.
-    "head_dim": "head_dim",
-    "mlp": "intermediate_dim",
-    "expert": "num_experts",
-}
+MIXTRAL_CONFIG_FIELDS = {**DECODER_CONFIG_FIELDS, "expert": "num_experts"}
 
 MIXTRAL = Architecture(
     name="mixtral",

@@ -6,20 +6,11 @@ Phi-3's rotary scaling ("su"/"longrope") has no variables.
 
 from __future__ import annotations
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import rule_table
 
 _LAYER = r"transformer_layer_\d+"
-
-PHI3_CONFIG_FIELDS = {
-    "vocab": "vocabulary_size",
-    "embed": "hidden_dim",
-    "heads": "num_query_heads",
-    "kv_heads": "num_key_value_heads",
-    # No config field: hidden_dim // heads. Named as the logical axis.
-    "head_dim": "head_dim",
-    "mlp": "intermediate_dim",
-}
 
 # The residual stream of a decoder layer: its norms' outputs, the
 # row-parallel attention output and down projection with their dropouts, and
@@ -52,6 +43,6 @@ PHI3 = Architecture(
             ("norm",),
         ),
     ),
-    config_fields=PHI3_CONFIG_FIELDS,
+    config_fields=DECODER_CONFIG_FIELDS,
     sequence_parallel_outputs=PHI3_SEQUENCE_PARALLEL_OUTPUTS,
 )

@@ -10,20 +10,11 @@ normalizes each query/key head (`query_dense_layernorm`,
 
 from __future__ import annotations
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import rule_table
 
 _LAYER = r"transformer_layer_\d+"
-
-QWEN_CONFIG_FIELDS = {
-    "vocab": "vocabulary_size",
-    "embed": "hidden_dim",
-    "heads": "num_query_heads",
-    "kv_heads": "num_key_value_heads",
-    # Qwen 3's field; Qwen 2 derives it (hidden_dim // num_query_heads).
-    "head_dim": "head_dim",
-    "mlp": "intermediate_dim",
-}
 
 # The residual stream of a decoder layer (the names are Llama's): its norms'
 # outputs, the row-parallel attention output (and its dropout) and down
@@ -60,7 +51,7 @@ QWEN = Architecture(
         (rf"{_ATTENTION}/query/bias", ("heads", "head_dim")),
         (rf"{_ATTENTION}/(key|value)/bias", ("kv_heads", "head_dim")),
     ),
-    config_fields=QWEN_CONFIG_FIELDS,
+    config_fields=DECODER_CONFIG_FIELDS,
     sequence_parallel_outputs=QWEN_SEQUENCE_PARALLEL_OUTPUTS,
 )
 
@@ -70,6 +61,6 @@ QWEN3 = Architecture(
         *_QWEN_COMMON,
         (rf"{_ATTENTION}/(query|key)_dense_layernorm/scale", ("norm",)),
     ),
-    config_fields=QWEN_CONFIG_FIELDS,
+    config_fields=DECODER_CONFIG_FIELDS,
     sequence_parallel_outputs=QWEN_SEQUENCE_PARALLEL_OUTPUTS,
 )

@@ -16,6 +16,7 @@ so the patterns accept any suffix.
 
 from __future__ import annotations
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import rule_table
 from keras_hub_autodist.architectures.llama import LLAMA_SEQUENCE_PARALLEL_OUTPUTS
@@ -27,18 +28,12 @@ _NORMS = (
     r"|sequence_output_layernorm/scale"
 )
 
+# Qwen-MoE and Qwen3-MoE alike.
 QWEN_MOE_CONFIG_FIELDS = {
-    "vocab": "vocabulary_size",
-    "embed": "hidden_dim",
-    "heads": "num_query_heads",
-    "kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "mlp": "intermediate_dim",
+    **DECODER_CONFIG_FIELDS,
     "expert": "num_experts",
-    # The `mlp` dimension of the expert kernels.
     "expert_mlp": "moe_intermediate_dim",
 }
-QWEN3_MOE_CONFIG_FIELDS = QWEN_MOE_CONFIG_FIELDS
 
 
 def _mlp_rules(mlp: str) -> tuple:
@@ -104,7 +99,7 @@ QWEN3_MOE = Architecture(
         *_mlp_rules(_LAYER + r"/qwen3_moe_mlp(_\d+)?"),
         (_NORMS, ("norm",)),
     ),
-    config_fields=QWEN3_MOE_CONFIG_FIELDS,
+    config_fields=QWEN_MOE_CONFIG_FIELDS,
     # The MoE block returns (output, router logits): not pinned.
     sequence_parallel_outputs=LLAMA_SEQUENCE_PARALLEL_OUTPUTS,
 )

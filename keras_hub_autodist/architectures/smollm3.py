@@ -12,21 +12,14 @@ paths, should keras-hub scope them). `inv_freq` is a non-trainable constant.
 
 from __future__ import annotations
 
+from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import rule_table
 
 _LAYER = r"transformer_layer_\d+"
 _ATTENTION = rf"{_LAYER}/self_attn"
 
-SMOLLM3_CONFIG_FIELDS = {
-    "vocab": "vocabulary_size",
-    "embed": "hidden_dim",
-    "heads": "num_attention_heads",
-    "kv_heads": "num_key_value_heads",
-    # No config field: hidden_dim // heads. Named as the logical axis.
-    "head_dim": "head_dim",
-    "mlp": "intermediate_dim",
-}
+SMOLLM3_CONFIG_FIELDS = {**DECODER_CONFIG_FIELDS, "heads": "num_attention_heads"}
 
 # The residual stream of a decoder layer: its norms' outputs, the
 # row-parallel attention output and down projection, and the final norm's.
