@@ -120,12 +120,14 @@ def test_router_is_replicated_over_the_model_axis():
     assert "replicated over 'batch'" in notes[0]
 
 
+# The batch axis takes the first free dimension of `rules.FSDP_AXIS_PREFERENCE`
+# that divides: each expert's `mlp`, else the experts, else `hidden`.
 @pytest.mark.parametrize(
     "weight, spec",
     [
-        (experts_in(8), ("model", "batch", None)),
-        (experts_out(8), ("model", None, "batch")),
-        (experts_in(6), (None, "batch", "model")),
+        (experts_in(8), ("model", None, "batch")),
+        (experts_out(8), ("model", "batch", None)),
+        (experts_in(6), ("batch", None, "model")),
     ],
 )
 def test_fsdp_adds_the_batch_axis_on_a_free_dimension(weight, spec):
