@@ -210,6 +210,43 @@ def _held(memory_row):
     return memory_row["argument"] + memory_row["output"] + memory_row["temp"]
 
 
+def _temp(memory_row):
+    return memory_row["temp"]
+
+
+def _reference_memory(rows, row, variants, measure):
+    """The smallest `measure` of the memory of `variants` on `row`'s model
+    and mesh; `None` when none has any."""
+    return min(
+        (
+            measure(x["memory"])
+            for x in rows
+            if x["model"] == row["model"]
+            and x["mesh"] == row["mesh"]
+            and x["variant"] in variants
+            and x.get("memory")
+        ),
+        default=None,
+    )
+
+
+def _verdict(target, checks, met, noun="autodist rows", unit="x"):
+    """ "<target>: met on N of M <noun>[; not met on: ...]" for `(row,
+    ratio)` pairs, `met(ratio)` telling which hold."""
+    missed = ", ".join(
+        f"{r['model']} {r['mesh']} {r['variant']} ({ratio:.2f}{unit})"
+        for r, ratio in checks
+        if not met(ratio)
+    )
+    held = sum(met(ratio) for _, ratio in checks)
+    text = f"{target}: met on {held} of {len(checks)} {noun}"
+    return text + (f"; not met on: {missed}" if missed else "")
+
+
+def _within_limit(ratio):
+    return ratio <= 1.05
+
+
 def comms_section(rows: list[dict], plot) -> list[str]:
     """Section 2: collectives and memory of the compiled train step."""
     lines = [
@@ -307,47 +344,20 @@ def comms_section(rows: list[dict], plot) -> list[str]:
         if r.get("note") or not r.get("memory"):
             continue
         m = r["memory"]
-        best = min(
-            (
-                x["memory"]["temp"]
-                for x in rows
-                if x["model"] == r["model"]
-                and x["mesh"] == r["mesh"]
-                and x["variant"] in references
-                and x.get("memory")
-            ),
-            default=None,
-        )
-        best_held = min(
-            (
-                _held(x["memory"])
-                for x in rows
-                if x["model"] == r["model"]
-                and x["mesh"] == r["mesh"]
-                and x["variant"] in references
-                and x.get("memory")
-            ),
-            default=None,
-        )
         versus = own = held = ""
-        if r["variant"].startswith("autodist") and best_held:
-            held = f"{_held(m) / best_held:.2f}x"
-            held_checks.append((r, _held(m) / best_held))
-        if r["variant"].startswith("autodist") and best:
-            versus = f"{m['temp'] / best:.2f}x"
-            memory_checks.append((r, m["temp"] / best))
-            counterpart = next(
-                (
-                    x["memory"]["temp"]
-                    for x in rows
-                    if x["model"] == r["model"]
-                    and x["mesh"] == r["mesh"]
-                    and x["variant"] == comms.REFERENCES[r["variant"]]
-                    and x.get("memory")
-                ),
-                None,
+        if r["variant"].startswith("autodist"):
+            best = _reference_memory(rows, r, references, _temp)
+            best_held = _reference_memory(rows, r, references, _held)
+            counterpart = _reference_memory(
+                rows, r, (comms.REFERENCES[r["variant"]],), _temp
             )
-            if counterpart:
+            if best_held:
+                held = f"{_held(m) / best_held:.2f}x"
+                held_checks.append((r, _held(m) / best_held))
+            if best:
+                versus = f"{m['temp'] / best:.2f}x"
+                memory_checks.append((r, m["temp"] / best))
+            if best and counterpart:
                 own = f"{m['temp'] / counterpart:.2f}x"
                 own_checks.append((r, m["temp"] / counterpart))
         lines.append(
@@ -355,50 +365,18 @@ def comms_section(rows: list[dict], plot) -> list[str]:
             f"{_mib(m['output'])} | {_mib(m['temp'])} | "
             f"{_mib(m['generated_code'])} | {versus} | {own} | {held} |"
         )
-    met = [ratio <= 1.05 for _, ratio in memory_checks]
-    own_met = [ratio <= 1.05 for _, ratio in own_checks]
-    held_met = [ratio <= 1.05 for _, ratio in held_checks]
     lines += [
         "",
-        f"Held bytes <= 1.05 x the best reference: met on {sum(held_met)} of "
-        f"{len(held_met)} autodist rows"
-        + (
-            "; not met on: "
-            + ", ".join(
-                f"{r['model']} {r['mesh']} {r['variant']} ({ratio:.2f}x)"
-                for r, ratio in held_checks
-                if ratio > 1.05
-            )
-            if not all(held_met)
-            else ""
+        _verdict("Held bytes <= 1.05 x the best reference", held_checks, _within_limit)
+        + ".",
+        "",
+        _verdict(
+            "Temporary bytes <= 1.05 x the own reference", own_checks, _within_limit
         )
         + ".",
         "",
-        f"Temporary bytes <= 1.05 x the own reference: met on {sum(own_met)} of "
-        f"{len(own_met)} autodist rows"
-        + (
-            "; not met on: "
-            + ", ".join(
-                f"{r['model']} {r['mesh']} {r['variant']} ({ratio:.2f}x)"
-                for r, ratio in own_checks
-                if ratio > 1.05
-            )
-            if not all(own_met)
-            else ""
-        )
-        + ".",
-        "",
-        f"Temporary bytes <= 1.05 x the best reference: met on {sum(met)} of "
-        f"{len(met)} autodist rows"
-        + (
-            "; not met on: "
-            + ", ".join(
-                f"{r['model']} {r['mesh']} {r['variant']} ({ratio:.2f}x)"
-                for r, ratio in memory_checks
-                if ratio > 1.05
-            )
-            if not all(met)
-            else ""
+        _verdict(
+            "Temporary bytes <= 1.05 x the best reference", memory_checks, _within_limit
         )
         + ".",
         "",
@@ -423,19 +401,14 @@ def comms_section(rows: list[dict], plot) -> list[str]:
             f"{_mib(r['activation_estimate'])} | {_mib(total)} | "
             f"{_mib(r['memory']['temp'])} | {ratio:.2f} |"
         )
-    within = [r for r, ratio in estimates if abs(ratio - 1) <= 0.2]
     lines += [
         "",
-        f"Within 20%: met on {len(within)} of {len(estimates)} rows"
-        + (
-            "; not met on: "
-            + ", ".join(
-                f"{r['model']} {r['mesh']} {r['variant']} ({ratio:.2f})"
-                for r, ratio in estimates
-                if abs(ratio - 1) > 0.2
-            )
-            if len(within) < len(estimates)
-            else ""
+        _verdict(
+            "Within 20%",
+            estimates,
+            lambda ratio: abs(ratio - 1) <= 0.2,
+            noun="rows",
+            unit="",
         )
         + ". The estimate counts each saved buffer once; XLA's temp is the peak of",
         "the buffers live at once after fusion and scheduling, which can sit below it",
