@@ -33,7 +33,8 @@ def _sizes(mesh):
 
 
 def megatron_layout_map(backbone_name, config, mesh):
-    """Megatron's layout for `GemmaBackbone` or `Llama3Backbone`, by hand.
+    """Megatron's layout for `GemmaBackbone`, `Llama3Backbone` or
+    `MixtralBackbone`, by hand.
 
     Args:
         backbone_name: the backbone class name.
@@ -56,11 +57,11 @@ def megatron_layout_map(backbone_name, config, mesh):
         layout_map[block + "ffw_gating/kernel"] = (None, model)
         layout_map[block + "ffw_gating_2/kernel"] = (None, model)
         layout_map[block + "ffw_linear/kernel"] = (model, None)
-    elif backbone_name == "Llama3Backbone":
+    elif backbone_name in ("Llama3Backbone", "MixtralBackbone"):
         block = r"transformer_layer_\d+/"
-        # Llama kernels: query/key/value (hidden, heads, head_dim), output
-        # (heads, head_dim, hidden); untied input (vocab, hidden) and output
-        # (hidden, vocab) embeddings.
+        # Llama kernels (Mixtral's attention is Llama's): query/key/value
+        # (hidden, heads, head_dim), output (heads, head_dim, hidden); untied
+        # input (vocab, hidden) and output (hidden, vocab) embeddings.
         layout_map["token_embedding/embeddings"] = (model, None)
         layout_map["token_embedding/reverse_embeddings"] = (None, model)
         layout_map[block + "self_attention/query/kernel"] = (None, model, None)
@@ -71,33 +72,23 @@ def megatron_layout_map(backbone_name, config, mesh):
             None,
             None,
         )
+    if backbone_name == "Llama3Backbone":
         layout_map[block + "feedforward_intermediate_dense/kernel"] = (None, model)
         layout_map[block + "feedforward_gate_dense/kernel"] = (None, model)
         layout_map[block + "feedforward_output_dense/kernel"] = (model, None)
     elif backbone_name == "MixtralBackbone":
-        # Llama's attention; the router (hidden, experts) replicated; the
-        # experts (experts, hidden, mlp) / (experts, mlp, hidden) over the
-        # model axis (expert parallelism, Megatron's EP) when their count
-        # divides it, else gate/intermediate column- and output row-parallel
-        # inside each expert.
-        block = r"transformer_layer_\d+/"
+        # The router (hidden, experts) replicated; the experts (experts,
+        # hidden, mlp) / (experts, mlp, hidden) over the model axis (expert
+        # parallelism, Megatron's EP) when their count divides it, else
+        # gate/intermediate column- and output row-parallel inside each
+        # expert.
         experts = block + r"mixtral_sparse_moe_block(_\d+)?/experts/"
         on_experts = config["num_experts"] % _sizes(mesh)[model] == 0
-        layout_map["token_embedding/embeddings"] = (model, None)
-        layout_map["token_embedding/reverse_embeddings"] = (None, model)
-        layout_map[block + "self_attention/query/kernel"] = (None, model, None)
-        layout_map[block + "self_attention/key/kernel"] = (None, kv, None)
-        layout_map[block + "self_attention/value/kernel"] = (None, kv, None)
-        layout_map[block + "self_attention/attention_output/kernel"] = (
-            model,
-            None,
-            None,
-        )
         column = (model, None, None) if on_experts else (None, None, model)
         row = (model, None, None) if on_experts else (None, model, None)
         layout_map[experts + "expert_feedforward_(gate|intermediate)_dense"] = column
         layout_map[experts + "expert_feedforward_output_dense"] = row
-    else:
+    elif backbone_name != "GemmaBackbone":
         raise ValueError(f"No hand-written Megatron map for {backbone_name}")
     return layout_map
 
