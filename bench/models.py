@@ -22,29 +22,21 @@ BATCH = 8
 # resharding activations is cheaper than moving any weight, which no real
 # step has (docs/benchmarks.md section 2). Only compiled, never run.
 TRAIN_SEQ = 512
+# The same vocabulary, depth, query heads and width in every model, so that
+# their rows compare.
+_COMMON = dict(vocabulary_size=32768, num_layers=2, num_query_heads=8, hidden_dim=256)
 CONFIGS = {
     # Gemma with multi-query attention, like gemma_2b.
     "gemma_mqa": (
         keras_hub.models.GemmaBackbone,
-        dict(
-            vocabulary_size=32768,
-            num_layers=2,
-            num_query_heads=8,
-            num_key_value_heads=1,
-            hidden_dim=256,
-            intermediate_dim=2048,
-            head_dim=32,
-        ),
+        dict(_COMMON, num_key_value_heads=1, intermediate_dim=2048, head_dim=32),
     ),
     # Llama 3 with grouped-query attention and an untied output embedding.
     "llama_gqa_untied": (
         keras_hub.models.Llama3Backbone,
         dict(
-            vocabulary_size=32768,
-            num_layers=2,
-            num_query_heads=8,
+            _COMMON,
             num_key_value_heads=2,
-            hidden_dim=256,
             intermediate_dim=704,
             tie_word_embeddings=False,
         ),
@@ -54,14 +46,7 @@ CONFIGS = {
     "mixtral_moe": (
         keras_hub.models.MixtralBackbone,
         dict(
-            vocabulary_size=32768,
-            num_layers=2,
-            num_query_heads=8,
-            num_key_value_heads=2,
-            hidden_dim=256,
-            intermediate_dim=512,
-            num_experts=8,
-            top_k=2,
+            _COMMON, num_key_value_heads=2, intermediate_dim=512, num_experts=8, top_k=2
         ),
     ),
 }
