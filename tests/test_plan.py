@@ -595,12 +595,18 @@ def test_a_plan_is_a_frozen_value():
         plan.replace(colour="red")
 
 
+def only_fallback(plan, path):
+    """The row of `path` and its one fallback."""
+    row = next(r for r in plan.rows if r.path == path)
+    (fallback,) = row.fallbacks
+    return row, fallback
+
+
 def test_fallbacks_are_structured_and_their_text_is_derived():
     plan = keras_hub_autodist.plan(
         str(pytest.shared / "gemma_2b"), {"batch": 1, "model": 2}, strategy="tp"
     )
-    row = next(r for r in plan.rows if r.path == "decoder_block_0/attention/key/kernel")
-    (fallback,) = row.fallbacks
+    row, fallback = only_fallback(plan, "decoder_block_0/attention/key/kernel")
     assert (
         fallback.weight,
         fallback.dimension,
@@ -620,9 +626,7 @@ def test_a_fallback_to_another_dimension_records_it():
     plan = keras_hub_autodist.plan(
         str(pytest.shared / "llama3_8b"), {"batch": 16, "model": 16}, strategy="fsdp"
     )
-    path = "transformer_layer_0/self_attention/key/kernel"
-    row = next(r for r in plan.rows if r.path == path)
-    (fallback,) = row.fallbacks
+    row, fallback = only_fallback(plan, "transformer_layer_0/self_attention/key/kernel")
     assert (
         fallback.dimension,
         fallback.wanted,
