@@ -356,12 +356,12 @@ class LayoutPlan:
         def dim(row, logical):
             return row.shape[row.logical_axes.index(logical)]
 
-        def model_shards(row):
-            """Shards of a row's parallel dimensions on non-batch axes."""
+        def model_shards(row, logicals=parallel):
+            """Shards of a row's `logicals` dimensions on non-batch axes."""
             return math.prod(
                 self.mesh_axes.size(axis)
                 for axis, logical in zip(row.spec, row.logical_axes)
-                if axis and axis != self.batch_axis and logical in parallel
+                if axis and axis != self.batch_axis and logical in logicals
             )
 
         def first(condition):
@@ -392,19 +392,10 @@ class LayoutPlan:
         def experts(row):
             return dim(row, "expert") if "expert" in row.logical_axes else 1
 
-        def expert_shards(row):
-            axis = row.spec[row.logical_axes.index("expert")]
-            return self.mesh_axes.size(axis) if axis != self.batch_axis else 1
-
         q_shards = model_shards(query)
         kv_shards = model_shards(key) if key is not None else q_shards
         # Scores split only where the heads are (head_dim is contracted).
-        head_axis = query.spec[query.logical_axes.index("heads")]
-        score_shards = (
-            self.mesh_axes.size(head_axis)
-            if head_axis and head_axis != self.batch_axis
-            else 1
-        )
+        score_shards = model_shards(query, {"heads"})
         # The residual stream: split on the sequence with sequence parallelism.
         split = (
             self.mesh_axes.size(self.mesh_axes.model_axis)
@@ -424,7 +415,7 @@ class LayoutPlan:
         mlp = sum(
             2 * b * s * dim(r, "mlp") * experts(r) / model_shards(r) for r in ups
         ) + sum(
-            b * s * d * experts(r) / expert_shards(r)
+            b * s * d * experts(r) / model_shards(r, {"expert"})
             for r in downs
             if "expert" in r.logical_axes
         )
