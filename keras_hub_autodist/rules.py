@@ -58,9 +58,10 @@ HIDDEN_AXIS_PREFERENCE = ("embed",)
 # and divides: the largest dimensions of a decoder first (vocabulary, MLP
 # width, experts, hidden), norms last. With the activations pinned to the
 # batch axis (`fsdp_activation_spec`), XLA then gathers each weight once per
-# use; measured in docs/benchmarks.md section 2, putting `embed` first
-# instead made XLA reshard activations around the embedding and MLP on a
-# batch-only mesh (1.3x the temporaries of the ZeRO-3 reference).
+# use. Measured on the bench's compiled Gemma step (4096 tokens, 8x1 mesh;
+# the report shows only the layout kept): with `embed` first instead, XLA
+# resharded activations around the embedding and MLP, 1.3x the temporaries
+# of the ZeRO-3 reference.
 FSDP_AXIS_PREFERENCE = (
     "vocab",
     "mlp",
@@ -105,12 +106,13 @@ class KVLayout:
 
 
 # The alternatives, cheapest communication first. Measured on compiled train
-# steps against a hand-written Megatron layout (docs/benchmarks.md section
-# 2): replicating K/V adds no collective beyond the query's; sharding their
-# head_dim splits the attention contraction, whose partial scores and their
-# gradients cross the model axis in every block (1.39x the bytes of
-# replication for multi-query attention on 2x4, 1.08x for 2 key/value heads
-# on a 4-way model axis).
+# steps against a hand-written Megatron layout (issue 12's measurements; the
+# bench's report compares only the layout the planner keeps): replicating
+# K/V adds no collective beyond the query's; sharding their head_dim splits
+# the attention contraction, whose partial scores and their gradients cross
+# the model axis in every block (1.39x the bytes of replication for
+# multi-query attention on 2x4, 1.08x for 2 key/value heads on a 4-way model
+# axis).
 KV_LAYOUTS = (
     KVLayout("replicate", "K/V replicated", 0, "fewer collectives", "replicating them"),
     KVLayout(
