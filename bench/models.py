@@ -68,10 +68,10 @@ def save_presets(root):
     return paths
 
 
-def batch(vocabulary_size, seed=0, sequence_length=SEQ):
+def batch(vocabulary_size, seed=0, sequence_length=SEQ, batch_size=BATCH):
     ids = (
         np.random.default_rng(seed)
-        .integers(1, vocabulary_size, (BATCH, sequence_length))
+        .integers(1, vocabulary_size, (batch_size, sequence_length))
         .astype("int32")
     )
     return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(

@@ -9,9 +9,6 @@ that nothing of the long sequence is executed.
 
 from __future__ import annotations
 
-import jax
-import numpy as np
-
 from bench import comms
 from bench import models
 
@@ -21,17 +18,6 @@ MESH = ((1, 8), ("batch", "model"))
 MODEL = "gemma_mqa"
 # Activation temporaries with sequence parallelism, relative to without.
 TARGET = 0.3
-
-
-def _batch(vocabulary_size, sequence_length):
-    ids = (
-        np.random.default_rng(0)
-        .integers(1, vocabulary_size, (BATCH, sequence_length))
-        .astype("int32")
-    )
-    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(
-        ids, -1, axis=1
-    )
 
 
 def temp_bytes(path, sequence_parallel, name=MODEL, sequence_length=SEQ):
@@ -48,20 +34,15 @@ def temp_bytes(path, sequence_parallel, name=MODEL, sequence_length=SEQ):
     import keras_hub_autodist
 
     distribution = keras_hub_autodist.distribution_of(lm).distribution
-    models.compile_for_training(lm, distribution)
-    vocabulary_size = lm.backbone.vocabulary_size
-    with distribution.scope():
-        lm.train_on_batch(*_batch(vocabulary_size, 8))  # builds the variables
-        state = lm._get_jax_state(
-            trainable_variables=True,
-            non_trainable_variables=True,
-            optimizer_variables=True,
-            metrics_variables=True,
-        )
-        x, y = _batch(vocabulary_size, sequence_length)
-        layout = distribution.get_data_layout(x["token_ids"].shape).backend_layout
-        data = jax.device_put((x, y, None), layout)
-        compiled = jax.jit(lm.train_step).lower(state, data).compile()
+    compiled = comms.train_step_compiled(
+        lm,
+        distribution,
+        models.batch(
+            lm.backbone.vocabulary_size,
+            sequence_length=sequence_length,
+            batch_size=BATCH,
+        ),
+    )
     plan = keras_hub_autodist.distribution_of(lm).plan
     return dict(
         comms.memory_of(compiled),
