@@ -232,7 +232,7 @@ class _Frozen:
 @functools.lru_cache(maxsize=32)
 def _cached_variables(backbone_cls, key, frozen) -> tuple[VariableShape, ...]:
     del key  # part of the cache key only
-    from keras_hub_autodist.keras_internals import deferred_variables
+    from keras_hub_autodist.compat import deferred_variables
 
     config = dict(frozen.config)
     try:

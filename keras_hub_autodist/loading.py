@@ -52,8 +52,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_hub_autodist import keras_internals
-from keras_hub_autodist import presets
+from keras_hub_autodist import compat
 from keras_hub_autodist.errors import LayoutMismatchError
 
 PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
@@ -484,7 +483,8 @@ def _placeholder(shape, dtype, sharding) -> jax.Array:
 _VARIABLE = keras.Variable
 _original_assign = _VARIABLE.assign
 _original_initialize = _VARIABLE._initialize_with_initializer
-_original_getitem = keras_internals.H5IOStore.__getitem__
+_H5_IO_STORE = compat.h5_io_store()
+_original_getitem = _H5_IO_STORE.__getitem__
 _MISSING = object()
 _LAZY = (LazyH5Dataset, LazySafetensor)
 
@@ -563,7 +563,7 @@ def _getitem(store, key):
     session = _active_session()
     if session is None or getattr(store, "archive", None) is not None:
         return _original_getitem(store, key)
-    dataset = keras_internals.safe_get_h5_dataset(store._h5_entry_group, key)
+    dataset = compat.h5_dataset(store, key)
     filename = getattr(getattr(dataset, "file", None), "filename", None)
     if not isinstance(dataset, h5py.Dataset) or not filename:
         return _original_getitem(store, key)
@@ -581,9 +581,9 @@ def _hooks_installed():
     hooks = [
         (_VARIABLE, "assign", _assign),
         (_VARIABLE, "_initialize_with_initializer", _initialize_with_initializer),
-        (keras_internals.H5IOStore, "__getitem__", _getitem),
+        (_H5_IO_STORE, "__getitem__", _getitem),
     ]
-    safetensor_utils = presets.safetensor_utils_module()
+    safetensor_utils = compat.safetensor_utils_module()
     module = getattr(safetensor_utils, "safetensors", None)
     if module is not None and not isinstance(module, _SafetensorsModule):
         hooks.append((safetensor_utils, "safetensors", _SafetensorsModule(module)))

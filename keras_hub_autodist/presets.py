@@ -1,11 +1,9 @@
 """Read a preset's backbone class and config without building the model.
 
-This is the only module that imports `keras_hub.src`: it uses keras-hub's own
-preset loaders (local folders, `hf://`, `kaggle://`, built-in names) and its
-Hugging Face → Keras config converters, so that planning sees exactly the
-config `from_preset` will build from. Only `config.json` is read. It also
-hands sharded loading keras-hub's module that opens safetensors files
-(`safetensor_utils_module`).
+It uses keras-hub's own preset loaders (local folders, `hf://`, `kaggle://`,
+built-in names; reached through `compat`) and its Hugging Face → Keras config
+converters, so that planning sees exactly the config `from_preset` will build
+from. Only `config.json` is read.
 
 Local folders of the families the planner knows also have a fast path,
 `read_local_config`, that needs neither Keras nor keras-hub (importing them
@@ -26,6 +24,7 @@ import sys
 from collections.abc import Callable
 from collections.abc import Mapping
 
+from keras_hub_autodist import compat
 from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.errors import DTypeError
 from keras_hub_autodist.errors import PlanInputError
@@ -79,10 +78,8 @@ def _loader_for(preset):
         raise _not_a_string(preset)
     if preset.lower().startswith("kaggle://"):
         check_kaggle_handle(preset)
-    from keras_hub.src.utils import preset_utils
-
     try:
-        return preset_utils.get_preset_loader(preset)
+        return compat.preset_loader(preset)
     except Exception as error:
         if is_network_error(error):
             raise PresetError(
@@ -178,7 +175,7 @@ def _config_from_loader(loader, raw: Mapping, preset) -> PresetConfig:
         converter = loader.converter
         backbone_cls = loader.check_backbone_class()
         convert = converter.convert_backbone_config
-        from keras_hub_autodist.keras_internals import deferred_variables
+        from keras_hub_autodist.compat import deferred_variables
 
         try:
             # Converters may build sub-models (Gemma 3's vision encoder):
@@ -599,7 +596,6 @@ def read_config_dict(raw: Mapping) -> PresetConfig:
     label = config_dict_label(raw)
     import keras
     import keras_hub  # noqa: F401  (registers keras-hub's classes)
-    from keras_hub.src.utils import preset_utils
 
     if kind == "class":
         info = read_local_config_dict(raw)
@@ -616,7 +612,7 @@ def read_config_dict(raw: Mapping) -> PresetConfig:
             )
         return PresetConfig(label, cls, info.config, "keras")
     if kind == "keras":
-        loader = preset_utils.KerasPresetLoader(label, dict(raw))
+        loader = compat.keras_preset_loader(label, dict(raw))
         try:
             cls = loader.check_backbone_class()
         except ValueError as error:
@@ -629,10 +625,8 @@ def read_config_dict(raw: Mapping) -> PresetConfig:
             ) from error
         return PresetConfig(label, cls, _keras_config(raw, label), "keras")
     _reject_vision_towers(raw, label)
-    from keras_hub.src.utils.transformers import preset_loader
-
     try:
-        loader = preset_loader.TransformersPresetLoader(label, dict(raw))
+        loader = compat.transformers_preset_loader(label, dict(raw))
     except ValueError as error:
         raise UnsupportedArchitectureError(
             "keras-hub has no converter for Hugging Face "
@@ -1031,21 +1025,3 @@ def is_quantized(config: Mapping) -> bool:
         for policy in policies.values()
         if isinstance(policy, Mapping)
     )
-
-
-def safetensor_utils_module():
-    """keras-hub's module that opens Hugging Face weight files.
-
-    Its `SafetensorLoader` opens each `*.safetensors` file with
-    `safetensors.safe_open`, looked up on the module's `safetensors`
-    attribute at each call; sharded loading swaps that attribute for the
-    duration of a load (`loading.py`).
-
-    Example:
-    ```python
-    safetensor_utils_module().safetensors  # the module keras-hub calls
-    ```
-    """
-    from keras_hub.src.utils.transformers import safetensor_utils
-
-    return safetensor_utils

@@ -445,7 +445,7 @@ def test_safetensors_file_is_mapped_only_while_a_tensor_is_read(presets, monkeyp
     load, so every page read stayed in host RSS: the whole checkpoint. While
     a weight goes to its shards, its file is no longer mapped."""
     path = os.path.join(presets["transformers"], "model.safetensors")
-    safetensor_utils = keras_hub_autodist.presets.safetensor_utils_module()
+    safetensor_utils = keras_hub_autodist.compat.safetensor_utils_module()
     port_weight = safetensor_utils.SafetensorLoader.port_weight
     seen = []
     put = loading._Session.put

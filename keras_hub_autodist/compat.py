@@ -1,0 +1,145 @@
+"""Every private Keras and keras-hub touchpoint of the package, in one place.
+
+Nothing else in `keras_hub_autodist` imports `keras.src` or `keras_hub.src`
+or reads a private attribute of a Keras or keras-hub object: it goes through
+a function or name here. `TOUCHPOINTS` lists them all, and
+`tests/test_compat.py` checks each one against the installed Keras and
+keras-hub, so an upgrade shows exactly what broke.
+
+The needs that have no public API:
+
+- keras-hub's preset loaders (`get_preset_loader`, `KerasPresetLoader`,
+  `TransformersPresetLoader`) tell the backbone class and config of a preset
+  before anything is built, exactly as `from_preset` will read them.
+- Sharded loading reads from the HDF5 weight store that `load_weights` uses,
+  and from keras-hub's safetensors loader, so that a weight can be read
+  slice by slice instead of whole.
+- The abstract build creates a backbone's variables inside a
+  `keras.StatelessScope(initialize_variables=False)`; Keras then keeps them
+  in a process-wide list of uninitialized variables, which a later stateless
+  scope would initialize (allocating the whole model). They are taken off
+  that list again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+# (module, attribute) pairs this module relies on; `check_touchpoints()`
+# imports each against the installed versions.
+TOUCHPOINTS = (
+    ("keras.src.backend.common.global_state", "get_global_attribute"),
+    ("keras.src.saving.saving_lib", "H5IOStore"),
+    ("keras.src.saving.saving_lib", "safe_get_h5_dataset"),
+    ("keras_hub.src.utils.preset_utils", "get_preset_loader"),
+    ("keras_hub.src.utils.preset_utils", "KerasPresetLoader"),
+    ("keras_hub.src.utils.transformers.preset_loader", "TransformersPresetLoader"),
+    ("keras_hub.src.utils.transformers.safetensor_utils", "SafetensorLoader"),
+)
+
+
+def check_touchpoints() -> list[str]:
+    """The touchpoints missing from the installed Keras and keras-hub.
+
+    Returns:
+        `"module.attribute: why"` for each one that can't be imported; empty
+        when every touchpoint is there.
+
+    Example:
+    ```python
+    assert check_touchpoints() == []
+    ```
+    """
+    missing = []
+    for module_name, attribute in TOUCHPOINTS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            missing.append(f"{module_name}.{attribute}: {error}")
+            continue
+        if not hasattr(module, attribute):
+            missing.append(f"{module_name}.{attribute}: no such attribute")
+    return missing
+
+
+# --- Keras -------------------------------------------------------------------
+
+
+def h5_io_store():
+    """Keras' HDF5 weight store class (`saving_lib.H5IOStore`)."""
+    from keras.src.saving.saving_lib import H5IOStore
+
+    return H5IOStore
+
+
+def h5_dataset(store, key):
+    """The HDF5 dataset `key` of a Keras weight store's current group."""
+    from keras.src.saving.saving_lib import safe_get_h5_dataset
+
+    return safe_get_h5_dataset(store._h5_entry_group, key)
+
+
+@contextlib.contextmanager
+def deferred_variables():
+    """A scope where new variables get a shape but no value, and are then
+    forgotten by Keras (never initialized later by another scope).
+
+    Example:
+    ```python
+    with deferred_variables():
+        backbone = keras_hub.models.GemmaBackbone(**config)
+    ```
+    """
+    import keras
+    from keras.src.backend.common import global_state
+
+    pending = global_state.get_global_attribute(
+        "uninitialized_variables", [], set_to_default=True
+    )
+    before = len(pending)
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        current = global_state.get_global_attribute("uninitialized_variables")
+        if current is pending:
+            del pending[before:]
+
+
+# --- keras-hub -----------------------------------------------------------------
+
+
+def preset_loader(preset: str):
+    """keras-hub's loader for `preset` (`preset_utils.get_preset_loader`)."""
+    from keras_hub.src.utils import preset_utils
+
+    return preset_utils.get_preset_loader(preset)
+
+
+def keras_preset_loader(label: str, config: dict):
+    """keras-hub's loader of a Keras preset whose `config.json` is `config`."""
+    from keras_hub.src.utils import preset_utils
+
+    return preset_utils.KerasPresetLoader(label, config)
+
+
+def transformers_preset_loader(label: str, config: dict):
+    """keras-hub's loader of a Hugging Face checkpoint whose `config.json` is
+    `config` (raises `ValueError` for a `model_type` it can't convert)."""
+    from keras_hub.src.utils.transformers import preset_loader as loaders
+
+    return loaders.TransformersPresetLoader(label, config)
+
+
+def safetensor_utils_module():
+    """keras-hub's module that opens Hugging Face weight files.
+
+    Its `SafetensorLoader` opens each `*.safetensors` file with
+    `safetensors.safe_open`, looked up on the module's `safetensors`
+    attribute at each call; sharded loading swaps that attribute for the
+    duration of a load (`loading.py`).
+    """
+    from keras_hub.src.utils.transformers import safetensor_utils
+
+    return safetensor_utils
