@@ -10,16 +10,15 @@ lm = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b", device_mesh=mesh)
 ```
 
 Importing the package is cheap: it imports neither Keras, keras-hub nor JAX.
-It activates the plugin (`activate()`, which adds `device_mesh=` to
+It switches the plugin on (`activate()`, which adds `device_mesh=` to
 keras-hub's `from_preset`) right away when keras-hub is already imported, and
-otherwise the moment keras-hub is imported; before that no `from_preset`
-exists to change. `Binding`, `distribution_of`, `from_preset` and `activate`
-are loaded on first use (PEP 562).
+otherwise the moment keras-hub is imported (`on_import.when_imported`);
+before that no `from_preset` exists to change. `Binding`, `distribution_of`,
+`from_preset`, `activate` and `deactivate` are loaded on first use (PEP 562).
 """
 
 import importlib
 import os
-import sys
 
 # The package distributes with JAX only: when nothing chose a backend yet
 # (keras not imported, KERAS_BACKEND unset), choose JAX. No effect otherwise.
@@ -46,19 +45,23 @@ from keras_hub_autodist.errors import UnplannedWeightError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
+from keras_hub_autodist.on_import import when_imported  # noqa: E402
 
 # `plan` is imported eagerly (it is light): the function must shadow the
 # submodule of the same name, which a lazy import would not do.
 from keras_hub_autodist.plan import LayoutPlan  # noqa: E402
-from keras_hub_autodist.plan import get_layout_map  # noqa: E402
-from keras_hub_autodist.plan import plan  # noqa: E402
+from keras_hub_autodist.plan import PlanRow  # noqa: E402
+from keras_hub_autodist.planner import get_layout_map  # noqa: E402
+from keras_hub_autodist.planner import plan  # noqa: E402
+from keras_hub_autodist.weight import Weight  # noqa: E402
 
 __version__ = "0.1.0"
 
 # Public names that need Keras, loaded on first access.
 _LAZY = {
-    "activate": "keras_hub_autodist.activation",
-    "from_preset": "keras_hub_autodist.activation",
+    "activate": "keras_hub_autodist.plugin",
+    "deactivate": "keras_hub_autodist.plugin",
+    "from_preset": "keras_hub_autodist.pipeline",
     "Binding": "keras_hub_autodist.binding",
     "distribution_of": "keras_hub_autodist.binding",
     "LoadStats": "keras_hub_autodist.loading",
@@ -73,6 +76,7 @@ __all__ = [
     "BatchSizeError",
     "Binding",
     "ConfigError",
+    "deactivate",
     "DeviceMeshTypeError",
     "distribution_of",
     "DTypeError",
@@ -88,6 +92,7 @@ __all__ = [
     "plan",
     "PlanError",
     "PlanInputError",
+    "PlanRow",
     "PluginOffError",
     "PresetError",
     "SaveTargetError",
@@ -95,6 +100,7 @@ __all__ = [
     "UnplannedWeightError",
     "UnplannedWeightWarning",
     "UnsupportedArchitectureError",
+    "Weight",
     "WeightShapeError",
     "__version__",
 ]
@@ -114,51 +120,9 @@ def __dir__():
 
 
 def _activate() -> None:
-    from keras_hub_autodist.activation import activate
+    from keras_hub_autodist.plugin import activate
 
     activate()
 
 
-class _ActivatingLoader:
-    """Runs keras-hub's own loader, then activates the plugin."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _activate()
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _ActivateWithKerasHub:
-    """A `sys.meta_path` finder that waits for `import keras_hub`, once."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "keras_hub":
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        for finder in list(sys.meta_path):
-            find_spec = getattr(finder, "find_spec", None)
-            spec = find_spec(name, path, target) if find_spec else None
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _ActivatingLoader(spec.loader)
-                return spec
-        return None
-
-
-def _activate_now_or_with_keras_hub() -> None:
-    if "keras_hub" in sys.modules:
-        _activate()
-    elif not any(isinstance(f, _ActivateWithKerasHub) for f in sys.meta_path):
-        sys.meta_path.insert(0, _ActivateWithKerasHub())
-
-
-_activate_now_or_with_keras_hub()
+when_imported("keras_hub", "keras_hub_autodist.activate", _activate)

@@ -18,7 +18,6 @@ names another folder, or `off` turns the disk cache off.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -29,25 +28,7 @@ from collections.abc import Mapping
 from importlib import metadata
 
 from keras_hub_autodist.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class VariableShape:
-    """One variable of an abstractly built backbone.
-
-    Args:
-        path: the Keras variable path, e.g. `"decoder_block_0/attention/query/kernel"`.
-        shape: its shape.
-        dtype: its dtype, e.g. `"bfloat16"`.
-
-    Example:
-    >>> VariableShape("final_norm/scale", (16,), "float32").shape
-    (16,)
-    """
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
+from keras_hub_autodist.weight import Weight
 
 
 def _config_key(config: Mapping) -> tuple[str, bool]:
@@ -72,7 +53,7 @@ def _config_key(config: Mapping) -> tuple[str, bool]:
         return repr(sorted(config.items(), key=lambda item: str(item[0]))), False
 
 
-def model_variables(backbone_cls: type, config: Mapping) -> tuple[VariableShape, ...]:
+def model_variables(backbone_cls: type, config: Mapping) -> tuple[Weight, ...]:
     """Every variable of `backbone_cls.from_config(config)`, built abstractly.
 
     Args:
@@ -81,7 +62,7 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[VariableShape,
             preset's `config.json` "config").
 
     Returns:
-        One `VariableShape` per variable, in the model's order.
+        One `Weight` (path, shape, dtype) per variable, in the model's order.
 
     Example:
     ```python
@@ -182,9 +163,7 @@ def store(kind: str, text: str, value) -> None:
         pass  # not plain JSON, or a read-only home: memory serves this process
 
 
-def stored_variables(
-    class_name: str, config: Mapping
-) -> tuple[VariableShape, ...] | None:
+def stored_variables(class_name: str, config: Mapping) -> tuple[Weight, ...] | None:
     """The abstract build of `class_name` from `config` kept on disk by an
     earlier process, or `None`. Imports neither Keras nor keras-hub.
 
@@ -196,7 +175,7 @@ def stored_variables(
     rows = read_stored("variables", key) if key is not None else None
     try:
         return tuple(
-            VariableShape(str(p), tuple(int(n) for n in shape), str(dtype))
+            Weight(str(p), shape=tuple(int(n) for n in shape), dtype=str(dtype))
             for p, shape, dtype in rows
         )
     except (TypeError, ValueError):
@@ -230,7 +209,7 @@ class _Frozen:
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_variables(backbone_cls, key, frozen) -> tuple[VariableShape, ...]:
+def _cached_variables(backbone_cls, key, frozen) -> tuple[Weight, ...]:
     del key  # part of the cache key only
     from keras_hub_autodist.compat import deferred_variables
 
@@ -247,7 +226,7 @@ def _cached_variables(backbone_cls, key, frozen) -> tuple[VariableShape, ...]:
             f"config keys {sorted(config)}"
         ) from error
     found = tuple(
-        VariableShape(v.path, tuple(int(size) for size in v.shape), str(v.dtype))
+        Weight(v.path, shape=tuple(int(size) for size in v.shape), dtype=str(v.dtype))
         for v in backbone.variables
     )
     del backbone

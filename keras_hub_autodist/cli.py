@@ -2,7 +2,7 @@
 
 `--help` imports nothing but the standard library and this package's light
 modules, and planning a local preset folder for a mesh given by axis sizes
-imports neither Keras, keras-hub nor JAX (see `keras_hub_autodist.plan`).
+imports neither Keras, keras-hub nor JAX (see `keras_hub_autodist.planner`).
 Every error of the package, and the common ones of bad input (missing
 files, no network), is printed as one line `keras-hub-autodist: error: ...`
 with exit status 2; messages name the command's flags.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help=(
             "memory per device in GiB (default: "
-            "$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB, what the devices report, "
+            "$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB, what the devices report, "
             "or an assumed 16)"
         ),
     )
@@ -165,44 +166,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args) -> int:
-    from keras_hub_autodist.presets import shapes_from_config
+    from keras_hub_autodist.options import PlanOptions
+    from keras_hub_autodist.planner import plan_model
+    from keras_hub_autodist.presets import read_config
+    from keras_hub_autodist.shapes import model_weights
 
-    # Built-in families plan local configs from their keras-free shape
-    # hints (tests check them against the model); others build abstractly.
-    with shapes_from_config():
-        return _plan_and_print(args)
+    if args.devices is not None and args.mesh != "auto":
+        from keras_hub_autodist.errors import MeshError
 
-
-def _plan_and_print(args) -> int:
-    from keras_hub_autodist.errors import MeshError
-    from keras_hub_autodist.plan import auto_mesh
-    from keras_hub_autodist.plan import plan
-    from keras_hub_autodist.plan import plan_config
-    from keras_hub_autodist.plan import read_config
-
-    options = dict(
+        raise MeshError(
+            "`--devices` goes with `--mesh auto`; a mesh given by axis "
+            "sizes has as many devices as their product. Received: "
+            f"--devices {args.devices} with --mesh "
+            + ",".join(f"{k}={v}" for k, v in args.mesh.items())
+        )
+    options = PlanOptions(
         strategy=args.strategy,
         batch_axis=args.batch_axis,
         model_axis=args.model_axis,
         dtype=args.dtype,
         device_memory=args.device_memory,
+        # Built-in families plan local configs from their keras-free shape
+        # hints (tests check them against the model); others build
+        # abstractly.
+        shape_source="config",
     )
-    if args.devices is not None:
-        if args.mesh != "auto":
-            raise MeshError(
-                "`--devices` goes with `--mesh auto`; a mesh given by axis "
-                "sizes has as many devices as their product. Received: "
-                f"--devices {args.devices} with --mesh "
-                + ",".join(f"{k}={v}" for k, v in args.mesh.items())
-            )
-        info = read_config(args.preset)
-        mesh, reason = auto_mesh(
-            info, args.devices, dtype=args.dtype, device_memory=args.device_memory
-        )
-        result = plan_config(info, mesh, **options).replace(mesh_reason=reason)
-    else:
-        result = plan(args.preset, args.mesh, **options)
-    print(result)
+    model = model_weights(read_config(args.preset), options)
+    print(plan_model(model, args.mesh, options, num_devices=args.devices))
     return 0
 
 
@@ -230,8 +220,45 @@ def _prepare_environment() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
+# The options messages name as keywords (`errors.option`), and the flag
+# each is on this command.
+FLAGS = {
+    "batch_axis": "--batch-axis",
+    "model_axis": "--model-axis",
+    "strategy": "--strategy",
+    "dtype": "--dtype",
+    "device_memory": "--device-memory",
+    "devices": "--devices",
+    "device_mesh": "--mesh",
+}
+_KEYWORD = re.compile(r"`([a-z_]+)=([^`]*)`")
+
+
+def as_flags(message: str) -> str:
+    """`message` with the options it names as keywords named as this
+    command's flags.
+
+    Example:
+    >>> as_flags("pass `batch_axis=`, e.g. `device_mesh={'batch': 1, 'model': 8}`")
+    'pass `--batch-axis`, e.g. `--mesh batch=1,model=8`'
+    """
+
+    def flag(match):
+        name, value = match.groups()
+        if name not in FLAGS:
+            return match.group(0)
+        if not value:
+            return f"`{FLAGS[name]}`"
+        if name == "device_mesh":
+            sizes = re.findall(r"'(\w+)': (\d+)", value)
+            value = ",".join(f"{axis}={size}" for axis, size in sizes)
+        return f"`{FLAGS[name]} {value.strip(chr(39))}`"
+
+    return _KEYWORD.sub(flag, message)
+
+
 def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
+    text = as_flags(str(error).strip())
     return text.splitlines()[0] if text else type(error).__name__
 
 
@@ -248,14 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _prepare_environment()
     from keras_hub_autodist.errors import AutodistError
-    from keras_hub_autodist.errors import cli_spelling
 
     try:
-        with cli_spelling():
-            if args.command == "plan":
-                return _run_plan(args)
-            _use_virtual_devices_without_accelerator()
-            return _run_demo(args)
+        if args.command == "plan":
+            return _run_plan(args)
+        _use_virtual_devices_without_accelerator()
+        return _run_demo(args)
     except (AutodistError, *USER_ERRORS) as error:
         print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE

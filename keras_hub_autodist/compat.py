@@ -143,3 +143,12 @@ def safetensor_utils_module():
     from keras_hub.src.utils.transformers import safetensor_utils
 
     return safetensor_utils
+
+
+# --- Keras variables -----------------------------------------------------------
+
+
+def variable_layout(variable):
+    """The `TensorLayout` a distribution gave `variable`, or `None`
+    (`Variable._layout`)."""
+    return getattr(variable, "_layout", None)

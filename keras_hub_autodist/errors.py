@@ -4,18 +4,12 @@ Every error says what it received and how to fix it. All of them derive from
 `AutodistError`, and from `ValueError` or `TypeError` so that existing
 `except ValueError` blocks keep working.
 
-Messages name options the way the caller passes them: keyword arguments
-(`batch_axis=`) from Python, flags (`--batch-axis`) from the
-`keras-hub-autodist` command, which runs inside `cli_spelling()`.
+Messages name options as keyword arguments in backquotes (`option()`:
+`` `batch_axis=` ``); the `keras-hub-autodist` command rewrites them into its
+flags (`--batch-axis`) when it prints an error.
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from collections.abc import Iterator
-
-_CLI_SPELLING = contextvars.ContextVar("keras_hub_autodist_cli", default=False)
 
 
 class AutodistError(Exception):
@@ -43,12 +37,13 @@ class DTypeError(AutodistError, ValueError, TypeError):
 
 
 class PlanError(AutodistError, ValueError):
-    """An argument of a `LayoutPlan` method is invalid, or a handler gave
-    one layout-map key two layouts."""
+    """An option of `plan()` or an argument of a `LayoutPlan` method is
+    invalid, or an architecture's activation keys collide with its weight
+    keys."""
 
 
 class UnsupportedArchitectureError(AutodistError, ValueError):
-    """No layout handler is registered for the preset's backbone class."""
+    """No architecture (rule table) is registered for the preset's backbone class."""
 
 
 class BackendError(AutodistError, ValueError):
@@ -63,24 +58,10 @@ class DeviceMeshTypeError(AutodistError, TypeError):
     """`device_mesh` is of a type that can't describe a mesh."""
 
 
-@contextlib.contextmanager
-def cli_spelling() -> Iterator[None]:
-    """Within this context, error messages name command-line flags.
-
-    Example:
-    >>> with cli_spelling():
-    ...     option("batch_axis")
-    '`--batch-axis`'
-    """
-    token = _CLI_SPELLING.set(True)
-    try:
-        yield
-    finally:
-        _CLI_SPELLING.reset(token)
-
-
 def option(name: str, value: str | None = None) -> str:
-    """How the caller spells option `name` (and its `value`) in messages.
+    """How a message names option `name` (and its `value`): as the keyword
+    argument, in backquotes. The CLI rewrites these into its flags
+    (`cli.as_flags`).
 
     Args:
         name: the keyword argument, e.g. `"batch_axis"`.
@@ -90,25 +71,18 @@ def option(name: str, value: str | None = None) -> str:
     >>> option("batch_axis", "'rows'")
     "`batch_axis='rows'`"
     """
-    if _CLI_SPELLING.get():
-        flag = "--" + name.replace("_", "-")
-        if value is None:
-            return f"`{flag}`"
-        return f"`{flag} {value.strip(chr(39))}`"
     return f"`{name}=`" if value is None else f"`{name}={value}`"
 
 
 def mesh_example(mesh: dict[str, int]) -> str:
-    """A mesh as the caller writes it: a dict in Python, `--mesh a=1,b=2`
-    on the command line.
+    """A mesh as a message shows it: the `device_mesh=` keyword (the CLI
+    rewrites it into `--mesh a=1,b=2`).
 
     Example:
     >>> mesh_example({"batch": 1, "model": 8})
-    "{'batch': 1, 'model': 8}"
+    "`device_mesh={'batch': 1, 'model': 8}`"
     """
-    if _CLI_SPELLING.get():
-        return "--mesh " + ",".join(f"{k}={v}" for k, v in mesh.items())
-    return repr(mesh)
+    return option("device_mesh", repr(mesh))
 
 
 class LayoutMismatchError(AutodistError, RuntimeError):

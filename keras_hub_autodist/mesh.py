@@ -1,6 +1,6 @@
 """Normalise `device_mesh` arguments and give each mesh axis its role.
 
-A mesh axis has one of three roles:
+A mesh axis has one of four roles:
 
 - the **batch** axis: input batches are split over it (data parallelism);
   with the `"fsdp"` strategy weights are sharded over it too.

@@ -1,31 +1,31 @@
-"""Find the architecture handler of a backbone class.
+"""Find the architecture (the rule table) of a backbone class.
 
-Handlers come from two places, looked up the same way:
+Architectures come from two places, looked up the same way:
 
 - the built-in families, registered in code in `BUILTIN_ARCHITECTURES`
   (so a source checkout plans without being installed);
 - other packages, through the entry-point group
   `keras_hub_autodist.architectures`. The entry-point *name* is a backbone
-  class name and its *value* the handler object, e.g. in a `pyproject.toml`:
+  class name and its *value* the architecture object, e.g. in a `pyproject.toml`:
 
 ```toml
 [project.entry-points."keras_hub_autodist.architectures"]
-MyBackbone = "my_package.layouts:MY_HANDLER"
+MyBackbone = "my_package.layouts:MY_ARCHITECTURE"
 ```
 
 Discovery is cached (`clear_cache()` forgets it after installing a plugin)
-and handlers are imported on first use. A plugin that fails to import is
+and architectures are imported on first use. A plugin that fails to import is
 skipped with a warning. When two registrations share a name, a warning says
 which one is used: a built-in always wins over a plugin, and among plugins
 the first one found on `sys.path` wins. An entry point naming exactly the
-built-in handler (e.g. the metadata of an older install of this package) is
+built-in architecture (e.g. the metadata of an older install of this package) is
 not a conflict and is ignored silently.
 
-Lookup walks the backbone class's MRO, so `Llama3Backbone` uses the handler
+Lookup walks the backbone class's MRO, so `Llama3Backbone` uses the architecture
 registered for `LlamaBackbone`.
 
-Planning a local config does not import keras-hub, so it looks handlers up by
-class *name* (`handler_by_name`): a registered name, or a keras-hub subclass
+Planning a local config does not import keras-hub, so it looks architectures up by
+class *name* (`architecture_by_name`): a registered name, or a keras-hub subclass
 listed in `KNOWN_SUBCLASSES` with its registered base.
 """
 
@@ -37,10 +37,11 @@ from importlib import metadata
 
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.errors import UnsupportedArchitectureError
+from keras_hub_autodist.verify import DOCS_ADDING_AN_ARCHITECTURE
 
 ENTRY_POINT_GROUP = "keras_hub_autodist.architectures"
 # The built-in families: backbone class name -> "module:object" of the
-# handler, loaded exactly like an entry point's value.
+# architecture, loaded exactly like an entry point's value.
 BUILTIN_ARCHITECTURES = {
     "Gemma3Backbone": "keras_hub_autodist.architectures.gemma3:GEMMA3",
     "Gemma4Backbone": "keras_hub_autodist.architectures.gemma4:GEMMA4",
@@ -60,7 +61,6 @@ BUILTIN_SOURCE = "built-in"
 # by name agrees with lookup by MRO without importing keras-hub. A test checks
 # each against keras-hub's classes.
 KNOWN_SUBCLASSES = {"Llama3Backbone": "LlamaBackbone"}
-DOCS_ADDING_AN_ARCHITECTURE = "docs/architectures.md#adding-an-architecture"
 
 # Registrations that failed to load: name -> "value (ErrorType: message)".
 _failed: dict[str, str] = {}
@@ -74,7 +74,7 @@ def _source_of(entry_point: metadata.EntryPoint) -> str:
 
 @functools.cache
 def _registrations() -> dict[str, tuple[metadata.EntryPoint, str]]:
-    """Name -> (entry point, source) of every handler, built-ins first."""
+    """Name -> (entry point, source) of every architecture, built-ins first."""
     found = {
         name: (metadata.EntryPoint(name, value, ENTRY_POINT_GROUP), BUILTIN_SOURCE)
         for name, value in BUILTIN_ARCHITECTURES.items()
@@ -86,15 +86,15 @@ def _registrations() -> dict[str, tuple[metadata.EntryPoint, str]]:
             continue
         kept, kept_source = previous
         if kept.value == entry_point.value:
-            continue  # the same handler registered twice: no conflict
+            continue  # the same architecture registered twice: no conflict
         warnings.warn(
-            f"keras_hub_autodist: two architecture handlers are registered "
+            f"keras_hub_autodist: two architectures are registered "
             f"for {entry_point.name!r}: {kept.value} ({kept_source}) and "
             f"{entry_point.value} ({_source_of(entry_point)}). Using "
-            f"{kept.value} ({kept_source}): built-in handlers win over "
+            f"{kept.value} ({kept_source}): built-in architectures win over "
             "plugins, and the first plugin found on sys.path wins over later "
             "ones. To lay out a built-in family differently, register your "
-            "handler for a subclass of its backbone. Received: entry point "
+            "architecture for a subclass of its backbone. Received: entry point "
             f"{entry_point.name} = {entry_point.value}",
             stacklevel=2,
         )
@@ -105,23 +105,23 @@ def _registrations() -> dict[str, tuple[metadata.EntryPoint, str]]:
 def _load(name: str) -> Architecture | None:
     entry_point, source = _registrations()[name]
     try:
-        handler = entry_point.load()
+        architecture = entry_point.load()
     except Exception as error:  # a broken plugin must not break the others
         _failed[name] = f"{entry_point.value} ({type(error).__name__}: {error})"
         warnings.warn(
-            f"keras_hub_autodist: the architecture handler {name!r} "
+            f"keras_hub_autodist: the architecture {name!r} "
             f"({entry_point.value}, {source}) failed to load and is skipped: "
             f"{type(error).__name__}: {error}",
             stacklevel=3,
         )
         return None
-    if isinstance(handler, type):
-        handler = handler()
-    return handler
+    if isinstance(architecture, type):
+        architecture = architecture()
+    return architecture
 
 
 def registered_architectures() -> list[str]:
-    """Names of the backbone classes that have a handler (built-in or plugin).
+    """Names of the backbone classes that have an architecture (built-in or plugin).
 
     Example:
     >>> "GemmaBackbone" in registered_architectures()
@@ -131,7 +131,7 @@ def registered_architectures() -> list[str]:
 
 
 def architecture_sources() -> dict[str, str]:
-    """Where each registered handler comes from: `"built-in"` or
+    """Where each registered architecture comes from: `"built-in"` or
     `"plugin <distribution>"`.
 
     Example:
@@ -149,7 +149,7 @@ def clear_cache() -> None:
 
 
 def unsupported_error(class_name: str, received: str) -> UnsupportedArchitectureError:
-    """The error for a backbone class without a handler, listing the
+    """The error for a backbone class without an architecture, listing the
     registered ones (and any plugin that failed to load).
 
     Args:
@@ -164,55 +164,55 @@ def unsupported_error(class_name: str, received: str) -> UnsupportedArchitecture
     return UnsupportedArchitectureError(
         f"keras_hub_autodist has no layout for {class_name}. "
         f"Supported backbones: {', '.join(supported)}.{broken} "
-        "To add one, register a handler in the entry-point group "
+        "To add one, register an architecture in the entry-point group "
         f"'{ENTRY_POINT_GROUP}' (see {DOCS_ADDING_AN_ARCHITECTURE}). "
         f"Received: {received}"
     )
 
 
-def handler_for(backbone_cls: type) -> Architecture:
-    """Return the handler for `backbone_cls`, following its MRO.
+def architecture_for(backbone_cls: type) -> Architecture:
+    """Return the architecture for `backbone_cls`, following its MRO.
 
     Args:
         backbone_cls: a keras-hub `Backbone` subclass.
 
     Example:
     >>> import keras_hub
-    >>> handler_for(keras_hub.models.Llama3Backbone).name
+    >>> architecture_for(keras_hub.models.Llama3Backbone).name
     'llama'
     """
     available = _registrations()
     for klass in backbone_cls.__mro__:
         if klass.__name__ in available:
-            handler = _load(klass.__name__)
-            if handler is not None:
-                return handler
+            architecture = _load(klass.__name__)
+            if architecture is not None:
+                return architecture
     raise unsupported_error(
         backbone_cls.__name__,
         f"backbone class {backbone_cls.__module__}.{backbone_cls.__qualname__}",
     )
 
 
-def handler_by_name(class_name: str) -> Architecture | None:
-    """The handler for a backbone class given by name, or `None`.
+def architecture_by_name(class_name: str) -> Architecture | None:
+    """The architecture for a backbone class given by name, or `None`.
 
-    Finds handlers registered under `class_name` or, for the keras-hub
+    Finds architectures registered under `class_name` or, for the keras-hub
     subclasses in `KNOWN_SUBCLASSES`, under their base class. `None` means
-    "ask `handler_for` with the class itself" (its MRO may still find one).
+    "ask `architecture_for` with the class itself" (its MRO may still find one).
 
     Args:
         class_name: a backbone class name such as `"Llama3Backbone"`.
 
     Example:
-    >>> handler_by_name("Llama3Backbone").name
+    >>> architecture_by_name("Llama3Backbone").name
     'llama'
     """
     available = _registrations()
     name = class_name
     while name is not None:
         if name in available:
-            handler = _load(name)
-            if handler is not None:
-                return handler
+            architecture = _load(name)
+            if architecture is not None:
+                return architecture
         name = KNOWN_SUBCLASSES.get(name)
     return None

@@ -29,6 +29,7 @@ over the model and expert axes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 STRATEGIES = ("tp", "fsdp")
 
@@ -72,152 +73,6 @@ FSDP_AXIS_PREFERENCE = (
     "kv_heads",
     "norm",
 )
-
-# With grouped/multi-query attention whose key/value heads don't divide the
-# model axis, key/value kernels are replicated over it (the Megatron choice:
-# no collective beyond the query's) unless that plan does not fit the device
-# memory, or breaks one of these per-device parameter targets, while sharding
-# their head_dim does not. "tp": at most this factor x total bytes / model-axis
-# size; "fsdp": at most this factor x total bytes / devices.
-TP_DEVICE_BYTES_TARGET = 1.10
-FSDP_DEVICE_BYTES_TARGET = 1.05
-
-
-@dataclasses.dataclass(frozen=True)
-class KVLayout:
-    """One way to lay out key/value kernels whose heads don't divide the
-    model axis, for `choose_kv_layout` to compare.
-
-    Args:
-        kv_fallback: the `assign_mesh_axes` option that lays it out.
-        label: how the plan names it, e.g. `"K/V replicated"`.
-        collective_rank: its communication cost relative to the other
-            layouts; lower moves fewer bytes.
-        cost_note: why it moves the bytes it does.
-        gerund: the layout as a reason's subject, e.g. `"replicating
-            them"`.
-    """
-
-    kv_fallback: str
-    label: str
-    collective_rank: int
-    cost_note: str
-    gerund: str
-
-
-# The alternatives, cheapest communication first. Measured on compiled train
-# steps against a hand-written Megatron layout (issue 12's measurements; the
-# bench's report compares only the layout the planner keeps): replicating
-# K/V adds no collective beyond the query's; sharding their head_dim splits
-# the attention contraction, whose partial scores and their gradients cross
-# the model axis in every block (1.39x the bytes of replication for
-# multi-query attention on 2x4, 1.08x for 2 key/value heads on a 4-way model
-# axis).
-KV_LAYOUTS = (
-    KVLayout("replicate", "K/V replicated", 0, "fewer collectives", "replicating them"),
-    KVLayout(
-        "head_dim",
-        "K/V sharded on head_dim",
-        1,
-        "attention scores reduced over the model axis in every block",
-        "sharding their head_dim",
-    ),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCandidate:
-    """A `KVLayout` as planned: what it would hold per device.
-
-    Args:
-        layout: the `KVLayout`.
-        training_bytes: weights, gradients and Adam state per device.
-        ideal_ratio: per-device parameter bytes over the strategy's ideal
-            (total / model-axis size for `"tp"`, total / devices for
-            `"fsdp"`).
-    """
-
-    layout: KVLayout
-    training_bytes: int
-    ideal_ratio: float
-
-
-def choose_kv_layout(
-    candidates, *, capacity: int, target: float, strategy: str, axis: str
-) -> tuple[KVLayout, str]:
-    """The layout that moves the fewest bytes among those that fit.
-
-    A candidate is acceptable when its weights, gradients and Adam state fit
-    `capacity` bytes per device and its parameters stay within `target` x
-    the ideal. The cheapest acceptable one wins; when none is acceptable,
-    the cheapest that fits the memory; when none fits, the cheapest.
-
-    Args:
-        candidates: `KVCandidate`s, one per `KVLayout`.
-        capacity: bytes of memory per device.
-        target: the strategy's per-device parameter target.
-        strategy: `"tp"` or `"fsdp"`, for the reason.
-        axis: the model axis name, for the reason.
-
-    Returns:
-        `(layout, reason)`.
-
-    Example:
-    >>> replicate, head_dim = KV_LAYOUTS
-    >>> layout, reason = choose_kv_layout(
-    ...     [KVCandidate(replicate, 2**30, 1.02), KVCandidate(head_dim, 2**29, 1.0)],
-    ...     capacity=16 * 2**30, target=1.10, strategy="tp", axis="model")
-    >>> layout.kv_fallback, reason.split(":")[0]
-    ('replicate', "K/V replicated over 'model'")
-    """
-    gib = 1024**3
-    ranked = sorted(candidates, key=lambda c: c.layout.collective_rank)
-
-    def fits(c):
-        return c.training_bytes <= capacity
-
-    acceptable = [c for c in ranked if fits(c) and c.ideal_ratio <= target]
-    fitting = [c for c in ranked if fits(c)]
-    chosen = (acceptable or fitting or ranked)[0]
-    cheapest = ranked[0]
-    where = f"'{axis}'"
-    if chosen is cheapest:
-        held = f"weights+grads+Adam {chosen.training_bytes / gib:.2f} GiB per device "
-        return chosen.layout, (
-            f"{chosen.layout.label} over {where}: {chosen.layout.cost_note}; "
-            + held
-            + (
-                f"fit in {capacity / gib:.2f} GiB"
-                if fits(chosen)
-                else f"(neither K/V layout fits {capacity / gib:.2f} GiB)"
-            )
-        )
-    rejected = cheapest.layout.gerund
-    if not fits(cheapest):
-        why = (
-            f"{rejected} over {where} would need "
-            f"{cheapest.training_bytes / gib:.2f} GiB > {capacity / gib:.2f} GiB "
-            f"per device (weights+grads+Adam), sharded needs "
-            f"{chosen.training_bytes / gib:.2f} GiB"
-        )
-    else:
-        why = (
-            f"{rejected} over {where} would hold {cheapest.ideal_ratio:.3f}x the "
-            f"ideal per-device parameter bytes, over the {target:.2f}x "
-            f"{strategy} target"
-        )
-    return chosen.layout, f"{chosen.layout.label}: {why}"
-
-
-# Under strategy "auto", "tp" is chosen while parameters, gradients and the
-# two Adam moments fit in this share of a device's memory; the rest is left
-# for activations.
-AUTO_TP_MEMORY_SHARE = 0.8
-
-# Per-device memory assumed when the backend reports none (CPU, or planning
-# for a mesh given as a mapping): 16 GiB, as on a T4 or a TPU v3 core.
-# Override with `device_memory=` or $KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB.
-DEFAULT_DEVICE_MEMORY_BYTES = 16 * 1024**3
 
 
 def sequence_parallel_spec(mesh_axes) -> tuple[str | None, ...] | None:
@@ -270,13 +125,6 @@ def parallel_axis(logical_axes: tuple[str | None, ...]) -> str | None:
         if axis in logical_axes:
             return axis
     return None
-
-
-def _dim_of(logical_axes, logical):
-    try:
-        return logical_axes.index(logical)
-    except ValueError:
-        return None
 
 
 def _field(fields, logical, size):
@@ -347,40 +195,99 @@ class Fallback:
         return f"{text} ({self.policy})" if self.policy else text
 
 
-def _place(weight, spec, axis, size, candidates, wanted, fields, notes):
+def _model_candidates(weight, mesh_axes, kv_fallback):
+    if "expert" in weight.axes and mesh_axes.size(mesh_axes.expert_axis) == 1:
+        # Expert parallelism over the model axis, else tensor parallelism
+        # inside each expert.
+        return "expert", EXPERT_MODEL_FALLBACKS
+    primary = parallel_axis(weight.axes)
+    if primary is None:
+        return None
+    if primary == "kv_heads" and kv_fallback == "replicate":
+        return primary, (primary,)
+    return primary, MODEL_FALLBACKS[primary]
+
+
+def _expert_candidates(weight, mesh_axes, kv_fallback):
+    return ("expert", EXPERT_AXIS_FALLBACKS) if "expert" in weight.axes else None
+
+
+def _hidden_candidates(weight, mesh_axes, kv_fallback):
+    return ("embed", HIDDEN_AXIS_PREFERENCE) if "embed" in weight.axes else None
+
+
+def _batch_candidates(weight, mesh_axes, kv_fallback):
+    # Fully sharded data parallelism takes any free dimension.
+    return None, FSDP_AXIS_PREFERENCE
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One mesh axis role and the weight dimensions it may shard.
+
+    Args:
+        role: the `MeshAxes` role, `"model"`, `"expert"`, `"hidden"` or
+            `"batch"`.
+        strategies: the strategies under which it applies.
+        candidates: `(weight, mesh_axes, kv_fallback) -> (wanted,
+            logical axes in order)`, or `None` when the weight has nothing
+            for this axis. `wanted` is the logical axis the role prefers
+            (a fallback is noted when another is sharded), or `None` for any.
+    """
+
+    role: str
+    strategies: tuple[str, ...]
+    candidates: Callable
+
+
+# The mesh axes in the order they are placed: each takes the first free
+# dimension among its candidates that divides by its size.
+PLACEMENTS = (
+    Placement("model", STRATEGIES, _model_candidates),
+    Placement("expert", STRATEGIES, _expert_candidates),
+    Placement("hidden", STRATEGIES, _hidden_candidates),
+    Placement("batch", ("fsdp",), _batch_candidates),
+)
+
+
+def _free_dims(weight, spec, logical):
+    return [d for d, name in enumerate(weight.axes) if name == logical and not spec[d]]
+
+
+def _place(weight, spec, axis, size, wanted, candidates, fields, policy):
     """Put mesh axis `axis` on the first free dimension among `candidates`
-    (logical axes, in order) that divides by `size`; note a fallback when
-    that is not `wanted`."""
-    chosen = None
+    (logical axes, in order) that divides by `size`; the `Fallback` taken
+    when that is not `wanted`, else `None`."""
+    chosen = chosen_dim = None
     for logical in candidates:
-        for dim, name in enumerate(weight.axes):
-            if name == logical and spec[dim] is None and weight.shape[dim] % size == 0:
-                spec[dim], chosen = axis, logical
+        for dim in _free_dims(weight, spec, logical):
+            if weight.shape[dim] % size == 0:
+                chosen, chosen_dim = logical, dim
                 break
         if chosen is not None:
             break
-    if chosen != wanted:
-        wanted_dim = _dim_of(weight.axes, wanted)
-        cause = (
-            f"{_field(fields, wanted, weight.shape[wanted_dim])} does not divide "
-            f"by {axis}={size}"
-        )
-        chosen_dim = None if chosen is None else spec.index(axis)
-        notes.append(
-            Fallback(
-                weight.path,
-                wanted_dim,
-                wanted,
-                axis,
-                chosen,
-                chosen_dim,
-                cause,
-                ""
-                if chosen is None
-                else _field(fields, chosen, weight.shape[chosen_dim]),
-            )
-        )
-    return chosen
+    if chosen is not None:
+        spec[chosen_dim] = axis
+    if wanted is None:
+        if chosen is not None:
+            return None
+        reason = f"no free dimension of shape {weight.shape} divides by {axis}={size}"
+        return Fallback(weight.path, None, None, axis, None, None, reason)
+    if chosen == wanted:
+        return None
+    wanted_dim = weight.axes.index(wanted)
+    return Fallback(
+        weight.path,
+        wanted_dim,
+        wanted,
+        axis,
+        chosen,
+        chosen_dim,
+        f"{_field(fields, wanted, weight.shape[wanted_dim])} does not divide "
+        f"by {axis}={size}",
+        "" if chosen is None else _field(fields, chosen, weight.shape[chosen_dim]),
+        policy if wanted == "kv_heads" else "",
+    )
 
 
 def assign_mesh_axes(
@@ -390,120 +297,50 @@ def assign_mesh_axes(
     config_fields,
     *,
     kv_fallback: str = "replicate",
+    kv_policy: str = "",
 ):
     """Choose a mesh axis (or `None`) for each dimension of `weight`.
 
+    Each role of `PLACEMENTS` that applies to the strategy and has more than
+    one device places its axis in turn.
+
     Args:
-        weight: a `WeightSpec`.
+        weight: a `Weight` with logical axes.
         mesh_axes: a `MeshAxes` telling axis names, sizes and roles.
         strategy: `"tp"` or `"fsdp"`.
         config_fields: logical axis → config field, to explain fallbacks.
         kv_fallback: what to do with key/value kernels whose heads don't
             divide the model axis: `"replicate"` or `"head_dim"`.
+        kv_policy: why the planner chose `kv_fallback`, recorded on the
+            key/value fallbacks.
 
     Returns:
         `(spec, fallbacks)`: a tuple of mesh axis names / `None` per
         dimension, and the `Fallback`s taken, each with its reason.
 
     Example:
-    >>> from keras_hub_autodist.architectures.base import WeightSpec
+    >>> from keras_hub_autodist.weight import Weight
     >>> from keras_hub_autodist.mesh import resolve_mesh_axes
-    >>> kv = WeightSpec("k", "k", (1, 16, 8), ("kv_heads", "embed", "head_dim"))
+    >>> kv = Weight("k", "k", (1, 16, 8), ("kv_heads", "embed", "head_dim"))
     >>> assign_mesh_axes(kv, resolve_mesh_axes({"batch": 1, "model": 2}),
     ...     "tp", {"kv_heads": "num_key_value_heads"})[0]
     (None, None, None)
     """
     spec = [None] * len(weight.shape)
     notes = []
-    config_fields = _fields_for(weight, config_fields)
-
-    def free_dims(order):
-        for logical in order:
-            for dim, name in enumerate(weight.axes):
-                if name == logical and spec[dim] is None:
-                    yield dim, logical
-
-    model_axis, model_size = mesh_axes.model_axis, mesh_axes.size(mesh_axes.model_axis)
-    expert_axis = getattr(mesh_axes, "expert_axis", None)
-    expert_size = mesh_axes.size(expert_axis)
-    experts = "expert" in weight.axes
-    primary = parallel_axis(weight.axes)
-    if experts and (expert_axis is None or expert_size == 1):
-        # Expert parallelism over the model axis, else tensor parallelism
-        # inside each expert.
-        primary, candidates = "expert", EXPERT_MODEL_FALLBACKS
-    elif primary is not None:
-        candidates = MODEL_FALLBACKS[primary]
-        if primary == "kv_heads" and kv_fallback == "replicate":
-            candidates = ("kv_heads",)
-    if model_axis is not None and model_size > 1 and primary is not None:
-        _place(
-            weight,
-            spec,
-            model_axis,
-            model_size,
-            candidates,
-            primary,
-            config_fields,
-            notes,
-        )
-
-    if experts and expert_axis is not None and expert_size > 1:
-        _place(
-            weight,
-            spec,
-            expert_axis,
-            expert_size,
-            EXPERT_AXIS_FALLBACKS,
-            "expert",
-            config_fields,
-            notes,
-        )
-
-    hidden_axis, hidden_size = (
-        mesh_axes.hidden_axis,
-        mesh_axes.size(mesh_axes.hidden_axis),
-    )
-    if hidden_axis is not None and hidden_size > 1:
-        wanted = [(d, n) for d, n in free_dims(HIDDEN_AXIS_PREFERENCE)]
-        placed = False
-        for dim, _ in wanted:
-            if weight.shape[dim] % hidden_size == 0:
-                spec[dim], placed = hidden_axis, True
-                break
-        if wanted and not placed:
-            dim, logical = wanted[0]
-            notes.append(
-                Fallback(
-                    weight.path,
-                    dim,
-                    logical,
-                    hidden_axis,
-                    None,
-                    None,
-                    f"{_field(config_fields, logical, weight.shape[dim])} does "
-                    f"not divide by {hidden_axis}={hidden_size}",
-                )
-            )
-
-    batch_axis, batch_size = mesh_axes.batch_axis, mesh_axes.size(mesh_axes.batch_axis)
-    if strategy == "fsdp" and batch_size > 1:
-        placed = False
-        for dim, _ in free_dims(FSDP_AXIS_PREFERENCE):
-            if weight.shape[dim] % batch_size == 0:
-                spec[dim], placed = batch_axis, True
-                break
-        if not placed:
-            notes.append(
-                Fallback(
-                    weight.path,
-                    None,
-                    None,
-                    batch_axis,
-                    None,
-                    None,
-                    f"no free dimension of shape {weight.shape} divides by "
-                    f"{batch_axis}={batch_size}",
-                )
-            )
+    fields = _fields_for(weight, config_fields)
+    for placement in PLACEMENTS:
+        axis = getattr(mesh_axes, f"{placement.role}_axis")
+        size = mesh_axes.size(axis)
+        if strategy not in placement.strategies or axis is None or size == 1:
+            continue
+        found = placement.candidates(weight, mesh_axes, kv_fallback)
+        if found is None:
+            continue
+        wanted, candidates = found
+        if wanted is not None and not _free_dims(weight, spec, wanted):
+            continue
+        note = _place(weight, spec, axis, size, wanted, candidates, fields, kv_policy)
+        if note is not None:
+            notes.append(note)
     return tuple(spec), notes

@@ -1,13 +1,14 @@
 """Startup hook of keras-hub-autodist, imported by `keras_hub_autodist.pth`.
 
-It costs well under a millisecond: it only puts a finder on `sys.meta_path`
-that waits for `keras_hub` to be imported, then adds `device_mesh=` to its
-`from_preset` (see `keras_hub_autodist.activation`).
+It costs well under a millisecond: it only registers, with the package's one
+import finder (`keras_hub_autodist/on_import.py`), a callback that waits
+for `keras_hub` to be imported, then adds `device_mesh=` to its
+`from_preset` (see `keras_hub_autodist.plugin`).
 
 `KERAS_HUB_AUTODIST` set to a false value (`0`, `false`, `no`, `off`, ...,
 any case) switches the automatic start off. keras-hub's `from_preset` then
 gets a guard instead, which passes every call through unchanged except those
-with `device_mesh=` (or `strategy=`, `batch_axis=`, `model_axis=`): keras-hub
+with `device_mesh=` (or another of `MESH_KEYWORDS`): keras-hub
 would silently ignore them, the guard raises `PluginOffError`. An explicit
 `import keras_hub_autodist` turns the plugin on whatever the environment says.
 The guard is also what is left when the plugin fails to load.
@@ -23,7 +24,15 @@ SWITCH_ENV = "KERAS_HUB_AUTODIST"
 # Spellings of "off" for `KERAS_HUB_AUTODIST` (compared case-insensitively).
 OFF_VALUES = frozenset({"0", "false", "f", "no", "n", "off", "disable", "disabled"})
 # Keywords that only `keras_hub_autodist` understands.
-MESH_KEYWORDS = ("device_mesh", "strategy", "batch_axis", "model_axis")
+MESH_KEYWORDS = (
+    "device_mesh",
+    "strategy",
+    "batch_axis",
+    "model_axis",
+    "progress",
+    "strict",
+    "sequence_parallel",
+)
 ORIGINAL_ATTR = "__keras_hub_autodist_original__"
 GUARD_ATTR = "__keras_hub_autodist_guard__"
 
@@ -34,20 +43,19 @@ def switched_off(environ=None) -> bool:
     return environ.get(SWITCH_ENV, "").strip().lower() in OFF_VALUES
 
 
-def _load_errors():
-    """`keras_hub_autodist.errors`, without importing (so activating) the package.
-
-    errors.py imports nothing; it is loaded under its own name, so that the
-    package imported later shares its classes.
-    """
-    module = sys.modules.get("keras_hub_autodist.errors")
+def _load_light(name):
+    """`keras_hub_autodist.<name>` (standard library only), loaded by path
+    without importing (so activating) the package; the package imported
+    later shares the module."""
+    full_name = f"keras_hub_autodist.{name}"
+    module = sys.modules.get(full_name)
     if module is not None:
         return module
     import importlib.util
 
     package = importlib.util.find_spec("keras_hub_autodist")
-    path = os.path.join(list(package.submodule_search_locations)[0], "errors.py")
-    spec = importlib.util.spec_from_file_location("keras_hub_autodist.errors", path)
+    path = os.path.join(list(package.submodule_search_locations)[0], f"{name}.py")
+    spec = importlib.util.spec_from_file_location(full_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:
@@ -60,7 +68,7 @@ def _load_errors():
 
 def _plugin_off_error(message):
     try:
-        error_class = _load_errors().PluginOffError
+        error_class = _load_light("errors").PluginOffError
     except Exception:  # a broken install: still an error, and a TypeError
         error_class = TypeError
     return error_class(message)
@@ -105,7 +113,7 @@ def _off_reason():
 
 def _activate():
     try:
-        from keras_hub_autodist.activation import activate
+        from keras_hub_autodist.plugin import activate
 
         activate()
     except Exception as error:  # never break the user's import of keras_hub
@@ -134,45 +142,12 @@ def _on_keras_hub():
         _activate()
 
 
-class _Loader:
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _on_keras_hub()
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _KerasHubFinder:
-    """Waits for the first `import keras_hub`, once."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "keras_hub":
-            return None
-        try:
-            sys.meta_path.remove(self)
-            from importlib.machinery import PathFinder
-
-            spec = PathFinder.find_spec(name, path)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader)
-            return spec
-        except Exception:
-            return None
-
-
 def install():
-    """Act on `keras_hub` now if imported, else when it is first imported."""
-    if "keras_hub" in sys.modules:
-        _on_keras_hub()
-    elif not any(isinstance(f, _KerasHubFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _KerasHubFinder())
+    """Act on `keras_hub` now if imported, else when it is first imported
+    (through the package's one import finder, `keras_hub_autodist.on_import`)."""
+    _load_light("on_import").when_imported(
+        "keras_hub", "keras_hub_autodist_hook", _on_keras_hub
+    )
 
 
 try:

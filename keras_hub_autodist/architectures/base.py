@@ -1,28 +1,18 @@
-"""The interface an architecture handler implements."""
+"""The interface an architecture (a family's rule table) implements."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 import types
-import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
 
 from keras_hub_autodist.errors import UnplannedWeightError
-from keras_hub_autodist.errors import UnplannedWeightWarning
-
-LOGICAL_AXES = (
-    "vocab",
-    "embed",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "mlp",
-    "norm",
-    "expert",
-    "unsharded",
-)
+from keras_hub_autodist.verify import unplanned_weight_error
+from keras_hub_autodist.verify import warn_unplanned
+from keras_hub_autodist.weight import LOGICAL_AXES
+from keras_hub_autodist.weight import Weight
 
 # The config fields behind each logical axis, for fallback notes
 # ("num_key_value_heads=1 does not divide ..."): keras-hub's decoder
@@ -91,41 +81,9 @@ def rule_table(*entries: tuple[str, Sequence[str]]) -> tuple[Rule, ...]:
     return tuple(Rule(pattern, tuple(axes)) for pattern, axes in entries)
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightSpec:
-    """One weight of a backbone, as derived from its config.
-
-    Args:
-        path: the Keras variable path, e.g.
-            `"decoder_block_0/attention/query/kernel"`.
-        pattern: a regular expression matching this weight's path (and the
-            same weight in every other layer) with `re.fullmatch`.
-        shape: the weight's shape.
-        axes: one logical axis per dimension, from `LOGICAL_AXES`.
-
-    Example:
-    >>> spec = WeightSpec("final_norm/scale", "final_norm/scale", (16,), ("norm",))
-    >>> spec.shape, spec.axes
-    ((16,), ('norm',))
-    """
-
-    path: str
-    pattern: str
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]
-
-    def __post_init__(self):
-        if len(self.shape) != len(self.axes):
-            raise ValueError(
-                f"Weight {self.path!r} has shape {self.shape} but logical "
-                f"axes {self.axes}; give one logical axis per dimension."
-            )
-        unknown = set(self.axes) - set(LOGICAL_AXES)
-        if unknown:
-            raise ValueError(
-                f"Weight {self.path!r} uses unknown logical axes "
-                f"{sorted(unknown)}; use those in {LOGICAL_AXES}."
-            )
+# The record an architecture describes a weight with (path, pattern, shape,
+# logical axes): the data path's one `Weight`, under the name plugins know.
+WeightSpec = Weight
 
 
 class Architecture:
@@ -246,7 +204,7 @@ class Architecture:
         build and for one read from the disk cache alike.
 
         Args:
-            variables: the model's variables (`abstract.VariableShape`, or
+            variables: the model's variables (`Weight`s of the abstract build, or
                 any objects with `.path` and `.shape`).
             config: the backbone's constructor arguments they were built from.
             backbone_class: the backbone class name, for messages.
@@ -286,26 +244,20 @@ class Architecture:
                 rule = rules[0]
                 if len(rule.axes) != len(variable.shape):
                     raise _rank_error(self, backbone_class, rule, variable)
-                specs.append(
-                    WeightSpec(variable.path, rule.pattern, variable.shape, rule.axes)
-                )
+                shape = tuple(variable.shape)
+                specs.append(Weight(variable.path, rule.pattern, shape, rule.axes))
             elif rules:
                 ambiguous[variable.path] = [rule.pattern for rule in rules]
             else:
                 unmatched.append(variable)
                 specs.append(_replicated(variable))
+        unmatched = [f"{v.path} {tuple(v.shape)}" for v in unmatched]
         if ambiguous or (unmatched and strict):
-            raise _unmatched_error(self, backbone_class, unmatched, ambiguous)
-        if unmatched:
-            warnings.warn(
-                f"keras_hub_autodist: {len(unmatched)} weights of "
-                f"{backbone_class} match no rule of the {self.name!r} "
-                "architecture and stay replicated on every device "
-                "(strict=False): "
-                + ", ".join(f"{v.path} {v.shape}" for v in unmatched[:10]),
-                UnplannedWeightWarning,
-                stacklevel=2,
+            raise unplanned_weight_error(
+                backbone_class, self.name, unmatched, ambiguous
             )
+        if unmatched:
+            warn_unplanned(backbone_class, self.name, unmatched)
         return specs
 
     def __repr__(self):
@@ -317,8 +269,8 @@ def _is_quantization_scale(path: str, paths) -> bool:
     return path.endswith("_scale") and path[: -len("_scale")] in paths
 
 
-def _replicated(variable) -> WeightSpec:
-    return WeightSpec(
+def _replicated(variable) -> Weight:
+    return Weight(
         variable.path,
         re.escape(variable.path),
         tuple(variable.shape),
@@ -333,32 +285,6 @@ def _rank_error(architecture, backbone_class, rule, variable):
         f"{backbone_class} builds {variable.path!r} with shape "
         f"{variable.shape}. Fix the rule table (one logical axis per "
         f"dimension). Received: {variable.path} {variable.shape}"
-    )
-
-
-def _unmatched_error(architecture, backbone_class, unmatched, ambiguous):
-    parts = []
-    if unmatched:
-        parts.append(
-            f"{len(unmatched)} weights of {backbone_class} match no "
-            f"rule of the {architecture.name!r} architecture: "
-            + ", ".join(f"{v.path} {v.shape}" for v in unmatched[:10])
-            + ". Add a rule for them to the architecture's table, or pass "
-            "`strict=False` to keep them replicated"
-        )
-    if ambiguous:
-        listed = "; ".join(
-            f"{path} matches {patterns}"
-            for path, patterns in list(ambiguous.items())[:5]
-        )
-        parts.append(
-            f"{len(ambiguous)} weights of {backbone_class} match several "
-            f"rules of the {architecture.name!r} architecture ({listed}). "
-            "Make the rules disjoint"
-        )
-    return UnplannedWeightError(
-        ". ".join(parts)
-        + f". Received: {len(unmatched)} unmatched, {len(ambiguous)} ambiguous"
     )
 
 

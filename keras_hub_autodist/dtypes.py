@@ -1,0 +1,149 @@
+"""The dtype a model's variables will have, read without importing Keras
+where the policy is a plain name."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+
+from keras_hub_autodist.errors import DTypeError
+
+# Bytes per element of the dtypes weights come in, read without numpy.
+ITEMSIZES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of `dtype` (0 for a weight whose dtype is not known
+    yet).
+
+    Example:
+    >>> itemsize("bfloat16")
+    2
+    """
+    if not dtype:
+        return 0
+    if dtype in ITEMSIZES:
+        return ITEMSIZES[dtype]
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
+
+
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def floatx() -> str:
+    """Keras' `floatx()`, read from `keras.json` while Keras isn't imported.
+
+    Example:
+    >>> floatx() in ("float16", "float32", "float64")
+    True
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "config"):
+        return keras.config.floatx()
+    if "KERAS_HOME" in os.environ:
+        folder = os.environ["KERAS_HOME"]
+    else:
+        folder = os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(folder, "keras.json"), encoding="utf-8") as file:
+            value = json.load(file).get("floatx", "float32")
+    except (OSError, ValueError, AttributeError):
+        return "float32"
+    return value if value in ("float16", "float32", "float64") else "float32"
+
+
+def _policy_name(policy):
+    """The name of a simple policy given as a string or Keras' serialized
+    form; `None` for anything Keras must interpret."""
+    if isinstance(policy, str):
+        return policy
+    if (
+        isinstance(policy, Mapping)
+        and policy.get("module") == "keras"
+        and policy.get("class_name") == "DTypePolicy"
+        and isinstance(policy.get("config"), Mapping)
+        and isinstance(policy["config"].get("name"), str)
+    ):
+        return policy["config"]["name"]
+    return None
+
+
+def variable_dtype(config: Mapping, dtype=None) -> str:
+    """The dtype the backbone's variables will have.
+
+    `dtype` (as passed to `from_preset`) wins over the config's own `dtype`;
+    without either, Keras' `floatx()` applies. Mixed policies such as
+    `"mixed_bfloat16"` keep float32 variables. Float dtypes and mixed
+    policies are read without importing Keras.
+
+    Raises:
+        DTypeError: for anything that is not a dtype or dtype policy.
+
+    Example:
+    >>> variable_dtype({}, "mixed_bfloat16")
+    'float32'
+    """
+    policy = dtype if dtype is not None else config.get("dtype")
+    if policy is None:
+        return floatx()
+    name = _policy_name(policy)
+    if name in _FLOAT_DTYPES:
+        return name
+    if name in ("mixed_float16", "mixed_bfloat16"):
+        return "float32"
+    source = "dtype" if dtype is not None else "the preset's config dtype"
+    if not isinstance(policy, (str, Mapping)) and not hasattr(policy, "variable_dtype"):
+        raise DTypeError(
+            f"{source} must be a dtype name such as 'bfloat16', a policy "
+            "name such as 'mixed_bfloat16', or a `keras.DTypePolicy`. "
+            f"Received: dtype={policy!r} of type {type(policy).__name__}"
+        )
+    import keras
+
+    try:
+        if isinstance(policy, Mapping):
+            policy = keras.dtype_policies.deserialize(dict(policy))
+        if isinstance(policy, str):
+            policy = keras.DTypePolicy(policy)
+        return str(policy.variable_dtype)
+    except (TypeError, ValueError, AttributeError) as error:
+        raise DTypeError(
+            f"{source} is not a dtype or dtype policy Keras knows ({error}). "
+            "Use e.g. 'bfloat16', 'float32' or 'mixed_bfloat16'. Received: "
+            f"dtype={policy!r}"
+        ) from error
+
+
+def is_quantized(config: Mapping) -> bool:
+    """Whether a backbone config carries a quantized dtype policy map.
+
+    Example:
+    >>> is_quantized({"dtype": "float32"})
+    False
+    """
+    dtype = config.get("dtype")
+    if not isinstance(dtype, Mapping):
+        return False
+    policies = dtype.get("config", {}).get("policy_map", {})
+    return any(
+        "Quantized" in str(policy.get("class_name", ""))
+        for policy in policies.values()
+        if isinstance(policy, Mapping)
+    )

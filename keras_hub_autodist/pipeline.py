@@ -1,0 +1,206 @@
+"""`from_preset(..., device_mesh=...)`: the data path, read top to bottom.
+
+    read the config → weights (abstract build) → plan → load → verify → bind
+
+1. `presets.read_preset_config`: the backbone class and config keras-hub will
+   build from (only `config.json` is read).
+2. `shapes.model_weights`: every weight's path, shape and logical axes, from
+   the model built abstractly (nothing allocated).
+3. `planner.plan_model`: the `LayoutPlan` for the mesh (the mesh itself when
+   `device_mesh="auto"`), as values.
+4. `loading.sharded_loading`: keras-hub's own `from_preset` runs inside the
+   plan's `ModelParallel` scope, and each weight goes straight into its
+   shards.
+5. `verify`: every built variable matches its plan and is laid out as
+   planned.
+6. `binding.bind`: the model's methods run inside its distribution.
+
+Each step takes the previous step's value and never calls back up.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from keras_hub_autodist.binding import bind
+from keras_hub_autodist.dtypes import is_quantized
+from keras_hub_autodist.errors import AutodistError
+from keras_hub_autodist.errors import BackendError
+from keras_hub_autodist.errors import ModelClassError
+from keras_hub_autodist.errors import PresetError
+from keras_hub_autodist.loading import attach_load_stats
+from keras_hub_autodist.loading import sharded_loading
+from keras_hub_autodist.mesh import build_device_mesh
+from keras_hub_autodist.options import PlanOptions
+from keras_hub_autodist.options import progress_option
+from keras_hub_autodist.planner import plan_model
+from keras_hub_autodist.presets import cached_kaggle_snapshot
+from keras_hub_autodist.presets import is_network_error
+from keras_hub_autodist.presets import read_preset_config
+from keras_hub_autodist.shapes import model_weights
+from keras_hub_autodist.verify import verify_layouts
+
+# The attribute of the plugin's `from_preset` wrapper that holds keras-hub's
+# own method (shared with the startup hook's guard).
+ORIGINAL_ATTR = "__keras_hub_autodist_original__"
+
+
+def require_jax_backend() -> None:
+    """Raise `BackendError` unless Keras runs on JAX."""
+    backend = keras.config.backend()
+    if backend != "jax":
+        raise BackendError(
+            "keras_hub_autodist distributes models with JAX sharding; set "
+            "KERAS_BACKEND=jax before importing keras. Received: "
+            f"backend={backend!r}"
+        )
+
+
+def original_from_preset(cls):
+    """keras-hub's own `from_preset` of `cls`, under any wrapper of ours."""
+    for klass in getattr(cls, "__mro__", ()):
+        method = klass.__dict__.get("from_preset")
+        if method is not None:
+            func = method.__func__
+            return getattr(func, ORIGINAL_ATTR, func)
+    raise ModelClassError(
+        f"{getattr(cls, '__name__', cls)} has no from_preset. Pass a keras-hub "
+        f"Backbone or Task class. Received: cls={cls!r}"
+    )
+
+
+def from_preset(
+    cls,
+    preset: str,
+    *,
+    device_mesh,
+    strategy: str = "auto",
+    batch_axis: str | None = None,
+    model_axis: str | None = None,
+    progress: bool | None = None,
+    strict: bool = True,
+    sequence_parallel: bool = False,
+    **kwargs,
+):
+    """Load `cls` from `preset`, laid out on `device_mesh` and bound to it.
+
+    Each weight goes straight into its shards: no device ever holds more
+    than its final share plus one weight's shard, and the host at most one
+    weight's slices (see `keras_hub_autodist.loading`).
+
+    Args:
+        cls: a keras-hub `Backbone` or `Task` class, e.g.
+            `keras_hub.models.GemmaCausalLM`.
+        preset: anything `cls.from_preset` accepts.
+        device_mesh: a `keras.distribution.DeviceMesh`, a mapping of axis name
+            to size (built over `keras.distribution.list_devices()`), or
+            `"auto"`.
+        strategy: `"auto"`, `"tp"` or `"fsdp"` (see `plan()`).
+        batch_axis: the mesh axis that splits batches.
+        model_axis: the mesh axis that shards weights.
+        progress: show a progress bar while loading; by default on a
+            terminal, unless `$KERAS_HUB_AUTODIST_PROGRESS=0`.
+        strict: every weight of the built model must match exactly one rule
+            of the plan: with `True` a weight that matches none raises
+            `UnplannedWeightError`; with `False` it warns
+            (`UnplannedWeightWarning`) and the weight stays replicated. A
+            weight built with another shape than planned always raises
+            `WeightShapeError`.
+        sequence_parallel: Megatron-style sequence parallelism: the
+            activations tensor parallelism replicates (norms, residual adds,
+            dropout) are sharded on the sequence over the model axis (see
+            `plan()`).
+        **kwargs: passed to `cls.from_preset` (`dtype`, `load_weights`, …).
+
+    Returns:
+        The model; its `fit`, `generate`, `enable_lora`, … run inside its
+        own distribution.
+
+    Example:
+    ```python
+    lm = keras_hub_autodist.from_preset(
+        keras_hub.models.GemmaCausalLM, "./gemma_2b",
+        device_mesh={"batch": 2, "model": 4})
+    ```
+    """
+    options = PlanOptions(
+        strategy=strategy,
+        batch_axis=batch_axis,
+        model_axis=model_axis,
+        dtype=kwargs.get("dtype"),
+        sequence_parallel=sequence_parallel,
+        strict=strict,
+    )
+    progress = progress_option(progress)
+    require_jax_backend()
+    load_from_preset = original_from_preset(cls)
+    # 1-2. The config, and every weight of the model it builds.
+    preset_config = read_preset_config(preset)
+    weights = model_weights(preset_config, options)
+    # 3. The plan, for a mesh of real devices.
+    if isinstance(device_mesh, str):
+        layout_plan = plan_model(weights, device_mesh, options)
+        mesh = build_device_mesh(
+            dict(zip(layout_plan.mesh_axes.axis_names, layout_plan.mesh_axes.shape))
+        )
+    else:
+        mesh = build_device_mesh(device_mesh)  # validates before listing devices
+        layout_plan = plan_model(weights, mesh, options)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_plan.layout_map(mesh),
+        batch_dim_name=layout_plan.batch_axis,
+        # Each process feeds its process-local batch (see docs/multihost.md).
+        auto_shard_dataset=False,
+    )
+    # 4-5. Load inside the distribution, each weight checked as it is made;
+    # then the built model checked against the plan.
+    check = layout_plan.weight_check(strict=options.strict)
+
+    def load(source):
+        loading = sharded_loading(
+            load_weights=kwargs.get("load_weights", True),
+            total_weights=len(layout_plan.rows),
+            total_bytes=layout_plan.total_bytes,
+            progress=progress,
+            check_variable=check.created,
+        )
+        with distribution.scope(), loading as stats:
+            try:
+                model = load_from_preset(cls, source, **kwargs)
+            except ValueError as error:
+                if isinstance(error, AutodistError) or not is_quantized(
+                    preset_config.config
+                ):
+                    raise
+                raise _quantized_preset_error(preset, error) from error
+        check.built(model.weights)
+        verify_layouts(model)
+        attach_load_stats(model, stats)
+        return model
+
+    try:
+        model = load(preset)
+    except Exception as error:
+        snapshot = cached_kaggle_snapshot(preset) if is_network_error(error) else None
+        if snapshot is None:
+            raise
+        warnings.warn(
+            f"keras_hub_autodist: the network is unreachable; loading {preset} "
+            f"from kagglehub's cache at {snapshot}.",
+            stacklevel=2,
+        )
+        model = load(snapshot)
+    # 6. Bound to its distribution.
+    return bind(model, distribution, layout_plan)
+
+
+def _quantized_preset_error(preset, error: ValueError) -> PresetError:
+    return PresetError(
+        "keras-hub could not load the weights of this quantized preset "
+        "(keras-hub 0.32 can't reload a quantized backbone saved with "
+        "`save_to_preset`, on one device either). Load the unquantized preset "
+        'with `device_mesh=` and call `quantize("int8")` on the loaded model '
+        f"instead. Received: preset={preset!r} ({str(error).splitlines()[0]})"
+    )
