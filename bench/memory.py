@@ -9,7 +9,7 @@ from bench import planning
 from bench.static_maps import static_device_bytes
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.presets import read_preset_config
-from keras_hub_autodist.registry import handler_for
+from keras_hub_autodist.registry import architecture_for
 
 SHARED = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "presets"
 DEVICES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -30,7 +30,7 @@ def run():
     ):  # the 70B-class configs have their own section (bench/planning.py)
         info = read_preset_config(str(preset))
         try:
-            weights = handler_for(info.backbone_cls).weights(
+            weights = architecture_for(info.backbone_cls).weights(
                 info.config, info.backbone_cls
             )
         except UnsupportedArchitectureError:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_hub_autodist
-from keras_hub_autodist import activation
+from keras_hub_autodist import pipeline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ["gemma", "gemma2", "gemma3_text", "llama3"]
@@ -48,19 +48,19 @@ def _files_read_before_planning(monkeypatch, preset):
     """Load with a mesh, recording the preset files requested before planning."""
     preset_utils = sys.modules["keras_hub.src.utils.preset_utils"]
     requested, planned = [], []
-    real_get_file, real_plan = preset_utils.get_file, activation.plan_config
+    real_get_file, real_plan = preset_utils.get_file, pipeline.plan_model
 
     def get_file(preset_, path):
         if not planned:
             requested.append(path)
         return real_get_file(preset_, path)
 
-    def plan_config(*args, **kwargs):
+    def plan_model(*args, **kwargs):
         planned.append(True)
         return real_plan(*args, **kwargs)
 
     monkeypatch.setattr(preset_utils, "get_file", get_file)
-    monkeypatch.setattr(activation, "plan_config", plan_config)
+    monkeypatch.setattr(pipeline, "plan_model", plan_model)
     backbone = keras_hub.models.Backbone.from_preset(
         preset, device_mesh={"batch": 2, "model": 4}
     )

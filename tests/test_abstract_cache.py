@@ -13,6 +13,7 @@ import pytest
 import keras_hub_autodist
 from keras_hub_autodist import abstract
 from keras_hub_autodist.architectures.llama import LLAMA
+from keras_hub_autodist.weight import Weight
 
 CONFIG = dict(
     vocabulary_size=64,
@@ -138,13 +139,17 @@ def test_a_config_that_is_not_plain_json_is_cached_in_memory_only(
 
 
 def test_quantization_scales_of_planned_weights_are_replicated():
-    kernel = abstract.VariableShape(
-        "transformer_layer_0/feedforward_output_dense/kernel", (32, 16), "int8"
+    kernel = Weight(
+        "transformer_layer_0/feedforward_output_dense/kernel",
+        shape=(32, 16),
+        dtype="int8",
     )
-    scale = abstract.VariableShape(
-        "transformer_layer_0/feedforward_output_dense/kernel_scale", (16,), "float32"
+    scale = Weight(
+        "transformer_layer_0/feedforward_output_dense/kernel_scale",
+        shape=(16,),
+        dtype="float32",
     )
-    orphan = abstract.VariableShape("lonely/kernel_scale", (16,), "float32")
+    orphan = Weight("lonely/kernel_scale", shape=(16,), dtype="float32")
     specs = LLAMA.match_variables([kernel, scale], "LlamaBackbone")
     assert specs[1].axes == ("unsharded",)
     with pytest.raises(Exception, match=r"lonely/kernel_scale \(16,\)"):
@@ -188,8 +193,9 @@ def test_a_build_read_from_disk_is_refused_like_a_fresh_one(tmp_path, monkeypatc
 
     from keras_hub_autodist.architectures.gemma3 import GEMMA3
     from keras_hub_autodist.errors import UnsupportedArchitectureError
-    from keras_hub_autodist.presets import PresetConfig
-    from keras_hub_autodist.presets import validated_weights
+    from keras_hub_autodist.configs import PresetConfig
+    from keras_hub_autodist.options import PlanOptions
+    from keras_hub_autodist.shapes import validated_weights
 
     monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
     config = {
@@ -203,4 +209,4 @@ def test_a_build_read_from_disk_is_refused_like_a_fresh_one(tmp_path, monkeypatc
     # As a process that has not imported keras-hub reads the preset.
     info = PresetConfig("./embedder", None, config, "keras", "Gemma3Backbone")
     with pytest.raises(UnsupportedArchitectureError, match="embedding models"):
-        validated_weights(GEMMA3, info, GEMMA3.config_fields)
+        validated_weights(GEMMA3, info, GEMMA3.config_fields, PlanOptions())

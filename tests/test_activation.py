@@ -12,7 +12,7 @@ import pytest
 import venvs
 
 import keras_hub_autodist
-from keras_hub_autodist import activation
+from keras_hub_autodist import plugin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,12 +28,12 @@ def test_activate_is_idempotent():
 
 
 def test_deactivate_restores_the_original():
-    activation.deactivate()
+    plugin.deactivate()
     try:
         func = keras_hub.models.Task.__dict__["from_preset"].__func__
         assert not hasattr(func, "__keras_hub_autodist_original__")
     finally:
-        activation.activate()
+        plugin.activate()
 
 
 def load_hook(monkeypatch, switch):
@@ -57,21 +57,21 @@ def from_preset_func(base=keras_hub.models.Backbone):
 @pytest.fixture
 def plugin_off(monkeypatch):
     """keras-hub as the startup hook leaves it with the plugin switched off."""
-    activation.deactivate()
+    plugin.deactivate()
     try:
         yield load_hook(monkeypatch, "off")
     finally:
-        activation.activate()
+        plugin.activate()
 
 
 def test_explicit_activation_ignores_the_environment_switch(monkeypatch):
     monkeypatch.setenv("KERAS_HUB_AUTODIST", "0")
-    activation.deactivate()
+    plugin.deactivate()
     try:
-        assert activation.activate() is True
+        assert plugin.activate() is True
         assert from_preset_func().__keras_hub_autodist_original__
     finally:
-        activation.activate()
+        plugin.activate()
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,7 @@ def test_switched_off_device_mesh_raises(plugin_off, tiny_presets_dir):
 
 
 def test_explicit_activation_replaces_the_guard(plugin_off):
-    assert activation.activate()
+    assert plugin.activate()
     func = from_preset_func(keras_hub.models.Task)
     assert not getattr(func, "__keras_hub_autodist_guard__", False)
     original = func.__keras_hub_autodist_original__
@@ -179,7 +179,7 @@ def test_positional_load_weights_is_kept(tiny_presets_dir, monkeypatch):
         seen.update(kwargs)
         raise RuntimeError("stop before loading")
 
-    monkeypatch.setattr(activation, "from_preset", spy)
+    monkeypatch.setattr(plugin, "from_preset", spy)
     with pytest.raises(RuntimeError, match="stop before loading"):
         keras_hub.models.CausalLM.from_preset(
             tiny_presets_dir["gemma_mqa"], False, device_mesh={"batch": 8}
@@ -272,7 +272,7 @@ def test_broken_hook_never_breaks_start_up(fresh_venv, tmp_path):
     broken = tmp_path / "keras_hub_autodist"
     broken.mkdir()
     (broken / "__init__.py").write_text("raise RuntimeError('boom')\n")
-    (broken / "activation.py").write_text("")
+    (broken / "plugin.py").write_text("")
     code = """
         import warnings
         with warnings.catch_warnings(record=True) as caught:

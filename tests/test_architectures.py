@@ -10,9 +10,18 @@ import keras
 import keras_hub
 import pytest
 
-from keras_hub_autodist.plan import plan_config
-from keras_hub_autodist.presets import PresetConfig
-from keras_hub_autodist.registry import handler_for
+from keras_hub_autodist.configs import PresetConfig
+from keras_hub_autodist.options import PlanOptions
+from keras_hub_autodist.planner import plan_model
+from keras_hub_autodist.registry import architecture_for
+
+def plan_config(info, mesh, **options):
+    """The plan of a config already read, as `from_preset` makes it."""
+    from keras_hub_autodist.shapes import model_weights
+
+    options = PlanOptions(**options)
+    return plan_model(model_weights(info, options), mesh, options)
+
 
 SMALL = dict(vocabulary_size=48, num_layers=2, hidden_dim=16, intermediate_dim=32)
 
@@ -96,7 +105,7 @@ def _build(name):
 def test_weight_table_matches_real_model(name):
     model, info = _build(name)
     table = {
-        w.path: w.shape for w in handler_for(info.backbone_cls).shape_hints(info.config)
+        w.path: w.shape for w in architecture_for(info.backbone_cls).shape_hints(info.config)
     }
     real = {w.path: tuple(w.shape) for w in model.weights}
     assert table == real
@@ -109,7 +118,7 @@ def test_weight_table_matches_real_model(name):
 def test_every_weight_and_lora_kernel_matches_exactly_one_key(name, mesh):
     model, info = _build(name)
     layout_plan = plan_config(info, mesh, strategy="fsdp")
-    layouts = layout_plan._layouts()
+    layouts = layout_plan.weight_layouts()
     model.enable_lora(2)
     lora_seen = 0
     for weight in model.weights:
@@ -133,7 +142,7 @@ def test_every_weight_and_lora_kernel_matches_exactly_one_key(name, mesh):
 
 def test_kernel_keys_do_not_match_lora_kernels():
     _, info = _build("llama3_untied")
-    layouts = plan_config(info, {"batch": 2, "model": 4}, strategy="tp")._layouts()
+    layouts = plan_config(info, {"batch": 2, "model": 4}, strategy="tp").weight_layouts()
     kernel_key = next(k for k in layouts if k.endswith("query/kernel"))
     assert not re.fullmatch(
         kernel_key, "transformer_layer_0/self_attention/query/lora_kernel_a"
@@ -146,8 +155,8 @@ def test_layouts_follow_each_family_axis_order():
     # the same logical rule lands on a different dimension.
     _, gemma = _build("gemma2_post_norms")
     _, llama = _build("llama3_untied")
-    g = plan_config(gemma, {"batch": 1, "model": 2}, strategy="tp")._layouts()
-    m = plan_config(llama, {"batch": 1, "model": 2}, strategy="tp")._layouts()
+    g = plan_config(gemma, {"batch": 1, "model": 2}, strategy="tp").weight_layouts()
+    m = plan_config(llama, {"batch": 1, "model": 2}, strategy="tp").weight_layouts()
     assert g[r"decoder_block_\d+/attention/query/kernel"] == ("model", None, None)
     assert m[r"transformer_layer_\d+/self_attention/query/kernel"] == (
         None,
@@ -172,7 +181,7 @@ def test_layout_map_is_a_keras_layout_map():
         (2, 4), ("batch", "model"), keras.distribution.list_devices()
     )
     layout_plan = plan_config(info, mesh, strategy="tp")
-    layout_map = layout_plan.layout_map()
+    layout_map = layout_plan.layout_map(mesh)
     assert isinstance(layout_map, keras.distribution.LayoutMap)
     # One kv head never goes on the model axis; in this tiny model K/V are a
     # large share of the weights: replicating them would break the tp target

@@ -10,13 +10,13 @@ from keras_hub_autodist import ConfigError
 from keras_hub_autodist import DTypeError
 from keras_hub_autodist import PresetError
 from keras_hub_autodist import registry
-from keras_hub_autodist.plan import read_config
-from keras_hub_autodist.presets import HF_CONVERSIONS
+from keras_hub_autodist.presets import read_config
+from keras_hub_autodist.configs import HF_CONVERSIONS
 from keras_hub_autodist.presets import cached_kaggle_snapshot
-from keras_hub_autodist.presets import read_local_config
+from keras_hub_autodist.configs import read_local_config
 from keras_hub_autodist.presets import read_preset_config
-from keras_hub_autodist.presets import shapes_from_config
-from keras_hub_autodist.presets import validated_weights
+from keras_hub_autodist.options import PlanOptions
+from keras_hub_autodist.shapes import validated_weights
 
 GEMMA_HF = {
     "architectures": ["GemmaForCausalLM"],
@@ -55,7 +55,7 @@ def _assert_same(fast, slow):
         assert key in slow.config, key
         assert slow.config[key] == value, (key, value, slow.config[key])
     # Every field the layout reads is one the fast reader provides.
-    handler = registry.handler_for(slow.backbone_cls)
+    handler = registry.architecture_for(slow.backbone_cls)
     recording = Recording(slow.config)
     handler.shape_hints(recording)
     for key in recording.read:
@@ -64,8 +64,9 @@ def _assert_same(fast, slow):
     # what the abstract build of the model gives.
     if handler.shape_hints(fast.config) is None:
         return
-    with shapes_from_config():
-        hinted = validated_weights(handler, fast, handler.config_fields)
+    hinted = validated_weights(
+        handler, fast, handler.config_fields, PlanOptions(shape_source="config")
+    )
     built = handler.weights(slow.config, slow.backbone_cls)
     by_path = lambda weights: sorted(weights, key=lambda w: w.path)  # noqa: E731
     assert by_path(hinted) == by_path(built)
@@ -92,8 +93,8 @@ def test_fast_reader_agrees_with_keras_hub_on_tiny_keras_presets(tiny_presets_di
 def test_every_fast_conversion_names_a_keras_hub_class():
     for model_type, conversion in HF_CONVERSIONS.items():
         cls = getattr(keras_hub.models, conversion.backbone_class)
-        assert registry.handler_by_name(conversion.backbone_class) is (
-            registry.handler_for(cls)
+        assert registry.architecture_by_name(conversion.backbone_class) is (
+            registry.architecture_for(cls)
         ), model_type
 
 
@@ -101,8 +102,8 @@ def test_known_subclasses_match_keras_hub():
     for name, base in registry.KNOWN_SUBCLASSES.items():
         cls = getattr(keras_hub.models, name)
         assert getattr(keras_hub.models, base) in cls.__mro__
-        assert registry.handler_by_name(name) is registry.handler_for(cls)
-    assert registry.handler_by_name("BertBackbone") is None
+        assert registry.architecture_by_name(name) is registry.architecture_for(cls)
+    assert registry.architecture_by_name("BertBackbone") is None
 
 
 def test_unknown_formats_take_keras_hubs_path(tmp_path, monkeypatch):

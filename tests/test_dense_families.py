@@ -28,7 +28,7 @@ from keras_hub_autodist.architectures.qwen import QWEN3
 from keras_hub_autodist.architectures.smollm3 import SMOLLM3
 from keras_hub_autodist.errors import UnplannedWeightError
 from keras_hub_autodist.errors import UnplannedWeightWarning
-from keras_hub_autodist.registry import handler_for
+from keras_hub_autodist.registry import architecture_for
 
 # Shapes that make the layouts interesting: key/value heads that don't divide
 # a model axis of 4 or 8, a vocabulary that doesn't divide 8.
@@ -166,7 +166,7 @@ def _mesh_id(mesh):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_rule_table_covers_every_variable_once(name):
     cls, table, config = VARIANTS[name]
-    assert handler_for(cls) is table
+    assert architecture_for(cls) is table
     specs = table.weights(config, cls)
     paths = [spec.path for spec in specs]
     # keras-hub builds SmolLM3's `o_proj` and `rotary_emb` outside their

@@ -1,4 +1,4 @@
-"""`rules.choose_kv_layout`: the key/value layouts are alternatives compared
+"""`policy.choose_kv_layout`: the key/value layouts are alternatives compared
 by communication cost, subject to the device memory and the per-device
 parameter target."""
 
@@ -6,26 +6,26 @@ import re
 
 import pytest
 
-from keras_hub_autodist import rules
+from keras_hub_autodist import policy
 
 GIB = 1024**3
-REPLICATE, HEAD_DIM = rules.KV_LAYOUTS
+REPLICATE, HEAD_DIM = policy.KV_LAYOUTS
 
 
 def choose(replicate, head_dim, capacity=16 * GIB, target=1.10):
     """Each argument: (training GiB per device, ideal ratio)."""
     candidates = [
-        rules.KVCandidate(HEAD_DIM, int(head_dim[0] * GIB), head_dim[1]),
-        rules.KVCandidate(REPLICATE, int(replicate[0] * GIB), replicate[1]),
+        policy.KVCandidate(HEAD_DIM, int(head_dim[0] * GIB), head_dim[1]),
+        policy.KVCandidate(REPLICATE, int(replicate[0] * GIB), replicate[1]),
     ]
-    layout, reason = rules.choose_kv_layout(
+    layout, reason = policy.choose_kv_layout(
         candidates, capacity=capacity, target=target, strategy="tp", axis="model"
     )
     return layout.kv_fallback, reason
 
 
 def test_the_cheapest_communication_is_listed_first():
-    assert [k.collective_rank for k in rules.KV_LAYOUTS] == [0, 1]
+    assert [k.collective_rank for k in policy.KV_LAYOUTS] == [0, 1]
     assert REPLICATE.kv_fallback == "replicate"
 
 

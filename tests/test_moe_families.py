@@ -15,7 +15,7 @@ from test_from_preset import mesh_id
 from test_from_preset import optimizer_for
 
 import keras_hub_autodist
-from keras_hub_autodist.registry import handler_for
+from keras_hub_autodist.registry import architecture_for
 
 MIXTRAL = dict(
     vocabulary_size=64,
@@ -83,7 +83,7 @@ def without_counters(path):
 def test_rule_table_covers_every_variable_exactly_once(family, overrides):
     cls = backbone_cls(family)
     config = {**FAMILIES[family][2], **overrides}
-    handler = handler_for(cls)
+    handler = architecture_for(cls)
     specs = handler.weights(config, cls)
     # A real build later in the process: keras-hub counts MoE blocks (and
     # Qwen-MoE's dense MLPs) per process, so its paths differ from the
@@ -106,7 +106,7 @@ def test_expert_kernels_and_routers_get_their_logical_axes():
     cls = backbone_cls("qwen_moe")
     axes = {
         without_counters(s.path).split("/", 1)[1]: s.axes
-        for s in handler_for(cls).weights(QWEN_MOE, cls)
+        for s in architecture_for(cls).weights(QWEN_MOE, cls)
         if s.path.startswith("transformer_layer_0/")
     }
     block = "qwen_sparse_moe_block"

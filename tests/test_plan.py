@@ -19,7 +19,7 @@ from keras_hub_autodist import UnsupportedArchitectureError
 from keras_hub_autodist import abstract
 from keras_hub_autodist.presets import read_preset_config
 from keras_hub_autodist.registry import BUILTIN_ARCHITECTURES
-from keras_hub_autodist.registry import handler_for
+from keras_hub_autodist.registry import architecture_for
 
 FSDP_MESHES = [
     {"batch": 8, "model": 1},
@@ -117,7 +117,7 @@ def test_gemma_2b_single_kv_head_on_two_devices():
     # kernels' heads dim (size 1) over "model" and fails with IndivisibleError.
     preset = str(pytest.shared / "gemma_2b")
     info = read_preset_config(preset)
-    weights = handler_for(info.backbone_cls).weights(info.config, info.backbone_cls)
+    weights = architecture_for(info.backbone_cls).weights(info.config, info.backbone_cls)
     mesh = keras.distribution.DeviceMesh(
         (1, 2), ("batch", "model"), keras.distribution.list_devices()[:2]
     )
@@ -195,12 +195,12 @@ def test_auto_strategy_uses_device_memory():
 
 
 def test_device_memory_from_environment(monkeypatch):
-    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB", "64")
+    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB", "64")
     plan = keras_hub_autodist.plan(
         str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4}
     )
     assert plan.device_memory_bytes == 64 * 1024**3
-    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB", "lots")
+    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB", "lots")
     with pytest.raises(MeshError, match="must be a number of GiB.*Received: .*'lots'"):
         keras_hub_autodist.plan(
             str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4}
@@ -380,14 +380,14 @@ def test_plan_says_where_device_memory_comes_from(monkeypatch):
     preset = str(pytest.shared / "gemma_2b")
     assumed = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
     assert assumed.device_memory_source == "assumed"
-    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB", "24")
+    monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB", "24")
     from_env = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
     assert from_env.device_memory_source == "env"
-    assert "$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB" in from_env.summary()
+    assert "$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB" in from_env.summary()
 
 
 def test_device_memory_reported_by_the_devices():
-    from keras_hub_autodist.plan import device_memory_info
+    from keras_hub_autodist.memory import device_memory_info
 
     class Device:
         client = None
@@ -445,7 +445,7 @@ def test_every_note_agrees_with_its_row(real_configs, model_size, strategy):
         plan = keras_hub_autodist.plan(
             str(preset), {"batch": 2, "model": model_size}, strategy=strategy
         )
-        handler = handler_for_plan(plan)
+        handler = architecture_for_plan(plan)
         # `expert_<axis>` names the field of <axis> in expert kernels.
         fields_to_axis = {
             f: a.removeprefix("expert_") for a, f in handler.config_fields.items()
@@ -455,10 +455,10 @@ def test_every_note_agrees_with_its_row(real_configs, model_size, strategy):
                 _note_agrees_with_row(plan, row, fields_to_axis)
 
 
-def handler_for_plan(plan):
-    from keras_hub_autodist.registry import handler_by_name
+def architecture_for_plan(plan):
+    from keras_hub_autodist.registry import architecture_by_name
 
-    return handler_by_name(plan.backbone_class)
+    return architecture_by_name(plan.backbone_class)
 
 
 def test_query_replicated_means_no_head_dim_note():
@@ -483,7 +483,7 @@ def test_a_rule_whose_weights_get_different_layouts_is_keyed_per_weight():
     other = dataclasses.replace(
         row, path=row.path + "x", spec=("batch",) * len(row.spec)
     )
-    layouts = plan.replace(rows=plan.rows + (other,))._layouts()
+    layouts = plan.replace(rows=plan.rows + (other,)).weight_layouts()
     assert row.pattern not in layouts
     assert layouts[re.escape(row.path)] == row.spec
     assert layouts[re.escape(row.path.replace("_0/", "_1/"))] == row.spec

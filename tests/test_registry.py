@@ -114,20 +114,24 @@ def test_builtins_plan_without_installed_metadata(
 def test_source_checkout_plans_in_a_fresh_process():
     """`PYTHONPATH=<checkout>` and no entry points at all: every built-in
     family plans from the model; with the CLI's shape hints
-    (`shapes_from_config`), planning a folder imports no Keras."""
+    (`PlanOptions(shape_source="config")`), planning a folder imports no
+    Keras."""
     code = textwrap.dedent(
         f"""
         import sys
         from importlib import metadata
         metadata.entry_points = lambda **kwargs: []
         import keras_hub_autodist
-        from keras_hub_autodist.presets import shapes_from_config
+        from keras_hub_autodist.options import PlanOptions
+        from keras_hub_autodist.planner import plan_model
+        from keras_hub_autodist.presets import read_config
+        from keras_hub_autodist.shapes import model_weights
         names = {[p for p, _, _ in FAMILIES if isinstance(p, str)]!r}
-        with shapes_from_config():
-            for name in names:
-                plan = keras_hub_autodist.plan(
-                    {str(pytest.shared)!r} + "/" + name, {MESH!r})
-                print(name, plan.architecture)
+        hints = PlanOptions(shape_source="config")
+        for name in names:
+            config = read_config({str(pytest.shared)!r} + "/" + name)
+            plan = plan_model(model_weights(config, hints), {MESH!r}, hints)
+            print(name, plan.architecture)
         print("keras imported:", "keras" in sys.modules)
         for name in names:
             plan = keras_hub_autodist.plan(
@@ -155,17 +159,17 @@ def test_unsupported_error_lists_the_builtins_without_metadata(no_installed_meta
         match=rf"no layout for GPT2Backbone\. Supported backbones: {BUILTINS}\. "
         r".*Received: ",
     ):
-        registry.handler_for(type("GPT2Backbone", (), {}))
+        registry.architecture_for(type("GPT2Backbone", (), {}))
 
 
 def test_plugin_named_like_a_builtin_warns_and_the_builtin_wins(plugins):
     plugins("dup-layouts", "GemmaBackbone = dup_layouts:OTHER")
     with pytest.warns(
         UserWarning,
-        match=r"two architecture handlers are registered for 'GemmaBackbone'.*"
+        match=r"two architectures are registered for 'GemmaBackbone'.*"
         r"Using keras_hub_autodist\.architectures\.gemma:GEMMA \(built-in\)",
     ):
-        assert registry.handler_by_name("GemmaBackbone") is GEMMA
+        assert registry.architecture_by_name("GemmaBackbone") is GEMMA
     assert registry.architecture_sources()["GemmaBackbone"] == "built-in"
 
 
@@ -178,7 +182,7 @@ def test_two_plugins_with_one_name_warn_and_the_first_wins(plugins):
         r"and dup_layouts:SECOND \(plugin second-layouts\)\. Using "
         r"dup_layouts:OTHER",
     ):
-        assert registry.handler_by_name("OtherBackbone").name == "other"
+        assert registry.architecture_by_name("OtherBackbone").name == "other"
 
 
 def test_an_entry_point_naming_the_builtin_itself_is_no_conflict(plugins):
@@ -188,7 +192,7 @@ def test_an_entry_point_naming_the_builtin_itself_is_no_conflict(plugins):
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert registry.handler_by_name("GemmaBackbone") is GEMMA
+        assert registry.architecture_by_name("GemmaBackbone") is GEMMA
 
 
 def test_a_broken_plugin_warns_and_the_error_names_it(plugins):
@@ -200,7 +204,7 @@ def test_a_broken_plugin_warns_and_the_error_names_it(plugins):
             r"warnings\): "
             r"BrokenBackbone = dup_layouts:DOES_NOT_EXIST \(AttributeError",
         ):
-            registry.handler_for(type("BrokenBackbone", (), {}))
+            registry.architecture_for(type("BrokenBackbone", (), {}))
     # Planning other families is unaffected.
     assert keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), MESH).rows
 

@@ -63,15 +63,15 @@ def test_builtins_are_registered():
         "LlamaBackbone",
         "MistralBackbone",
     } <= set(registry.registered_architectures())
-    assert registry.handler_for(keras_hub.models.GemmaBackbone) is GEMMA
+    assert registry.architecture_for(keras_hub.models.GemmaBackbone) is GEMMA
 
 
 def test_lookup_follows_mro():
-    assert registry.handler_for(keras_hub.models.Llama3Backbone) is LLAMA
+    assert registry.architecture_for(keras_hub.models.Llama3Backbone) is LLAMA
 
 
 def test_third_party_handler_through_entry_points(toy_plugin):
-    handler = registry.handler_for(ToySubBackbone)
+    handler = registry.architecture_for(ToySubBackbone)
     assert handler.name == "toy"
     assert [w.shape for w in handler.weights({"vocabulary_size": 8})] == [(8, 4)]
 
@@ -84,7 +84,7 @@ def test_broken_plugin_warns_and_is_skipped(toy_plugin):
         with pytest.raises(
             UnsupportedArchitectureError, match="no layout for BrokenBackbone"
         ):
-            registry.handler_for(BrokenBackbone)
+            registry.architecture_for(BrokenBackbone)
 
 
 def test_unsupported_error_lists_installed_and_docs():
@@ -92,7 +92,7 @@ def test_unsupported_error_lists_installed_and_docs():
         UnsupportedArchitectureError,
         match=r"Supported backbones: .*GemmaBackbone.*keras_hub_autodist.architectures",
     ):
-        registry.handler_for(keras_hub.models.BertBackbone)
+        registry.architecture_for(keras_hub.models.BertBackbone)
 
 
 def test_console_script_is_in_installed_metadata():
@@ -139,6 +139,6 @@ def test_cli_errors_are_one_line_with_status_2(argv, message, capsys):
 
 
 def test_lookup_by_class_name_without_keras_hub():
-    assert registry.handler_by_name("GemmaBackbone") is GEMMA
-    assert registry.handler_by_name("Llama3Backbone") is LLAMA
-    assert registry.handler_by_name("GPT2Backbone") is None
+    assert registry.architecture_by_name("GemmaBackbone") is GEMMA
+    assert registry.architecture_by_name("Llama3Backbone") is LLAMA
+    assert registry.architecture_by_name("GPT2Backbone") is None

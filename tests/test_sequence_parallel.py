@@ -158,7 +158,7 @@ def test_a_key_matching_weights_is_refused(tiny_presets_dir):
     )
     plan = plan.replace(sequence_parallel_outputs=(r"decoder_block_\d+/.*",))
     with pytest.raises(PlanError, match="must match layer outputs .* only"):
-        plan.layout_map()
+        plan.layout_map(mesh)
 
 
 def test_plan_keys_summary_and_model_axis_of_one(tiny_presets_dir):
