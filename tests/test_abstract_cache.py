@@ -192,8 +192,8 @@ def test_a_build_read_from_disk_is_refused_like_a_fresh_one(tmp_path, monkeypatc
     import tiny_presets
 
     from keras_hub_autodist.architectures.gemma3 import GEMMA3
-    from keras_hub_autodist.errors import UnsupportedArchitectureError
     from keras_hub_autodist.configs import PresetConfig
+    from keras_hub_autodist.errors import UnsupportedArchitectureError
     from keras_hub_autodist.options import PlanOptions
     from keras_hub_autodist.shapes import validated_weights
 

@@ -15,6 +15,7 @@ from keras_hub_autodist.options import PlanOptions
 from keras_hub_autodist.planner import plan_model
 from keras_hub_autodist.registry import architecture_for
 
+
 def plan_config(info, mesh, **options):
     """The plan of a config already read, as `from_preset` makes it."""
     from keras_hub_autodist.shapes import model_weights
@@ -105,7 +106,8 @@ def _build(name):
 def test_weight_table_matches_real_model(name):
     model, info = _build(name)
     table = {
-        w.path: w.shape for w in architecture_for(info.backbone_cls).shape_hints(info.config)
+        w.path: w.shape
+        for w in architecture_for(info.backbone_cls).shape_hints(info.config)
     }
     real = {w.path: tuple(w.shape) for w in model.weights}
     assert table == real
@@ -142,7 +144,9 @@ def test_every_weight_and_lora_kernel_matches_exactly_one_key(name, mesh):
 
 def test_kernel_keys_do_not_match_lora_kernels():
     _, info = _build("llama3_untied")
-    layouts = plan_config(info, {"batch": 2, "model": 4}, strategy="tp").weight_layouts()
+    layouts = plan_config(
+        info, {"batch": 2, "model": 4}, strategy="tp"
+    ).weight_layouts()
     kernel_key = next(k for k in layouts if k.endswith("query/kernel"))
     assert not re.fullmatch(
         kernel_key, "transformer_layer_0/self_attention/query/lora_kernel_a"

@@ -101,6 +101,8 @@ def test_messages_name_keywords_in_python_and_flags_in_the_cli():
 
     with pytest.raises(MeshError, match=r"pass `batch_axis=`.*\{'batch': 1") as raised:
         resolve_mesh_axes({"model": 8})
-    assert re.search(r"pass `--batch-axis`.*--mesh batch=1", as_flags(str(raised.value)))
+    assert re.search(
+        r"pass `--batch-axis`.*--mesh batch=1", as_flags(str(raised.value))
+    )
     with pytest.raises(MeshError, match=r"`model_axis='x'`"):
         resolve_mesh_axes({"batch": 2, "x": 4})

@@ -117,7 +117,9 @@ def test_gemma_2b_single_kv_head_on_two_devices():
     # kernels' heads dim (size 1) over "model" and fails with IndivisibleError.
     preset = str(pytest.shared / "gemma_2b")
     info = read_preset_config(preset)
-    weights = architecture_for(info.backbone_cls).weights(info.config, info.backbone_cls)
+    weights = architecture_for(info.backbone_cls).weights(
+        info.config, info.backbone_cls
+    )
     mesh = keras.distribution.DeviceMesh(
         (1, 2), ("batch", "model"), keras.distribution.list_devices()[:2]
     )
