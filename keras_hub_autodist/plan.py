@@ -296,6 +296,22 @@ class LayoutPlan:
             )
         return factors[optimizer] * self.max_device_bytes
 
+    def compiled_memory(
+        self, batch_size: int, sequence_length: int, optimizer="adam", **options
+    ):
+        """XLA's per-device bytes of this plan's training step, compiled ahead
+        of time with no weight allocated (`model_class=`, `preset=`,
+        `device_mesh=`: see `keras_hub_autodist.compiled_memory`).
+
+        Example:
+        ```python
+        plan.compiled_memory(8, 2048, "adam").peak_bytes
+        ```
+        """
+        from keras_hub_autodist.compiled_memory import compiled_memory
+
+        return compiled_memory(self, batch_size, sequence_length, optimizer, **options)
+
     @property
     def fits(self) -> bool:
         """Whether weights, gradients and Adam state fit each device.
@@ -570,6 +586,11 @@ class LayoutPlan:
                 f"{_format_bytes(self.device_memory_bytes)}, say so with "
                 f"{option('device_memory')}"
             )
+        advice.append(
+            "check this estimate against the compiled step: "
+            "`plan.compiled_memory(batch_size, sequence_length)` (`plan ... "
+            "--batch B --seq S --compiled` on the command line)"
+        )
         return advice
 
     def summary(self) -> str:
