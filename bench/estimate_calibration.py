@@ -4,9 +4,9 @@ against the compiled check, per model x mesh x dtype.
 Compiles each training step abstractly (`LayoutPlan.compiled_memory`: no
 weight is allocated) on 8 virtual CPU devices and prints, per case, XLA's
 peak bytes per device, the plan's closed form (`training_bytes_per_device`
-+ `activation_bytes_per_device`), the calibrated one
-(`keras_hub_autodist.step_memory.step_estimate` for the compiling platform) and the unweighted terms,
-as a Markdown table and JSON lines (`--json`).
++ `activation_bytes_per_device`), the calibrated one for the compiling
+platform (`keras_hub_autodist.step_memory.step_estimate`) and the
+unweighted terms, as a Markdown table and JSON lines (`--json`).
 """
 
 from __future__ import annotations

@@ -38,9 +38,11 @@ from keras_hub_autodist.errors import PlanError
 # Buffers of each term live at the step's peak, per platform, in the
 # model's dtype. Measured with `python -m bench.estimate_calibration`:
 # - "cpu": against XLA's memory analysis of the compiled step on 8 virtual
-#   CPU devices (float32; the tests' tiny presets and the bench models on
-#   meshes 1x1, 8x1, 2x4, 1x8; ratios 0.85-1.05). XLA's CPU backend keeps
-#   about four buffers of the attention scores (scores, mask, softmax, its
+#   CPU devices (Adam, meshes 1x1, 8x1, 2x4, 1x8): 0.87-1.16x on the bench
+#   models (bench/models.py, 8 x 512 tokens, float32 and bfloat16) and on
+#   Gemma 2B's shapes (4 x 1024); 1.16-1.40x over on the tests' tiny
+#   presets, whose attention scores dominate. XLA's CPU backend keeps about
+#   four buffers of the attention scores (scores, mask, softmax, its
 #   gradient) and three of the logits, and computes bfloat16 in float32
 #   (`FLOAT32_ACTIVATIONS`).
 # - "gpu": against the device peak of Gemma 2B's shapes in bfloat16, batch

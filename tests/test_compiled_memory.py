@@ -67,7 +67,13 @@ def _real_step_memory(path, task_cls, mesh, strategy):
     "name, task_cls, shape, strategy",
     [
         ("gemma_mqa", keras_hub.models.GemmaCausalLM, (2, 4), "tp"),
-        ("llama3_untied", keras_hub.models.Llama3CausalLM, (4, 2), "fsdp"),
+        pytest.param(
+            "llama3_untied",
+            keras_hub.models.Llama3CausalLM,
+            (4, 2),
+            "fsdp",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_matches_the_step_compiled_with_real_weights(
@@ -109,6 +115,7 @@ def test_arguments_are_weights_adam_state_and_the_batch(tiny_presets_dir):
     )
 
 
+@pytest.mark.slow
 def test_one_device_mesh_and_a_config_dict(tiny_presets_dir):
     config = {"class_name": "GemmaBackbone", "config": dict(_gemma_config())}
     plan = keras_hub_autodist.plan(config, _mesh((1, 1)), dtype="bfloat16")
@@ -125,6 +132,7 @@ def _gemma_config():
     return {**tiny_presets.GEMMA_MQA, "vocabulary_size": 64}
 
 
+@pytest.mark.slow
 def test_leaves_the_users_optimizer_unbuilt(tiny_presets_dir):
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
     optimizer = keras.optimizers.Adam(1e-3)
@@ -208,6 +216,7 @@ def test_step_estimate_parts():
         step_memory.step_estimate(plan, 4, 1024, "lion")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1, 1), (2, 4)])
 def test_cpu_estimate_within_15_percent_of_the_compiled_step(shape):
     config = {
@@ -262,3 +271,25 @@ def test_cli_step_errors_are_one_line(tiny_presets_dir, capsys, extra, match):
     assert status == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_accelerator_bench_runs_tiny(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, "-m", "bench.accelerator", "--tiny", "--out", str(out)],
+        check=True,
+        cwd=root,
+        timeout=1800,
+    )
+    results = json.loads((out / "accelerator.json").read_text())
+    rows = results["loading"] + results["training"]
+    assert len(results["loading"]) == 5 and len(results["training"]) == 2
+    assert not [row for row in rows if "error" in row]
+    assert (out / "accelerator.md").read_text().startswith("## On one accelerator")
