@@ -11,6 +11,7 @@ Example:
 ```
 keras-hub-autodist plan ./gemma_2b --mesh batch=2,model=4 --strategy fsdp
 keras-hub-autodist plan ./gemma_7b --mesh auto --devices 8 --device-memory 40
+keras-hub-autodist plan ./gemma_2b --mesh batch=2,model=4 --batch 8 --seq 512 --compiled
 keras-hub-autodist demo
 ```
 """
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 PROG = "keras-hub-autodist"
 EXIT_USAGE = 2
 STRATEGIES = ["auto", "tp", "fsdp"]
+OPTIMIZERS = ["adam", "sgd", "sgd_momentum"]
 # Errors of bad input that are printed as one line rather than a traceback,
 # besides the package's own `AutodistError`s.
 USER_ERRORS = (OSError, ValueError, ImportError)
@@ -97,6 +99,24 @@ def parse_devices(text: str) -> int:
     return int(text)
 
 
+def parse_positive(flag: str):
+    """A parser of a positive integer for `flag` (`--batch 8`).
+
+    Example:
+    >>> parse_positive("--batch")("8")
+    8
+    """
+
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes a positive integer. Received: {text!r}"
+            )
+        return int(text)
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's argument parser (no heavy imports).
 
@@ -152,6 +172,36 @@ def build_parser() -> argparse.ArgumentParser:
             "or an assumed 16)"
         ),
     )
+    plan.add_argument(
+        "--batch",
+        type=parse_positive("--batch"),
+        default=None,
+        metavar="B",
+        help="with --seq: estimate a training step of B sequences",
+    )
+    plan.add_argument(
+        "--seq",
+        type=parse_positive("--seq"),
+        default=None,
+        metavar="S",
+        help="with --batch: tokens per sequence of the training step",
+    )
+    plan.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=OPTIMIZERS,
+        help="the optimizer of the training step (default adam)",
+    )
+    plan.add_argument(
+        "--compiled",
+        action="store_true",
+        help=(
+            "with --batch and --seq: compile the training step ahead of time "
+            "for the local devices (virtual CPU devices without an "
+            "accelerator) and print XLA's bytes per device; no weight is "
+            "allocated"
+        ),
+    )
     demo = commands.add_parser(
         "demo", help="plan, LoRA fine-tune and generate (embedded tiny Gemma)"
     )
@@ -192,8 +242,58 @@ def _run_plan(args) -> int:
         shape_source="config",
     )
     model = model_weights(read_config(args.preset), options)
-    print(plan_model(model, args.mesh, options, num_devices=args.devices))
+    result = plan_model(model, args.mesh, options, num_devices=args.devices)
+    print(result)
+    if args.batch is not None:
+        print(_step_memory(result, args))
     return 0
+
+
+def _check_step_flags(args) -> None:
+    from keras_hub_autodist.errors import PlanError
+
+    if (args.batch is None) != (args.seq is None) or (
+        args.compiled and args.batch is None
+    ):
+        raise PlanError(
+            "A training step's memory needs both --batch and --seq (and "
+            "--compiled needs them too), e.g. --batch 8 --seq 2048. "
+            f"Received: --batch {args.batch}, --seq {args.seq}"
+            + (", --compiled" if args.compiled else "")
+        )
+
+
+def _step_memory(result, args) -> str:
+    """The closed-form estimate of the step, and the compiled check."""
+    from keras_hub_autodist.mesh import build_device_mesh
+    from keras_hub_autodist.step_memory import step_estimate
+
+    gib = 1024**3
+    estimate = step_estimate(result, args.batch, args.seq, args.optimizer)
+    lines = [
+        f"training step, batch {args.batch} x {args.seq} tokens, "
+        f"{args.optimizer}, estimated per device: "
+        f"{estimate.total_bytes / gib:.2f} GiB (weights "
+        f"{estimate.weights / gib:.2f}, optimizer state "
+        f"{estimate.optimizer_state / gib:.2f}, gradients "
+        f"{estimate.gradients / gib:.2f}, activations "
+        f"{estimate.activations / gib:.2f}) of "
+        f"{result.device_memory_bytes / gib:.1f} GiB"
+    ]
+    if args.compiled:
+        import keras
+
+        names, sizes = result.mesh_axes.axis_names, result.mesh_axes.shape
+        devices = keras.distribution.list_devices()[: math.prod(sizes)]
+        mesh = build_device_mesh(dict(zip(names, sizes)), devices)
+        memory = result.compiled_memory(
+            args.batch, args.seq, args.optimizer, device_mesh=mesh
+        )
+        lines.append(str(memory))
+        lines.append(
+            f"estimate / compiled peak: {estimate.total_bytes / memory.peak_bytes:.2f}"
+        )
+    return "\n".join(lines)
 
 
 def _use_virtual_devices_without_accelerator() -> None:
@@ -202,6 +302,16 @@ def _use_virtual_devices_without_accelerator() -> None:
 
     if not has_accelerator():
         use_virtual_cpu_devices(8)
+
+
+def _use_virtual_devices_for(mesh) -> None:
+    """Without an accelerator, as many virtual CPU devices as the mesh has
+    (8 for `--mesh auto`), before JAX starts."""
+    from keras_hub_autodist.demo import has_accelerator
+    from keras_hub_autodist.demo import use_virtual_cpu_devices
+
+    if not has_accelerator():
+        use_virtual_cpu_devices(8 if mesh == "auto" else math.prod(mesh.values()))
 
 
 def _run_demo(args) -> int:
@@ -278,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "plan":
+            _check_step_flags(args)
+            if args.compiled:
+                _use_virtual_devices_for(args.mesh)
             return _run_plan(args)
         _use_virtual_devices_without_accelerator()
         return _run_demo(args)

@@ -36,6 +36,7 @@ TOUCHPOINTS = (
     ("keras_hub.src.utils.preset_utils", "KerasPresetLoader"),
     ("keras_hub.src.utils.transformers.preset_loader", "TransformersPresetLoader"),
     ("keras_hub.src.utils.transformers.safetensor_utils", "SafetensorLoader"),
+    ("keras.src.trainers.trainer", "Trainer"),
 )
 
 
@@ -152,3 +153,23 @@ def variable_layout(variable):
     """The `TensorLayout` a distribution gave `variable`, or `None`
     (`Variable._layout`)."""
     return getattr(variable, "_layout", None)
+
+
+# --- compiled memory check ----------------------------------------------------
+
+
+def set_variable_layout(variable, layout) -> None:
+    """Give a deferred (valueless) variable the layout Keras would give it
+    on creation (`variable._layout`), so that the optimizer slots built from
+    it (`add_variable_from_reference`) take the same layout, as they do for
+    a real model."""
+    variable._layout = layout
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Build a compiled model's metrics, loss and optimizer state for a batch
+    of `data_batch`'s shapes (`Trainer._symbolic_build`), as `fit` and
+    `train_on_batch` do before their first step."""
+    from keras.src.trainers.trainer import Trainer
+
+    Trainer._symbolic_build(model, data_batch=data_batch)

@@ -183,6 +183,22 @@ class LayoutPlan:
         saves for its backward pass (`memory.activation_bytes_per_device`)."""
         return memory.activation_bytes_per_device(self, batch_size, sequence_length)
 
+    def compiled_memory(
+        self, batch_size: int, sequence_length: int, optimizer="adam", **options
+    ):
+        """XLA's per-device bytes of this plan's training step, compiled ahead
+        of time with no weight allocated (`model_class=`, `preset=`,
+        `device_mesh=`: see `keras_hub_autodist.compiled_memory`).
+
+        Example:
+        ```python
+        plan.compiled_memory(8, 2048, "adam").peak_bytes
+        ```
+        """
+        from keras_hub_autodist.compiled_memory import compiled_memory
+
+        return compiled_memory(self, batch_size, sequence_length, optimizer, **options)
+
     @property
     def fits(self) -> bool:
         """Whether weights, gradients and Adam state fit each device.

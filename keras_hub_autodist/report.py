@@ -69,6 +69,11 @@ def fit_advice(plan: LayoutPlan) -> list[str]:
             f"{format_bytes(plan.device_memory_bytes)}, say so with "
             f"{option('device_memory')}"
         )
+    advice.append(
+        "check this estimate against the compiled step: "
+        "`plan.compiled_memory(batch_size, sequence_length)` (`plan ... "
+        "--batch B --seq S --compiled` on the command line)"
+    )
     return advice
 
 

@@ -1,0 +1,479 @@
+"""`python -m bench.accelerator` (or `python -m bench --accelerator`): the
+benchmark for one accelerator, in under 8 minutes on one H200.
+
+It makes its own presets (random weights, saved by keras-hub in bfloat16):
+nothing is downloaded. Every measurement runs in a fresh process (`--child`)
+with `XLA_PYTHON_CLIENT_PREALLOCATE=false`, so that the device's
+`memory_stats()` peak is that measurement's own:
+
+- loading a Gemma 7B-shaped preset with `Backbone.from_preset`: keras-hub,
+  autodist on a one-device mesh, and a single-threaded h5py read of the
+  files; with `dtype="bfloat16"` and without `dtype=` (a float32 model from
+  the bfloat16 file); seconds, device peak and final bytes;
+- training a Gemma 2B-shaped `GemmaCausalLM` in bfloat16, batch 4 x 1024
+  tokens, Adam, `train_on_batch`: median seconds per step after warm-up,
+  tokens/s and model TFLOP/s (6 x parameters x tokens), keras-hub against
+  autodist, the device peak against the compiled check
+  (`plan.compiled_memory`) and the closed forms (the plan's, and
+  `step_memory.step_estimate` for the device's platform);
+- greedy `generate`: new tokens per second, both variants.
+
+It writes `accelerator.json` and `accelerator.md` (the section "On one
+accelerator", the machine named from `nvidia-smi` or JAX's device kind)
+under `$OUT` or `--out`; `--insert docs/benchmarks.md` puts the section in
+that file (replacing an earlier one). `--tiny` runs tiny shapes on any
+machine, the CPU included, in a minute or two.
+
+On a machine without Keras (../shared/ACCELERATOR.md), bring wheels of
+keras, keras-hub, namex, optree and this project, install them with
+`pip install --no-index --no-deps --target DIR *.whl`, and run with
+`PYTHONPATH=DIR:.`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+GEMMA_7B = dict(
+    vocabulary_size=256000,
+    num_layers=28,
+    num_query_heads=16,
+    num_key_value_heads=16,
+    hidden_dim=3072,
+    intermediate_dim=49152,
+    head_dim=256,
+)
+GEMMA_2B = dict(
+    vocabulary_size=256000,
+    num_layers=18,
+    num_query_heads=8,
+    num_key_value_heads=1,
+    hidden_dim=2048,
+    intermediate_dim=32768,
+    head_dim=256,
+)
+TINY = dict(
+    vocabulary_size=1024,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=64,
+    intermediate_dim=256,
+    head_dim=16,
+)
+# (batch, sequence, timed steps, warm-up steps, generated tokens)
+FULL_RUN = dict(batch=4, seq=1024, steps=6, warmup=2, generate=128)
+TINY_RUN = dict(batch=2, seq=32, steps=3, warmup=1, generate=16)
+LOAD_VARIANTS = [
+    ("raw read", None, None),
+    ("keras-hub", "keras-hub", "bfloat16"),
+    ("autodist", "autodist", "bfloat16"),
+    ("keras-hub", "keras-hub", None),
+    ("autodist", "autodist", None),
+]
+ONE_DEVICE = {"batch": 1, "model": 1}
+GB = 1e9
+
+
+# --- children: one measurement each, in a fresh process -----------------------
+
+
+def _setup_child():
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ["KERAS_HUB_AUTODIST_PROGRESS"] = "0"
+
+
+def _device_memory():
+    """(peak, in use) bytes of the first device; (None, in use summed over
+    live arrays) where the backend keeps no statistics (the CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if stats:
+        return stats.get("peak_bytes_in_use"), stats.get("bytes_in_use")
+    return None, sum(a.nbytes for a in jax.live_arrays())
+
+
+def raw_read(path):
+    """Read every dataset of the preset's .h5 files once, in one thread."""
+    import h5py
+    import numpy as np
+
+    total = 0
+    for name in sorted(pathlib.Path(path).glob("*.h5")):
+        with h5py.File(name, "r") as f:
+
+            def visit(_, node):
+                nonlocal total
+                if isinstance(node, h5py.Dataset):
+                    total += np.asarray(node[()]).nbytes
+
+            f.visititems(visit)
+    return total
+
+
+def child_load(path, variant, dtype):
+    if variant is None:
+        start = time.perf_counter()
+        read = raw_read(path)
+        return dict(seconds=time.perf_counter() - start, bytes_read=read)
+    import keras_hub
+
+    import keras_hub_autodist  # noqa: F401  (the plugin, without a .pth hook)
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    if variant == "autodist":
+        kwargs["device_mesh"] = ONE_DEVICE
+    start = time.perf_counter()
+    backbone = keras_hub.models.Backbone.from_preset(path, **kwargs)
+    for weight in backbone.weights:
+        weight.value.block_until_ready()
+    seconds = time.perf_counter() - start
+    peak, final = _device_memory()
+    return dict(
+        seconds=seconds,
+        peak_bytes=peak,
+        final_bytes=final,
+        params=backbone.count_params(),
+        variable_dtype=str(backbone.weights[0].dtype),
+    )
+
+
+def child_train(path, variant, batch, seq, steps, warmup, generate):
+    import jax
+    import keras
+    import keras_hub
+    import numpy as np
+
+    import keras_hub_autodist
+    from keras_hub_autodist import step_memory
+
+    row = {}
+    kwargs = dict(preprocessor=None, dtype="bfloat16")
+    if variant == "autodist":
+        devices = keras.distribution.list_devices()[:1]
+        mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)
+        plan = keras_hub_autodist.plan(path, mesh, dtype="bfloat16")
+        start = time.perf_counter()
+        compiled = plan.compiled_memory(batch, seq, "adam")
+        row["compiled_check_s"] = time.perf_counter() - start
+        row["compiled_peak_bytes"] = compiled.peak_bytes
+        row["compiled"] = {
+            k: v for k, v in vars(compiled).items() if k.endswith("_bytes")
+        }
+        row["closed_form_bytes"] = plan.training_bytes_per_device(
+            "adam"
+        ) + plan.activation_bytes_per_device(batch, seq)
+        row["calibrated_bytes"] = step_memory.step_estimate(
+            plan, batch, seq, "adam", platform=compiled.platform
+        ).total_bytes
+        kwargs["device_mesh"] = mesh
+    lm = keras_hub.models.GemmaCausalLM.from_preset(path, **kwargs)
+    # The task's default loss and metrics, as the compiled check compiles.
+    lm.compile(optimizer=keras.optimizers.Adam(1e-5))
+    vocabulary = lm.backbone.vocabulary_size
+    ids = np.random.default_rng(0).integers(1, vocabulary, (batch, seq))
+    x = {"token_ids": ids.astype("int32"), "padding_mask": np.ones_like(ids, "int32")}
+    y = np.roll(x["token_ids"], -1, axis=1)
+    times = []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        logs = lm.train_on_batch(x, y, return_dict=True)
+        jax.block_until_ready(logs["loss"])
+        times.append(time.perf_counter() - start)
+    peak, final = _device_memory()
+    step = statistics.median(times[warmup:])
+    params = lm.backbone.count_params()
+    tokens = batch * seq / step
+    row.update(
+        first_step_s=times[0],
+        step_s=step,
+        tokens_per_s=tokens,
+        tflops=6 * params * tokens / 1e12,
+        params=params,
+        peak_bytes=peak,
+        final_bytes=final,
+    )
+    prompt_length = 8
+    mask = np.zeros_like(x["padding_mask"])
+    mask[:, :prompt_length] = 1
+    prompt = {"token_ids": x["token_ids"] * mask, "padding_mask": mask}
+    length = prompt_length + generate
+    lm.compile(sampler="greedy")
+    lm.generate(prompt, max_length=length, stop_token_ids=None)  # compile
+    start = time.perf_counter()
+    lm.generate(prompt, max_length=length, stop_token_ids=None)
+    row["generate_tokens_per_s"] = batch * generate / (time.perf_counter() - start)
+    return row
+
+
+def _child_main(argv):
+    _setup_child()
+    kind, *args = argv
+    if kind == "load":
+        path, variant, dtype = args
+        row = child_load(path, None if variant == "-" else variant, _none(dtype))
+    elif kind == "train":
+        path, variant, *sizes = args
+        row = child_train(path, variant, *map(int, sizes))
+    else:
+        raise SystemExit(f"unknown child {kind!r}")
+    print(json.dumps(row))
+
+
+def _none(text):
+    return None if text == "-" else text
+
+
+def _run_child(*args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(root), env.get("PYTHONPATH", "")) if p
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.accelerator", "--child", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=root,
+    )
+    if result.returncode:
+        return dict(error=result.stderr.strip().splitlines()[-1:] or ["failed"])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# --- the run --------------------------------------------------------------------
+
+
+def machine() -> str:
+    """The accelerator's name and memory (`nvidia-smi`), else JAX's device
+    kind, else the CPU."""
+    if shutil.which("nvidia-smi"):
+        found = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        lines = found.stdout.strip().splitlines()
+        if found.returncode == 0 and lines:
+            return f"{len(lines)} x {lines[0].strip()}"
+    try:
+        import jax
+
+        device = jax.devices()[0]
+        if device.platform != "cpu":
+            return f"{len(jax.devices())} x {device.device_kind}"
+    except Exception:  # noqa: BLE001 - any JAX failure: name the CPU instead
+        pass
+    cpu = platform.processor() or platform.machine()
+    return f"CPU only: {cpu}, {os.cpu_count()} cores"
+
+
+def make_preset(root, name, config):
+    """A GemmaBackbone preset with random bfloat16 weights, saved by keras-hub."""
+    code = (
+        "import os; os.environ['KERAS_BACKEND'] = 'jax'\n"
+        "import keras, keras_hub, json, sys\n"
+        "keras.utils.set_random_seed(0)\n"
+        "config = json.loads(sys.argv[2])\n"
+        "keras_hub.models.GemmaBackbone(**config, dtype='bfloat16')"
+        ".save_to_preset(sys.argv[1])\n"
+    )
+    path = os.path.join(root, name)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-c", code, path, json.dumps(config)], check=True, env=env
+    )
+    return path, time.perf_counter() - start
+
+
+def run(tiny=False, root=None):
+    started = time.perf_counter()
+    sizes = TINY_RUN if tiny else FULL_RUN
+    results = dict(
+        machine=machine(),
+        date=datetime.date.today().isoformat(),
+        tiny=tiny,
+        sizes=sizes,
+        loading=[],
+        training=[],
+    )
+    with tempfile.TemporaryDirectory(dir=root) as folder:
+        big, results["save_7b_s"] = make_preset(
+            folder, "gemma_7b_shape", TINY if tiny else GEMMA_7B
+        )
+        for label, variant, dtype in LOAD_VARIANTS:
+            print(f"load: {label}, dtype={dtype}", flush=True)
+            row = _run_child("load", big, variant or "-", dtype or "-")
+            results["loading"].append(dict(variant=label, dtype=dtype, **row))
+        shutil.rmtree(big)
+        small, results["save_2b_s"] = make_preset(
+            folder, "gemma_2b_shape", TINY if tiny else GEMMA_2B
+        )
+        for variant in ("keras-hub", "autodist"):
+            print(f"train + generate: {variant}", flush=True)
+            row = _run_child(
+                "train",
+                small,
+                variant,
+                sizes["batch"],
+                sizes["seq"],
+                sizes["steps"],
+                sizes["warmup"],
+                sizes["generate"],
+            )
+            results["training"].append(dict(variant=variant, **row))
+    results["elapsed_s"] = time.perf_counter() - started
+    return results
+
+
+# --- the report -------------------------------------------------------------------
+
+
+def _gb(n):
+    """Bytes in GB, or MB below 0.1 GB (`--tiny`)."""
+    if n is None:
+        return ""
+    return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1e6:.2f} MB"
+
+
+def _ratio(a, b):
+    return "" if not a or not b else f"{a / b:.2f}"
+
+
+def _dtype_label(row):
+    if row["variant"] == "raw read":
+        return "(bfloat16 file)"
+    return row["dtype"] or "none (float32 model)"
+
+
+def render(results) -> str:
+    """The section "On one accelerator" of docs/benchmarks.md, as Markdown."""
+    s = results["sizes"]
+    shapes = "tiny shapes (`--tiny`)" if results["tiny"] else "Gemma 7B / 2B shapes"
+    lines = [
+        "## On one accelerator",
+        "",
+        f"{results['machine']}, {results['date']}; {shapes}; `python -m bench "
+        f"--accelerator` in {results['elapsed_s']:.0f} s. Random bfloat16 "
+        "weights saved by keras-hub; each measurement in a fresh process; "
+        "device bytes from `memory_stats()` (empty where the device keeps none).",
+        "",
+        "### Loading (`Backbone.from_preset`, Gemma 7B shape)",
+        "",
+        "| variant | dtype= | s | device peak | final | peak / final |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["loading"]:
+        if "error" in r:
+            lines.append(
+                f"| {r['variant']} | {r['dtype']} | fails: {r['error']} | | | |"
+            )
+            continue
+        lines.append(
+            f"| {r['variant']} | {_dtype_label(r)} | "
+            f"{r['seconds']:.2f} | {_gb(r.get('peak_bytes'))} | "
+            f"{_gb(r.get('final_bytes'))} | "
+            f"{_ratio(r.get('peak_bytes'), r.get('final_bytes'))} |"
+        )
+    lines += [
+        "",
+        f"### Training (Gemma 2B shape, bfloat16, batch {s['batch']} x {s['seq']}, "
+        "Adam, `train_on_batch`)",
+        "",
+        f"Median of {s['steps']} steps after {s['warmup']} warm-up; TFLOP/s "
+        "counted as 6 x parameters x tokens; generate: greedy, "
+        f"{s['generate']} new tokens per sequence.",
+        "",
+        "| variant | s/step | tokens/s | TFLOP/s | first step s | device peak "
+        "| generate tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results["training"]:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | fails: {r['error']} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['variant']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tflops']:.1f} | {r['first_step_s']:.1f} | "
+            f"{_gb(r.get('peak_bytes'))} | {r['generate_tokens_per_s']:,.0f} |"
+        )
+    autodist = next((r for r in results["training"] if r["variant"] == "autodist"), {})
+    if "compiled_peak_bytes" in autodist:
+        peak = autodist.get("peak_bytes")
+        lines += [
+            "",
+            "### Memory estimates against the measured peak (autodist's step)",
+            "",
+            "| estimate | bytes | / measured peak |",
+            "|---|---|---|",
+            f"| measured device peak | {_gb(peak)} | |",
+            f"| compiled check, `plan.compiled_memory` "
+            f"({autodist['compiled_check_s']:.1f} s) | "
+            f"{_gb(autodist['compiled_peak_bytes'])} | "
+            f"{_ratio(autodist['compiled_peak_bytes'], peak)} |",
+            f"| closed form, `training_bytes_per_device` + "
+            f"`activation_bytes_per_device` | {_gb(autodist['closed_form_bytes'])} "
+            f"| {_ratio(autodist['closed_form_bytes'], peak)} |",
+            f"| calibrated closed form, `step_memory.step_estimate` | "
+            f"{_gb(autodist['calibrated_bytes'])} | "
+            f"{_ratio(autodist['calibrated_bytes'], peak)} |",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def insert(markdown: pathlib.Path, section: str) -> None:
+    """Put `section` in `markdown`, replacing an earlier one of the same title."""
+    text = markdown.read_text() if markdown.exists() else ""
+    title = section.splitlines()[0]
+    if title in text:
+        before, rest = text.split(title, 1)
+        after = rest.find("\n## ")
+        text = before + section + (rest[after + 1 :] if after >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    markdown.write_text(text)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        _child_main(argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench.accelerator")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, any machine")
+    parser.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder")
+    parser.add_argument("--insert", default=None, help="a Markdown file to update")
+    parser.add_argument("--tmp", default=None, help="where to write the presets")
+    args = parser.parse_args(argv)
+    results = run(tiny=args.tiny, root=args.tmp)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accelerator.json").write_text(json.dumps(results, indent=1))
+    section = render(results)
+    (out / "accelerator.md").write_text(section)
+    if args.insert:
+        insert(pathlib.Path(args.insert), section)
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

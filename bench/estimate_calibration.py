@@ -1,0 +1,145 @@
+"""`python -m bench.estimate_calibration`: the closed-form step estimates
+against the compiled check, per model x mesh x dtype.
+
+Compiles each training step abstractly (`LayoutPlan.compiled_memory`: no
+weight is allocated) on 8 virtual CPU devices and prints, per case, XLA's
+peak bytes per device, the plan's closed form (`training_bytes_per_device`
++ `activation_bytes_per_device`), the calibrated one for the compiling
+platform (`keras_hub_autodist.step_memory.step_estimate`) and the
+unweighted terms, as a Markdown table and JSON lines (`--json`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import keras  # noqa: E402
+
+import keras_hub_autodist  # noqa: E402
+from bench import models  # noqa: E402
+from keras_hub_autodist import step_memory  # noqa: E402
+
+# The tests' tiny presets (tests/tiny_presets.py) and the bench models.
+TINY = {
+    "tiny_gemma_mqa": (
+        "GemmaBackbone",
+        dict(
+            vocabulary_size=100,
+            num_layers=2,
+            num_query_heads=8,
+            num_key_value_heads=1,
+            hidden_dim=32,
+            intermediate_dim=64,
+            head_dim=8,
+        ),
+    ),
+    "tiny_llama3": (
+        "Llama3Backbone",
+        dict(
+            vocabulary_size=64,
+            num_layers=2,
+            num_query_heads=8,
+            num_key_value_heads=2,
+            hidden_dim=32,
+            intermediate_dim=64,
+        ),
+    ),
+}
+BENCH = {name: (cls.__name__, config) for name, (cls, config) in models.CONFIGS.items()}
+# Gemma 2B's shapes (the accelerator's training run), on one device.
+GEMMA_2B = dict(
+    vocabulary_size=256000,
+    num_layers=18,
+    num_query_heads=8,
+    num_key_value_heads=1,
+    hidden_dim=2048,
+    intermediate_dim=32768,
+    head_dim=256,
+)
+MESHES = [(1, 1), (8, 1), (2, 4), (1, 8)]
+
+
+def cases(quick=False):
+    for name, model in TINY.items():
+        for shape in MESHES:
+            yield name, model, shape, "float32", 8, 128
+    for name, model in BENCH.items():
+        for shape in MESHES[: 2 if quick else None]:
+            for dtype in ("float32", "bfloat16"):
+                yield name, model, shape, dtype, 8, 512
+    if not quick:
+        for dtype in ("float32", "bfloat16"):
+            yield "gemma_2b_shape", ("GemmaBackbone", GEMMA_2B), (1, 1), dtype, 4, 1024
+
+
+def measure(name, model, shape, dtype, batch, seq):
+    class_name, config = model
+    preset = {"class_name": class_name, "config": config}
+    devices = keras.distribution.list_devices()[: shape[0] * shape[1]]
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+    plan = keras_hub_autodist.plan(preset, mesh, strategy="tp", dtype=dtype)
+    compiled = plan.compiled_memory(batch, seq, "adam", preset=preset)
+    closed = plan.training_bytes_per_device("adam") + plan.activation_bytes_per_device(
+        batch, seq
+    )
+    estimate = step_memory.step_estimate(
+        plan, batch, seq, "adam", platform=compiled.platform
+    )
+    return dict(
+        model=name,
+        mesh=f"{shape[0]}x{shape[1]}",
+        dtype=dtype,
+        batch=batch,
+        seq=seq,
+        peak=compiled.peak_bytes,
+        argument=compiled.argument_bytes,
+        temp=compiled.temp_bytes,
+        closed_form=closed,
+        calibrated=estimate.total_bytes,
+        state=estimate.weights + estimate.optimizer_state + estimate.gradients,
+        terms=step_memory.activation_terms(plan, batch, seq),
+        itemsize=2 if dtype == "bfloat16" else 4,
+    )
+
+
+def table(rows):
+    lines = [
+        "| model | mesh | dtype | batch x seq | compiled peak MiB | closed form / "
+        "compiled | calibrated / compiled |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['mesh']} | {r['dtype']} | {r['batch']} x "
+            f"{r['seq']} | {r['peak'] / 2**20:,.1f} | "
+            f"{r['closed_form'] / r['peak']:.2f} | {r['calibrated'] / r['peak']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--json", default=None, help="also write JSON lines here")
+    args = parser.parse_args(argv)
+    rows = []
+    for case in cases(args.quick):
+        rows.append(measure(*case))
+        print(json.dumps(rows[-1]), flush=True, file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

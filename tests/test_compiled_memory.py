@@ -1,0 +1,296 @@
+"""`LayoutPlan.compiled_memory`: XLA's bytes of the training step compiled
+from abstract weights, against the same step compiled with real ones; the
+calibrated closed form (`step_memory`); the CLI's `--batch/--seq/--compiled`."""
+
+import gc
+
+import jax
+import keras
+import keras_hub
+import numpy as np
+import pytest
+
+import keras_hub_autodist
+from keras_hub_autodist import MeshError
+from keras_hub_autodist import ModelClassError
+from keras_hub_autodist import PlanError
+from keras_hub_autodist import cli
+from keras_hub_autodist import step_memory
+from keras_hub_autodist.compiled_memory import CompiledMemory
+from keras_hub_autodist.compiled_memory import default_task_class
+from keras_hub_autodist.compiled_memory import memory_of
+
+BATCH, SEQ = 8, 16
+
+
+def _mesh(shape):
+    devices = keras.distribution.list_devices()[: shape[0] * shape[1]]
+    return keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+
+
+def _real_step_memory(path, task_cls, mesh, strategy):
+    """The step `train_on_batch` runs, compiled with the loaded weights."""
+    lm = task_cls.from_preset(
+        path, preprocessor=None, device_mesh=mesh, strategy=strategy
+    )
+    lm.compile(optimizer=keras.optimizers.Adam())
+    distribution = keras_hub_autodist.distribution_of(lm).distribution
+    ids = np.random.default_rng(0).integers(
+        4, lm.backbone.vocabulary_size, (BATCH, SEQ)
+    )
+    x = {"token_ids": ids.astype("int32"), "padding_mask": np.ones_like(ids, "int32")}
+    y = np.roll(x["token_ids"], -1, axis=1)
+    lm.train_on_batch(x, y)  # builds the optimizer and metrics
+    with distribution.scope():
+        state = lm._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+        shardings = jax.tree.map(lambda a: a.sharding, state)
+        layout = distribution.get_data_layout(ids.shape).backend_layout
+        data = jax.device_put((x, y, None), layout)
+        step = jax.jit(lm.train_step, donate_argnums=0, out_shardings=(None, shardings))
+        compiled = step.lower(state, data).compile()
+    return memory_of(
+        compiled,
+        batch_size=BATCH,
+        sequence_length=SEQ,
+        optimizer="adam",
+        devices=mesh.devices.size,
+        platform="cpu",
+    )
+
+
+@pytest.mark.parametrize(
+    "name, task_cls, shape, strategy",
+    [
+        ("gemma_mqa", keras_hub.models.GemmaCausalLM, (2, 4), "tp"),
+        pytest.param(
+            "llama3_untied",
+            keras_hub.models.Llama3CausalLM,
+            (4, 2),
+            "fsdp",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_matches_the_step_compiled_with_real_weights(
+    tiny_presets_dir, name, task_cls, shape, strategy
+):
+    path = tiny_presets_dir[name]
+    mesh = _mesh(shape)
+    plan = keras_hub_autodist.plan(path, mesh, strategy=strategy)
+    abstract = plan.compiled_memory(BATCH, SEQ, "adam")
+    real = _real_step_memory(path, task_cls, mesh, strategy)
+    assert abstract == real
+    assert abstract.alias_bytes > 0  # the state is donated, as Keras does
+
+
+def test_allocates_no_weight(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
+    gc.collect()
+    before = [(a.shape, a.dtype) for a in jax.live_arrays()]
+    memory = plan.compiled_memory(BATCH, SEQ)
+    gc.collect()
+    assert [(a.shape, a.dtype) for a in jax.live_arrays()] == before
+    assert memory.peak_bytes > 0
+
+
+def test_arguments_are_weights_adam_state_and_the_batch(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
+    memory = plan.compiled_memory(BATCH, SEQ, "adam")
+    batch = 3 * (BATCH // 2) * SEQ * 4  # token ids, padding mask, labels
+    expected = 3 * plan.max_device_bytes + batch  # weight, two moments
+    assert expected <= memory.argument_bytes <= expected + 64  # + scalars
+    sgd = plan.compiled_memory(BATCH, SEQ, "sgd")
+    assert plan.max_device_bytes + batch <= sgd.argument_bytes
+    assert sgd.argument_bytes < memory.argument_bytes - plan.max_device_bytes
+    assert memory.peak_bytes == (
+        memory.argument_bytes
+        + memory.output_bytes
+        - memory.alias_bytes
+        + memory.temp_bytes
+    )
+
+
+@pytest.mark.slow
+def test_one_device_mesh_and_a_config_dict(tiny_presets_dir):
+    config = {"class_name": "GemmaBackbone", "config": dict(_gemma_config())}
+    plan = keras_hub_autodist.plan(config, _mesh((1, 1)), dtype="bfloat16")
+    memory = plan.compiled_memory(2, SEQ, preset=config)
+    assert memory.devices == 1
+    assert 3 * plan.max_device_bytes <= memory.argument_bytes
+    with pytest.raises(PlanError, match=r"pass what you planned as preset="):
+        plan.compiled_memory(2, SEQ)
+
+
+def _gemma_config():
+    import tiny_presets
+
+    return {**tiny_presets.GEMMA_MQA, "vocabulary_size": 64}
+
+
+@pytest.mark.slow
+def test_leaves_the_users_optimizer_unbuilt(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
+    optimizer = keras.optimizers.Adam(1e-3)
+    count = len(optimizer.variables)
+    memory = plan.compiled_memory(BATCH, SEQ, optimizer)
+    assert not optimizer.built and len(optimizer.variables) == count
+    assert memory.optimizer == "adam"
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda p: p.compiled_memory(0, SEQ), PlanError, r"Received: batch_size=0"),
+        (lambda p: p.compiled_memory(3, SEQ), PlanError, r"Received: batch_size=3"),
+        (lambda p: p.compiled_memory(8, 1.5), PlanError, r"sequence_length=1.5"),
+        (lambda p: p.compiled_memory(8, SEQ, "lion"), PlanError, r"'lion'"),
+        (
+            lambda p: p.compiled_memory(8, SEQ, model_class=dict),
+            ModelClassError,
+            r"Received: model_class=<class 'dict'>",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused(tiny_presets_dir, call, error, match):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
+    with pytest.raises(error, match=match):
+        call(plan)
+
+
+def test_compiles_for_the_planned_shape_over_all_devices(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(
+        tiny_presets_dir["gemma_mqa"], {"batch": 2, "model": 4}
+    )
+    with pytest.raises(MeshError, match=r"Received: device_mesh=\{'batch'"):
+        plan.compiled_memory(BATCH, SEQ, device_mesh={"batch": 2, "model": 4})
+    given = plan.compiled_memory(BATCH, SEQ, device_mesh=_mesh((2, 4)))
+    assert isinstance(given, CompiledMemory) and given.devices == 8
+    assert plan.compiled_memory(BATCH, SEQ) == given
+
+
+def test_default_task_class():
+    assert default_task_class(keras_hub.models.GemmaBackbone) is (
+        keras_hub.models.GemmaCausalLM
+    )
+    with pytest.raises(ModelClassError, match=r"Received: backbone class Backbone"):
+        default_task_class(keras_hub.models.Backbone)
+
+
+def test_fit_advice_names_the_compiled_check():
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_7b"), {"batch": 1, "model": 1}
+    )
+    assert not plan.fits
+    assert "plan.compiled_memory(batch_size, sequence_length)" in plan.summary()
+
+
+# --- the calibrated closed form -------------------------------------------------
+
+
+def test_step_estimate_parts():
+    plan = keras_hub_autodist.plan(
+        str(pytest.shared / "gemma_2b"), {"batch": 1, "model": 1}, dtype="bfloat16"
+    )
+    estimate = step_memory.step_estimate(plan, 4, 1024, "adam")
+    assert estimate.weights == estimate.gradients == plan.max_device_bytes
+    assert estimate.optimizer_state == 2 * plan.max_device_bytes
+    assert estimate.total_bytes == sum(
+        (
+            estimate.weights,
+            estimate.optimizer_state,
+            estimate.gradients,
+            estimate.activations,
+        )
+    )
+    # The H200's measured peak for this step (../shared/ACCELERATOR.md).
+    assert 1.0 < estimate.total_bytes / 31.3e9 < 1.15
+    cpu = step_memory.step_estimate(plan, 4, 1024, "adam", platform="cpu")
+    assert cpu.activations > estimate.activations
+    with pytest.raises(PlanError, match=r"Received: platform='ipu'"):
+        step_memory.step_estimate(plan, 4, 1024, platform="ipu")
+    with pytest.raises(PlanError, match=r"Received: optimizer='lion'"):
+        step_memory.step_estimate(plan, 4, 1024, "lion")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1, 1), (2, 4)])
+def test_cpu_estimate_within_15_percent_of_the_compiled_step(shape):
+    config = {
+        "class_name": "GemmaBackbone",
+        "config": dict(
+            vocabulary_size=4096,
+            num_layers=2,
+            num_query_heads=4,
+            num_key_value_heads=1,
+            hidden_dim=128,
+            intermediate_dim=512,
+            head_dim=32,
+        ),
+    }
+    plan = keras_hub_autodist.plan(config, _mesh(shape), strategy="tp")
+    compiled = plan.compiled_memory(8, 128, preset=config)
+    estimate = step_memory.step_estimate(plan, 8, 128, platform="cpu")
+    assert 0.85 < estimate.total_bytes / compiled.peak_bytes < 1.15
+
+
+# --- the command line ---------------------------------------------------------------
+
+
+def test_cli_prints_the_estimate_and_the_compiled_check(tiny_presets_dir, capsys):
+    path = tiny_presets_dir["gemma_mqa"]
+    args = ["plan", path, "--mesh", "batch=2,model=4", "--batch", "8", "--seq", "16"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "training step, batch 8 x 16 tokens, adam, estimated per device" in out
+    assert "compiled" not in out
+    assert cli.main(args + ["--compiled"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled training step (XLA, cpu, 8 devices)" in out
+    assert "estimate / compiled peak:" in out
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--batch", "8"], "needs both --batch and --seq"),
+        (["--compiled"], "--compiled needs them too"),
+        (["--batch", "3", "--seq", "16", "--compiled"], "Received: batch_size=3"),
+        (["--batch", "0", "--seq", "16"], "--batch takes a positive integer"),
+    ],
+)
+def test_cli_step_errors_are_one_line(tiny_presets_dir, capsys, extra, match):
+    path = tiny_presets_dir["gemma_mqa"]
+    try:
+        status = cli.main(["plan", path, "--mesh", "batch=2,model=4", *extra])
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_accelerator_bench_runs_tiny(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, "-m", "bench.accelerator", "--tiny", "--out", str(out)],
+        check=True,
+        cwd=root,
+        timeout=1800,
+    )
+    results = json.loads((out / "accelerator.json").read_text())
+    rows = results["loading"] + results["training"]
+    assert len(results["loading"]) == 5 and len(results["training"]) == 2
+    assert not [row for row in rows if "error" in row]
+    assert (out / "accelerator.md").read_text().startswith("## On one accelerator")
