@@ -16,7 +16,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist import rules
+from keras_hub_autodist import step_memory
 from keras_hub_autodist.dtypes import itemsize
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
@@ -46,6 +46,20 @@ MEMORY_GIVEN, MEMORY_ENV, MEMORY_REPORTED, MEMORY_ASSUMED = (
 # optimizer's state, all in the variable dtype.
 OPTIMIZER_STATE_FACTORS = {"adam": 4, "sgd": 2, "sgd_momentum": 3}
 ADAM_STATE_FACTOR = OPTIMIZER_STATE_FACTORS["adam"]
+# How many tensors of each of `step_memory.activation_terms` a training step
+# saves for its backward pass, by the model's own graph (no compiler's
+# fusion or copies: `step_memory.ACTIVATION_FACTORS` has those, per
+# platform).
+SAVED_ACTIVATIONS = {
+    "stream": 4,
+    "attention": 2,
+    "scores": 2,
+    "mlp": 2,
+    "experts": 1,
+    "final": 2,
+    "logits": 3,
+    "logits_float32": 0,
+}
 
 
 def device_memory_info(devices=(), override=None) -> tuple[int, str]:
@@ -158,82 +172,6 @@ def activation_bytes_per_device(
     activation_bytes_per_device(plan, batch_size=8, sequence_length=2048)
     ```
     """
-    for name, value in (
-        ("batch_size", batch_size),
-        ("sequence_length", sequence_length),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(
-                f"`{name}` must be a positive integer for the activation "
-                f"estimate. Received: {name}={value!r}"
-            )
-    parallel = {"vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"}
-
-    def dim(row, logical):
-        return row.shape[row.logical_axes.index(logical)]
-
-    def model_shards(row, logicals=parallel):
-        """Shards of a row's `logicals` dimensions on non-batch axes."""
-        return math.prod(
-            plan.mesh_axes.size(axis)
-            for axis, logical in zip(row.spec, row.logical_axes)
-            if axis and axis != plan.batch_axis and logical in logicals
-        )
-
-    def first(condition):
-        return next((r for r in plan.rows if condition(r)), None)
-
-    query = first(lambda r: "query" in r.path and "heads" in r.logical_axes)
-    key = first(lambda r: "kv_heads" in r.logical_axes)
-    # Up-projections (hidden → MLP width), of dense MLPs and of experts.
-    ups = [r for r in plan.rows if r.logical_axes[-2:] == ("embed", "mlp")]
-    downs = [r for r in plan.rows if r.logical_axes[-2:] == ("mlp", "embed")]
-    vocab = [r for r in plan.rows if "vocab" in r.logical_axes]
-    if query is None or not ups or not vocab:
-        raise PlanError(
-            "The activation estimate needs a decoder's query, MLP and "
-            f"embedding weights; the {plan.architecture!r} plan lacks one. "
-            f"Received: architecture={plan.architecture!r}"
-        )
-    # The output projection: the untied reverse embedding if any.
-    output = vocab[-1]
-    layers = sum(1 for r in plan.rows if r.pattern == query.pattern)
-    b = batch_size / plan.mesh_axes.size(plan.batch_axis)
-    s = sequence_length
-    d = dim(output, "embed")
-    h = dim(query, "head_dim")
-    heads = dim(query, "heads")
-    kv_heads = dim(key, "kv_heads") if key is not None else heads
-
-    def experts(row):
-        return dim(row, "expert") if "expert" in row.logical_axes else 1
-
-    q_shards = model_shards(query)
-    kv_shards = model_shards(key) if key is not None else q_shards
-    # Scores split only where the heads are (head_dim is contracted).
-    score_shards = model_shards(query, {"heads"})
-    # The residual stream: split on the sequence with sequence parallelism.
-    split = (
-        plan.mesh_axes.size(plan.mesh_axes.model_axis)
-        if (plan.sequence_parallel and rules.sequence_parallel_spec(plan.mesh_axes))
-        else 1
-    )
-    stream = b * s * d / split
-    block = (
-        4 * stream
-        + 2 * b * s * heads * h / q_shards
-        + 2 * b * s * kv_heads * h / kv_shards
-        + 2 * b * heads * s * s / score_shards
-    )
-    # Each up-projection's output and its activation or gated product,
-    # for every expert (keras-hub runs each expert on every token), and
-    # each expert's output before the routing-weighted sum.
-    mlp = sum(
-        2 * b * s * dim(r, "mlp") * experts(r) / model_shards(r) for r in ups
-    ) + sum(
-        b * s * d * experts(r) / model_shards(r, {"expert"})
-        for r in downs
-        if "expert" in r.logical_axes
-    )
-    head = 2 * stream + 3 * b * s * dim(output, "vocab") / model_shards(output)
-    return int((layers * block + mlp + head) * itemsize(plan.dtype))
+    terms = step_memory.activation_terms(plan, batch_size, sequence_length)
+    saved = sum(SAVED_ACTIVATIONS[name] * count for name, count in terms.items())
+    return int(saved * itemsize(plan.dtype))
