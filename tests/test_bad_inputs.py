@@ -181,6 +181,25 @@ def test_an_hf_handle_without_network_from_python(hugging_face_hub):
     assert len(seen["requests"]) == 1 and seen["sleeps"] == []
 
 
+def test_a_cached_hf_handle_asks_nothing_of_the_network(
+    hugging_face_hub, tmp_path, monkeypatch
+):
+    import huggingface_hub
+
+    seen = hugging_face_hub(_offline)
+    repo = tmp_path / "models--someone--cached"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "snapshots" / sha).mkdir(parents=True)
+    (repo / "snapshots" / sha / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    network.check_hugging_face_reachable("hf://someone/cached")
+    assert seen["requests"] == []
+    with pytest.raises(ConnectionError, match="did not answer"):
+        network.check_hugging_face_reachable("hf://someone/not-cached")
+
+
 def test_a_hub_that_answers_is_reachable(hugging_face_hub):
     import httpx2
 
