@@ -31,7 +31,10 @@ STRATEGIES = ["auto", "tp", "fsdp"]
 OPTIMIZERS = ["adam", "sgd", "sgd_momentum"]
 # Errors of bad input that are printed as one line rather than a traceback,
 # besides the package's own `AutodistError`s.
-USER_ERRORS = (OSError, ValueError, ImportError)
+USER_ERRORS = (OSError, ValueError, ImportError, OverflowError)
+# The most memory `--device-memory` takes per device: 2**50 bytes (1 PiB),
+# thousands of times the largest accelerator's; more is a typo (`1e300`).
+MAX_DEVICE_MEMORY_GIB = 2**20
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,6 +72,8 @@ def parse_mesh(text: str) -> dict[str, int] | str:
 def parse_gib(text: str) -> int:
     """Parse a positive number of GiB (`--device-memory 15.5`) into bytes.
 
+    At most `MAX_DEVICE_MEMORY_GIB` (1 PiB), and at least one byte.
+
     Example:
     >>> parse_gib("0.5")
     536870912
@@ -82,19 +87,49 @@ def parse_gib(text: str) -> int:
             "--device-memory takes a positive number of GiB per device, "
             f"e.g. 16 or 15.75. Received: {text!r}"
         )
+    if gib > MAX_DEVICE_MEMORY_GIB or int(gib * 1024**3) < 1:
+        raise argparse.ArgumentTypeError(
+            "--device-memory takes the memory of one device in GiB, from one "
+            f"byte to {MAX_DEVICE_MEMORY_GIB} GiB (1 PiB), e.g. 16 or 15.75. "
+            f"Received: {text!r}"
+        )
     return int(gib * 1024**3)
 
 
 def parse_devices(text: str) -> int:
-    """Parse a positive device count (`--devices 8`).
+    """Parse a positive device count (`--devices 8`), at most
+    `mesh.MAX_DEVICES`.
 
     Example:
     >>> parse_devices("8")
     8
     """
+    from keras_hub_autodist.mesh import MAX_DEVICES
+
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(
             f"--devices takes a positive number of devices. Received: {text!r}"
+        )
+    if int(text) > MAX_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"--devices takes at most {MAX_DEVICES} (2**20) devices, far more "
+            "than any machine has; pass the number of devices the model runs "
+            f"on. Received: {text!r}"
+        )
+    return int(text)
+
+
+def parse_steps(text: str) -> int:
+    """Parse the demo's positive number of epochs (`--steps 3`).
+
+    Example:
+    >>> parse_steps("3")
+    3
+    """
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            "--steps takes a positive number of epochs of fine-tuning, e.g. "
+            f"3. Received: {text!r}"
         )
     return int(text)
 
@@ -211,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh", type=parse_mesh, default=None, help="e.g. batch=2,model=4"
     )
     demo.add_argument("--strategy", default="auto", choices=STRATEGIES)
-    demo.add_argument("--steps", type=int, default=3, help="epochs of fine-tuning")
+    demo.add_argument(
+        "--steps", type=parse_steps, default=3, help="epochs of fine-tuning"
+    )
     return parser
 
 

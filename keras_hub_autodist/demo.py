@@ -249,6 +249,18 @@ def _describe_scores(loss: float, accuracy: float | None) -> str:
     return f"loss {loss:.3f}, next-token accuracy {accuracy:.0%}"
 
 
+def _check_steps(steps) -> None:
+    from keras_hub_autodist.errors import DemoError
+    from keras_hub_autodist.errors import option
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise DemoError(
+            "The demo fine-tunes for a positive number of epochs; pass "
+            f"{option('steps')} 1 or more (3 by default). Received: "
+            f"steps={steps!r}"
+        )
+
+
 def run_demo(
     preset: str | None = None,
     mesh=None,
@@ -280,6 +292,7 @@ def run_demo(
     run_demo()  # the embedded tiny Gemma on 8 (virtual) devices
     ```
     """
+    _check_steps(steps)
     import keras
     import keras_hub
 

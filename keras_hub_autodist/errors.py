@@ -125,3 +125,8 @@ class WeightShapeError(AutodistError, ValueError):
 
 class UnplannedWeightWarning(UserWarning):
     """With `strict=False`: weights that match no rule stay replicated."""
+
+
+class DemoError(AutodistError, ValueError):
+    """An argument of the demo (`run_demo`, `keras-hub-autodist demo`) is
+    invalid."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import sys
 from collections.abc import Mapping
 
@@ -30,6 +31,10 @@ from keras_hub_autodist.errors import option
 BATCH_AXIS_NAMES = ("batch", "data")
 MODEL_AXIS_NAMES = ("model", "tensor")
 EXPERT_AXIS_NAMES = ("expert",)
+# The most devices a mesh may span: far beyond the largest machines built
+# (tens of thousands of chips), and small enough that planning for it (which
+# tries every divisor of the device count) stays quick.
+MAX_DEVICES = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +110,104 @@ def _check_distinct_devices(names, shape, devices) -> None:
         )
 
 
+def _axis_size(size) -> int | None:
+    """`size` as an `int` if it is an integer (`int`, `np.int64`, anything
+    `operator.index` takes) other than a bool, else `None`."""
+    if isinstance(size, bool) or type(size).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(size)
+    except TypeError:
+        return None
+
+
+def check_device_count(count: int, *, received: str) -> int:
+    """`count` if a mesh may span that many devices, else a `MeshError`.
+
+    Args:
+        count: a number of devices, at least 1.
+        received: how the caller passed it, for the message, e.g.
+            `"devices=1000000000000"` or `"--devices 1000000000000"`.
+
+    Example:
+    >>> check_device_count(8, received="devices=8")
+    8
+    """
+    if count > MAX_DEVICES:
+        raise MeshError(
+            f"A mesh spans at most {MAX_DEVICES} (2**20) devices, far more "
+            f"than any machine has, but this one spans {count}. Give the "
+            "mesh the devices the model runs on, e.g. "
+            "`len(keras.distribution.list_devices())` of them. Received: "
+            f"{received}"
+        )
+    return count
+
+
+def _unknown_devices(devices) -> list:
+    """The entries of a `DeviceMesh` that name no device JAX has.
+
+    Keras' JAX backend takes `jax.Device`s and their names as
+    `keras.distribution.list_devices()` gives them (`"cpu:0"`, `"gpu:3"`).
+    Other backends are left to Keras.
+    """
+    keras = sys.modules.get("keras")
+    jax = sys.modules.get("jax")
+    if jax is None or keras is None or keras.backend.backend() != "jax":
+        return []
+    ids_by_platform = {}
+
+    def ids(platform):
+        if platform not in ids_by_platform:
+            try:
+                found = jax.devices(backend=platform)
+            except (RuntimeError, ValueError):  # "Unknown backend"
+                found = []
+            ids_by_platform[platform] = {device.id for device in found}
+        return ids_by_platform[platform]
+
+    unknown = []
+    for device in devices:
+        if isinstance(device, jax.Device):
+            continue
+        if isinstance(device, str):
+            platform, _, index = device.partition(":")
+            index = index or "0"
+            if platform and index.isdigit() and int(index) in ids(platform):
+                continue
+        unknown.append(device)
+    return unknown
+
+
+def _check_devices_exist(names, shape, devices) -> None:
+    unknown = _unknown_devices(devices)
+    if unknown:
+        shown = ", ".join(repr(d) for d in unknown[:4])
+        more = ", ..." if len(unknown) > 4 else ""
+        raise MeshError(
+            "A `keras.distribution.DeviceMesh` lays out devices: JAX devices "
+            "or their names such as 'cpu:0'. "
+            f"{len(unknown)} of its {len(devices)} entries name no device of "
+            f"this machine (first: {unknown[0]!r} of type "
+            f"{type(unknown[0]).__name__}). Build the mesh over "
+            "`keras.distribution.list_devices()`, or pass the axis sizes "
+            "as a mapping such as {'batch': 2, 'model': 4}. Received: mesh "
+            f"axes {dict(zip(names, shape))}, devices=[{shown}{more}]"
+        )
+
+
 def mesh_shape(device_mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Return `(axis_names, shape)` of a `DeviceMesh` or a mapping.
 
-    A `DeviceMesh` that lists a device more than once is a `MeshError`.
+    Axis sizes may be any integers (`np.int64` included); they are returned
+    as `int`s, and the mapping passed is left as it is. A `DeviceMesh` that
+    lists a device more than once, or something that is not a device, is a
+    `MeshError`, as is a mesh of more than `MAX_DEVICES` devices.
+
+    Example:
+    >>> import numpy as np
+    >>> mesh_shape({"batch": np.int64(2), "model": 4})
+    (('batch', 'model'), (2, 4))
     """
     if is_device_mesh(device_mesh):
         names = tuple(device_mesh.axis_names)
@@ -116,7 +215,9 @@ def mesh_shape(device_mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
         devices = getattr(device_mesh, "devices", None)
         if devices is not None:
             flat = devices.ravel() if hasattr(devices, "ravel") else devices
+            flat = list(flat)
             _check_distinct_devices(names, shape, flat)
+            _check_devices_exist(names, shape, flat)
         return names, shape
     if isinstance(device_mesh, Mapping):
         if not device_mesh:
@@ -127,19 +228,25 @@ def mesh_shape(device_mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
             )
         names, sizes = [], []
         for name, size in device_mesh.items():
-            if not isinstance(name, str) or not isinstance(size, int):
+            integer = _axis_size(size)
+            if not isinstance(name, str) or (
+                integer is None and not isinstance(size, bool)
+            ):
                 raise MeshError(
                     "A `device_mesh` mapping goes from axis name (str) to "
-                    "axis size (int), e.g. {'batch': 2, 'model': 4}. "
+                    "axis size (an integer), e.g. {'batch': 2, 'model': 4}. "
                     f"Received: device_mesh={dict(device_mesh)!r}"
                 )
-            if isinstance(size, bool) or size < 1:
+            if integer is None or integer < 1:
                 raise MeshError(
                     f"Mesh axis sizes must be positive integers. Received: "
                     f"{name}={size!r} in device_mesh={dict(device_mesh)!r}"
                 )
             names.append(name)
-            sizes.append(size)
+            sizes.append(integer)
+        check_device_count(
+            math.prod(sizes), received=f"device_mesh={dict(device_mesh)!r}"
+        )
         return tuple(names), tuple(sizes)
     raise DeviceMeshTypeError(
         "`device_mesh` must be a `keras.distribution.DeviceMesh`, a "

@@ -23,6 +23,7 @@ from keras_hub_autodist.errors import option
 from keras_hub_autodist.memory import ADAM_STATE_FACTOR
 from keras_hub_autodist.memory import device_memory_info
 from keras_hub_autodist.mesh import MeshAxes
+from keras_hub_autodist.mesh import check_device_count
 from keras_hub_autodist.mesh import is_device_mesh
 from keras_hub_autodist.mesh import resolve_mesh_axes
 from keras_hub_autodist.options import PlanOptions
@@ -33,10 +34,6 @@ from keras_hub_autodist.shapes import model_weights
 
 if TYPE_CHECKING:
     import keras
-
-# The most devices `device_mesh="auto"` plans for: far above any cluster, so
-# that a typo is an error rather than minutes of planning.
-MAX_DEVICES = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,16 +179,18 @@ def plan_model(
                {"batch": 2, "model": 4}, options)
     ```
     """
-    devices = _devices_of(device_mesh)
     mesh_reason = ""
     if isinstance(device_mesh, str):
         devices, num_devices = _auto_devices(device_mesh, num_devices)
-    capacity, source = device_memory_info(devices, options.device_memory)
-    if isinstance(device_mesh, str):
+        capacity, source = device_memory_info(devices, options.device_memory)
         device_mesh, mesh_reason = _auto_mesh(model, num_devices, capacity, source)
+    # The mesh is checked before its devices are asked for their memory.
     mesh_axes = resolve_mesh_axes(
         device_mesh, batch_axis=options.batch_axis, model_axis=options.model_axis
     )
+    if not mesh_reason:
+        devices = _devices_of(device_mesh)
+        capacity, source = device_memory_info(devices, options.device_memory)
     strategies = rules.STRATEGIES if options.strategy == "auto" else (options.strategy,)
     alternatives = [
         Alternative(mesh_axes, strategy, kv_fallback)
@@ -255,13 +254,12 @@ def _auto_devices(device_mesh: str, num_devices: int | None) -> tuple[list, int]
             "The number of devices is a positive integer. Received: "
             f"devices={num_devices!r}"
         )
-    if not 1 <= num_devices <= MAX_DEVICES:
+    if num_devices < 1:
         raise MeshError(
-            f"The number of devices is a positive integer of at most "
-            f"{MAX_DEVICES:,}; pass {option('devices')}. Received: "
-            f"devices={num_devices!r}"
+            f"The number of devices is a positive integer; pass "
+            f"{option('devices')}. Received: devices={num_devices!r}"
         )
-    return [], num_devices
+    return [], check_device_count(num_devices, received=f"devices={num_devices!r}")
 
 
 def _auto_mesh(model, num_devices, capacity, source) -> tuple[dict[str, int], str]:

@@ -33,6 +33,7 @@ from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
+from keras_hub_autodist.network import check_hugging_face_reachable
 from keras_hub_autodist.registry import architecture_by_name
 
 
@@ -52,6 +53,7 @@ def _loader_for(preset):
     if preset.lower().startswith("kaggle://"):
         check_kaggle_handle(preset)
     try:
+        check_hugging_face_reachable(preset)  # fails fast: no 35 s of retries
         return compat.preset_loader(preset)
     except Exception as error:
         if is_network_error(error):
