@@ -45,6 +45,7 @@ from keras_hub_autodist.errors import StrategyError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
+from keras_hub_autodist.errors import WeightFileChangedError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
 
 # `plan` is imported eagerly (it is light): the function must shadow the
@@ -95,6 +96,7 @@ __all__ = [
     "UnplannedWeightError",
     "UnplannedWeightWarning",
     "UnsupportedArchitectureError",
+    "WeightFileChangedError",
     "WeightShapeError",
     "__version__",
 ]

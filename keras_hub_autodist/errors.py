@@ -151,3 +151,8 @@ class WeightShapeError(AutodistError, ValueError):
 
 class UnplannedWeightWarning(UserWarning):
     """With `strict=False`: weights that match no rule stay replicated."""
+
+
+class WeightFileChangedError(AutodistError, RuntimeError):
+    """A weight file was modified in place, or replaced and reopened, while a
+    model loaded from it; the load would mix two versions of the file."""
