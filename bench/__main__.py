@@ -1,5 +1,7 @@
 """`python -m bench`: regenerate docs/benchmarks.md and docs/img/*.png.
 
+`python -m bench --only loading` runs section 4 alone and prints it.
+
 Runs on 8 virtual CPU devices (set here, before JAX starts) in well under
 20 minutes on a 2-core CPU. Every number in the document comes from this run.
 `python -m bench --accelerator [--tiny]` runs `bench/accelerator.py` instead.
@@ -32,11 +34,32 @@ from bench import steptime  # noqa: E402
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 
 
-def main():
-    if "--accelerator" in sys.argv[1:]:  # the one-accelerator run instead
+def only_loading() -> int:
+    """`python -m bench --only loading`: section 4 alone, printed (the
+    document and its JSON are left as they are)."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        rows = loading.run(root)
+    print(json.dumps(rows, indent=1))
+    print("\n".join(report.loading_section(rows)))
+    print(f"loading section in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--accelerator" in argv:  # the one-accelerator run instead
         from bench import accelerator
 
-        return accelerator.main([a for a in sys.argv[1:] if a != "--accelerator"])
+        return accelerator.main([a for a in argv if a != "--accelerator"])
+    if argv:
+        if argv != ["--only", "loading"]:
+            print(
+                "usage: python -m bench [--only loading | --accelerator ...]; "
+                f"received: {argv}"
+            )
+            return 2
+        return only_loading()
     started = time.perf_counter()
     stamp = env.describe()
     results = {"stamp": stamp}

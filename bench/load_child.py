@@ -2,9 +2,13 @@
 
 Usage: python -m bench.load_child PRESET VARIANT
 
+VARIANT is one of `bench.loading`'s; `dtype=bfloat16` at its end loads the
+model in bfloat16, else the default (float32).
+
 Prints one JSON line: load seconds, peak and final bytes per device (each
 buffer counted once), the largest single shard, peak and baseline host RSS,
-bytes read and the weight file's size.
+bytes read and the weight file's size, and the loader's own read and
+transfer seconds.
 
 Peak host RSS is this process's own: `getrusage(...).ru_maxrss` is not, as
 Linux carries the high-water mark of the forking process (the bench, which
@@ -160,10 +164,11 @@ def main(path, variant):
             backbone = keras_hub.models.Backbone.from_preset(path)
     else:
         shape = (1, 8) if "(1,8)" in variant else (2, 4)
-        strategy = variant.split()[-1]
+        strategy = "fsdp" if " fsdp" in variant else "tp"
+        dtype = {"dtype": "bfloat16"} if variant.endswith("dtype=bfloat16") else {}
         mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
         backbone = keras_hub.models.Backbone.from_preset(
-            path, device_mesh=mesh, strategy=strategy
+            path, device_mesh=mesh, strategy=strategy, **dtype
         )
     seconds = time.perf_counter() - start
     sampler.stop = True
@@ -198,6 +203,9 @@ def main(path, variant):
                 peak_rss=peak_rss,
                 peak_rss_sampled=sampler.peak_rss,
                 bytes_read=(stats.bytes_read + stats.bytes_received) if stats else None,
+                read_s=stats.read_seconds if stats else None,
+                transfer_s=stats.transfer_seconds if stats else None,
+                loading_s=stats.seconds if stats else None,
                 file_bytes=file_bytes,
             )
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -33,17 +34,28 @@ VARIANTS = [
     "autodist (2,4) fsdp",
     "read the file only",
 ]
+BFLOAT16_VARIANTS = [
+    "autodist (1,8) tp dtype=bfloat16",
+    "autodist (1,8) tp float32 model",
+    "read the file only",
+]
 
 
-def save_keras_preset(root: str, config: dict = CONFIG) -> str:
+def save_keras_preset(root: str, config: dict = CONFIG, dtype: str = "float32") -> str:
     """A Gemma preset in Keras format (`config`: `GemmaBackbone` arguments)."""
     import keras
     import keras_hub
 
     keras.utils.set_random_seed(0)
-    path = os.path.join(root, "gemma_1b_keras")
-    keras_hub.models.GemmaBackbone(**config).save_to_preset(path)
+    name = "gemma_1b_keras" if dtype == "float32" else f"gemma_1b_keras_{dtype}"
+    path = os.path.join(root, name)
+    keras_hub.models.GemmaBackbone(**config, dtype=dtype).save_to_preset(path)
     return path
+
+
+def save_bfloat16_preset(root: str) -> str:
+    """The Keras preset's shapes, saved in bfloat16."""
+    return save_keras_preset(root, dtype="bfloat16")
 
 
 def save_transformers_preset(root: str, config: dict = CONFIG) -> str:
@@ -121,12 +133,14 @@ def _child(path: str, variant: str) -> dict:
 
 def run(root: str) -> list[dict]:
     rows = []
-    for format, save in (
-        ("keras", save_keras_preset),
-        ("transformers", save_transformers_preset),
+    for format, save, variants in (
+        ("keras", save_keras_preset, VARIANTS),
+        ("transformers", save_transformers_preset, VARIANTS),
+        ("keras bfloat16", save_bfloat16_preset, BFLOAT16_VARIANTS),
     ):
         path = save(root)
-        for variant in VARIANTS:
+        for variant in variants:
             print(f"  {format}: {variant}", flush=True)
             rows.append({"format": format, **_child(path, variant)})
+        shutil.rmtree(path)  # the disk holds one preset at a time
     return rows

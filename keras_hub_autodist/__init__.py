@@ -29,6 +29,7 @@ from keras_hub_autodist.errors import AutodistError  # noqa: E402
 from keras_hub_autodist.errors import BackendError  # noqa: E402
 from keras_hub_autodist.errors import BatchSizeError  # noqa: E402
 from keras_hub_autodist.errors import ConfigError  # noqa: E402
+from keras_hub_autodist.errors import DemoError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
 from keras_hub_autodist.errors import DTypeError  # noqa: E402
 from keras_hub_autodist.errors import LayoutMismatchError  # noqa: E402
@@ -44,6 +45,7 @@ from keras_hub_autodist.errors import StrategyError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
+from keras_hub_autodist.errors import WeightFileChangedError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
 from keras_hub_autodist.on_import import when_imported  # noqa: E402
 
@@ -77,6 +79,7 @@ __all__ = [
     "Binding",
     "ConfigError",
     "deactivate",
+    "DemoError",
     "DeviceMeshTypeError",
     "distribution_of",
     "DTypeError",
@@ -101,6 +104,7 @@ __all__ = [
     "UnplannedWeightWarning",
     "UnsupportedArchitectureError",
     "Weight",
+    "WeightFileChangedError",
     "WeightShapeError",
     "__version__",
 ]

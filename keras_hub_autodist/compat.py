@@ -146,13 +146,51 @@ def safetensor_utils_module():
     return safetensor_utils
 
 
-# --- Keras variables -----------------------------------------------------------
+# --- sharded loading: Keras variables and weight stores ------------------------
+
+# The method Keras calls to give a new variable its initial value; sharded
+# loading replaces it on `keras.Variable` for the duration of a load.
+VARIABLE_INITIALIZE_METHOD = "_initialize_with_initializer"
 
 
 def variable_layout(variable):
-    """The `TensorLayout` a distribution gave `variable`, or `None`
-    (`Variable._layout`)."""
+    """The layout (`TensorLayout` or JAX sharding) Keras gave `variable`
+    under a distribution, or `None` (`variable._layout`)."""
     return getattr(variable, "_layout", None)
+
+
+def initialize_variable_layout(variable) -> None:
+    """Let Keras compute `variable`'s layout from the current distribution
+    without giving it a value (`variable._initialize_layout()`)."""
+    variable._initialize_layout()
+
+
+def variable_dtype(variable):
+    """The dtype `variable` stores, before autocasting (`variable._dtype`)."""
+    return variable._dtype
+
+
+def variable_declared_shape(variable) -> tuple:
+    """The shape `variable` was created with, readable before it has a value
+    (`variable._shape`)."""
+    return variable._shape
+
+
+def variable_array(variable):
+    """The array that holds `variable`'s value (`variable._value`)."""
+    return variable._value
+
+
+def set_variable_array(variable, array) -> None:
+    """Make `array` (laid out as the variable's layout, or `None`) the value
+    of `variable` without Keras' `assign` (`variable._value = array`)."""
+    variable._value = array
+
+
+def h5_store_archive(store):
+    """The zip archive a Keras weight store reads from (`.keras` files), or
+    `None` for a plain `.weights.h5` file (`store.archive`)."""
+    return getattr(store, "archive", None)
 
 
 # --- compiled memory check ----------------------------------------------------

@@ -130,3 +130,8 @@ class UnplannedWeightWarning(UserWarning):
 class DemoError(AutodistError, ValueError):
     """An argument of the demo (`run_demo`, `keras-hub-autodist demo`) is
     invalid."""
+
+
+class WeightFileChangedError(AutodistError, RuntimeError):
+    """A weight file was modified in place, or replaced and reopened, while a
+    model loaded from it; the load would mix two versions of the file."""

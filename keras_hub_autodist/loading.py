@@ -6,20 +6,28 @@ device before resharding it, so a model that fits once sharded can still run
 out of memory while it loads (keras-team/keras#21634). Inside
 `sharded_loading(...)`, while keras-hub's own loaders run:
 
-- a laid-out variable gets a cheap placeholder of its final shards instead of
-  its random initial value (skipped work: the checkpoint overwrites it); any
-  variable that loading does not overwrite gets its real initial value
-  afterwards, computed sharded;
-- a Keras preset's HDF5 dataset is handed to `assign` unread, and each device
-  reads only its own slice of it (`jax.make_array_from_callback`), so no full
-  array exists on any device and the host holds at most one weight's slices;
-  in a multi-process run each process reads only its devices' slices;
+- a laid-out variable gets a placeholder of its final shards instead of its
+  random initial value (skipped work: the checkpoint overwrites it): zeros
+  made on the devices, or on CPU untouched host pages the devices adopt
+  without a copy. Any variable that loading does not overwrite gets its
+  real initial value afterwards, computed sharded;
+- a Keras preset's HDF5 dataset is handed to `assign` unread
+  (`LazyH5Dataset`), and only the slices this process's devices hold are
+  read, by file offset, from a pool of threads (`lazy_tensors.py`); no full
+  array exists on any device and the host holds at most one weight's
+  slices (two on an accelerator, where the next weight is read while the
+  last one is transferred);
 - a Hugging Face tensor that keras-hub's converter passes on unconverted
-  (`port_weight` without a hook) is read from the safetensors file slice by
-  slice, like an HDF5 dataset (`LazySafetensor`); a tensor its hooks convert
-  arrives whole on the host, is sliced there and each device receives only
-  its part. Either way the file is mapped only while one tensor is read
-  (`SafetensorsFile`), so the host holds at most one tensor of it.
+  (`port_weight` without a hook) is read slice by slice from the
+  safetensors file the same way (`LazySafetensor`); a tensor its hooks
+  convert arrives whole on the host, is sliced there and each device
+  receives only its part. Nothing is memory-mapped (`SafetensorsFile`);
+- each slice crosses to its device in the file's dtype and is cast there
+  when the model's dtype is wider (a bfloat16 checkpoint into a float32
+  model moves half the bytes), one weight at a time;
+- each weight file is read through one descriptor held for the whole load,
+  so a file replaced or deleted meanwhile still loads as the version first
+  opened, and one modified in place raises `WeightFileChangedError`.
 
 Outside the context, Keras behaves exactly as without this package: the hooks
 are installed on entry and removed on exit, and act only in the thread that
@@ -27,16 +35,18 @@ entered.
 
 Example:
 ```python
-with distribution.scope(), sharded_loading(distribution) as stats:
+with distribution.scope(), sharded_loading() as stats:
     model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
-print(stats.bytes_read, stats.weights_loaded)
+print(stats.bytes_read, stats.weights_loaded, stats.read_seconds)
 ```
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -53,20 +63,39 @@ import ml_dtypes
 import numpy as np
 
 from keras_hub_autodist import compat
-from keras_hub_autodist.errors import LayoutMismatchError
+from keras_hub_autodist.errors import WeightFileChangedError
+from keras_hub_autodist.lazy_tensors import LAZY_TENSORS
+from keras_hub_autodist.lazy_tensors import HeldFile
+from keras_hub_autodist.lazy_tensors import LazyH5Dataset
+from keras_hub_autodist.lazy_tensors import LazySafetensor
+from keras_hub_autodist.lazy_tensors import SafetensorsFile
+from keras_hub_autodist.lazy_tensors import aligned_empty
+from keras_hub_autodist.lazy_tensors import local_shape
+from keras_hub_autodist.lazy_tensors import read_threads
+
+__all__ = [
+    "LazyH5Dataset",
+    "LazySafetensor",
+    "LoadStats",
+    "SafetensorsFile",
+    "attach_load_stats",
+    "load_stats",
+    "per_device_bytes",
+    "progress_enabled",
+    "release_host_memory",
+    "sharded_loading",
+]
 
 PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
 # A progress bar appears once a load has run this long.
 PROGRESS_DELAY_SECONDS = 2.0
 PROGRESS_INTERVAL_SECONDS = 0.2
 _LOAD_STATS_ATTR = "_keras_hub_autodist_load_stats"
-# A large safetensors tensor is read in blocks of rows of about this size.
-SAFETENSORS_CHUNK_BYTES = 16 * 1024**2
 
 
 @dataclasses.dataclass
 class LoadStats:
-    """What a sharded load did.
+    """What a sharded load did, and where its time went.
 
     Args:
         weights_loaded: variables that received a value from the checkpoint.
@@ -81,7 +110,21 @@ class LoadStats:
             the checkpoint overwrote them.
         initialized_after_load: variables the checkpoint did not cover, given
             their initial values (sharded) after loading.
-        seconds: wall time of the load.
+        seconds: wall time of the load (`sharded_loading`'s context: the
+            model's build and keras-hub's loader included).
+        read_seconds: of `seconds`, the time the loading thread waited for
+            weight files to be read (reads run on a pool of threads).
+        transfer_seconds: of `seconds`, the time the loading thread spent
+            handing slices to the devices, casting them there and waiting
+            for the previous weight's transfer. A transfer that proceeds
+            while the next weight is read is not counted.
+        build_seconds: set by the caller: building the model, loading
+            excluded (`seconds - read_seconds - transfer_seconds` is
+            keras-hub's own work, building included). 0.0 when not set.
+        plan_seconds: set by the caller: computing the layout plan before
+            the load. 0.0 when not set.
+        verify_seconds: set by the caller: checking the loaded model
+            against its plan. 0.0 when not set.
     """
 
     weights_loaded: int = 0
@@ -90,219 +133,26 @@ class LoadStats:
     initializers_skipped: int = 0
     initialized_after_load: int = 0
     seconds: float = 0.0
-
-
-class LazyH5Dataset:
-    """An HDF5 dataset of a weight file, read slice by slice on demand.
-
-    Keras' weight store returns one of these instead of a full numpy array
-    while `sharded_loading` is active. `np.asarray(dataset)` still reads it
-    whole, for code paths that need the full value.
-
-    Args:
-        session: the loading session that owns the open files.
-        filename: the HDF5 file.
-        name: the dataset's path inside the file.
-        shape: the dataset's shape.
-        dtype: the numpy dtype of its values (`bfloat16` for Keras'
-            bfloat16 datasets, stored as 2-byte opaque values).
-    """
-
-    def __init__(self, session, filename: str, name: str, shape, dtype):
-        self._session = session
-        self.filename = filename
-        self.name = name
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def read(self, index=()) -> np.ndarray:
-        """Read `index` (a tuple of slices) of the dataset."""
-        dataset = self._session.open_dataset(self.filename, self.name)
-        values = dataset[index] if index else dataset[()]
-        values = np.asarray(values)
-        if values.dtype != self.dtype:  # Keras' bfloat16: opaque 2-byte values
-            values = values.view(self.dtype)
-        self._session.stats.bytes_read += values.nbytes
-        return values
-
-    def __array__(self, dtype=None, copy=None):
-        values = self.read(tuple(slice(None) for _ in self.shape))
-        return values if dtype is None else values.astype(dtype)
-
-    def __repr__(self):
-        return f"<LazyH5Dataset {self.filename}:{self.name} shape={self.shape}>"
-
-
-class SafetensorsFile:
-    """A safetensors file mapped only while one tensor is read from it.
-
-    `safetensors.safe_open` maps the whole file for as long as it is open, and
-    every page a read touches stays in the process's resident memory until
-    the file is closed. keras-hub's `SafetensorLoader` keeps each file open
-    for the whole load, so host RSS grew by the whole checkpoint (measured:
-    +381 MiB on a 381 MiB file, over the final device bytes). While
-    `sharded_loading` is active, keras-hub's loader gets one of these
-    instead: each `get_tensor` opens the file, copies that tensor out and
-    closes it again.
-
-    Args:
-        path: the `*.safetensors` file.
-        framework: the framework of the tensors returned (keras-hub: `"np"`).
-        **kwargs: passed on to `safetensors.safe_open`.
-
-    Example:
-    ```python
-    with SafetensorsFile("model.safetensors") as file:
-        tensor = file.get_tensor(file.keys()[0])
-    ```
-    """
-
-    def __init__(self, path, framework: str = "np", **kwargs):
-        import safetensors
-
-        self._open = safetensors.safe_open
-        self.path = path
-        self._arguments = dict(framework=framework, **kwargs)
-        with self._open(path, **self._arguments) as file:
-            self._keys = list(file.keys())
-            self._metadata = file.metadata()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return False
-
-    def keys(self) -> list:
-        """The tensor names in the file."""
-        return list(self._keys)
-
-    def metadata(self):
-        """The file's metadata."""
-        return self._metadata
-
-    def get_tensor(self, name: str):
-        """Tensor `name`, read whole; the file is unmapped again on return.
-
-        Inside keras-hub's `port_weight` without a conversion hook, a
-        `LazySafetensor` instead: `assign` reads each device's slice.
-        """
-        session = _active_session()
-        if session is not None and session.lazy_safetensors:
-            lazy = self._lazy(name, session)
-            if lazy is not None:
-                return lazy
-        return self.read(name)
-
-    def read(self, name: str, index: tuple | None = None) -> np.ndarray:
-        """Read `index` (a tuple of slices; `None`: all) of tensor `name`.
-
-        A read spanning more than `SAFETENSORS_CHUNK_BYTES` of the file goes
-        in blocks of rows, the file mapped for one block at a time, so the
-        host holds the values plus one block of the file's pages rather
-        than twice the values.
-        """
-        with self._open(self.path, **self._arguments) as file:
-            part = file.get_slice(name)
-            shape = tuple(part.get_shape())
-            if index is None:
-                index = tuple(slice(None) for _ in shape)
-            if not shape or 0 in shape:
-                return _read_index(file, name, index)
-            start, stop, step = index[0].indices(shape[0])
-            dtype = part[tuple(slice(0, 1) for _ in shape)].dtype
-            row_bytes = dtype.itemsize * math.prod(shape[1:])
-            rows = max(1, SAFETENSORS_CHUNK_BYTES // row_bytes)
-            if step != 1 or stop - start <= rows:
-                return _read_index(file, name, index)
-        rest = tuple(index[1:])
-        local = (stop - start,) + tuple(
-            len(range(*s.indices(size))) for s, size in zip(rest, shape[1:])
-        )
-        values = np.empty(local, dtype)
-        for begin in range(start, stop, rows):
-            end = min(begin + rows, stop)
-            with self._open(self.path, **self._arguments) as file:
-                block = file.get_slice(name)[(slice(begin, end),) + rest]
-                values[begin - start : end - start] = block
-                del block
-        return values
-
-    def _lazy(self, name: str, session) -> LazySafetensor | None:
-        with self._open(self.path, **self._arguments) as file:
-            part = file.get_slice(name)
-            shape = tuple(part.get_shape())
-            if not shape or 0 in shape:
-                return None
-            dtype = part[tuple(slice(0, 1) for _ in shape)].dtype
-        return LazySafetensor(self, name, shape, dtype, session.stats)
-
-
-def _read_index(file, name: str, index: tuple) -> np.ndarray:
-    """`index` of tensor `name` of an open safetensors file."""
-    if all(s == slice(None) for s in index):
-        return file.get_tensor(name)
-    return file.get_slice(name)[index]
-
-
-class LazySafetensor:
-    """A tensor of a safetensors file, read slice by slice on demand.
-
-    keras-hub's `port_weight` hands one of these to `assign` when it
-    converts nothing (no hook) while `sharded_loading` is active, so each
-    device's slice is read straight from the file (after the variable's
-    placeholder is freed) and no whole copy exists on the host.
-    `np.asarray(tensor)` still reads it whole.
-
-    Args:
-        file: the `SafetensorsFile` holding it.
-        name: the tensor's name in the file.
-        shape: its shape.
-        dtype: the numpy dtype `safetensors` reads it as.
-        stats: the `LoadStats` whose `bytes_read` counts what is read.
-    """
-
-    def __init__(self, file: SafetensorsFile, name: str, shape, dtype, stats):
-        self.file = file
-        self.name = name
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-        self._stats = stats
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def read(self, index=()) -> np.ndarray:
-        """Read `index` (a tuple of slices) of the tensor."""
-        values = self.file.read(self.name, tuple(index) if index else None)
-        self._stats.bytes_read += values.nbytes
-        return values
-
-    def __array__(self, dtype=None, copy=None):
-        values = self.read()
-        return values if dtype is None else values.astype(dtype)
-
-    def __repr__(self):
-        return f"<LazySafetensor {self.file.path}:{self.name} shape={self.shape}>"
+    read_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    build_seconds: float = 0.0
+    plan_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 class _SafetensorsModule:
     """The `safetensors` module keras-hub's loader sees during a load: its
-    `safe_open` gives a `SafetensorsFile` in the loading thread, and the
-    real `safe_open` anywhere else."""
+    `safe_open` gives the session's `SafetensorsFile` in the loading thread,
+    and the real `safe_open` anywhere else."""
 
     def __init__(self, module):
         self._module = module
 
     def safe_open(self, path, framework="np", **kwargs):
-        if _active_session() is None:
+        session = _active_session()
+        if session is None or kwargs:
             return self._module.safe_open(path, framework=framework, **kwargs)
-        return SafetensorsFile(path, framework=framework, **kwargs)
+        return session.safetensors_file(path, framework)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -395,6 +245,34 @@ def _numpy_dtype(dtype) -> np.dtype:
     return np.dtype(jnp.dtype(keras.backend.standardize_dtype(dtype)))
 
 
+def _on_cpu(sharding) -> bool:
+    return all(device.platform == "cpu" for device in sharding.device_set)
+
+
+def _casts_on_device(stored: np.dtype, wanted: np.dtype) -> bool:
+    """Whether a weight stored as `stored` goes to its devices as it is and
+    is cast to `wanted` there: floats widened only (exact, and the device
+    never holds more than the final shard plus a narrower one)."""
+    floats = all(jnp.issubdtype(d, jnp.floating) for d in (stored, wanted))
+    return floats and stored != wanted and stored.itemsize < wanted.itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def _device_cast(dtype: str, sharding):
+    """A compiled cast to `dtype` that keeps `sharding`."""
+    return jax.jit(lambda values: values.astype(dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_zeros(shape: tuple, dtype: str, sharding):
+    """Zeros made on the devices, laid out as `sharding`."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _slice_key(index: tuple, shape: tuple) -> tuple:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
 class _Session:
     """The state of one sharded load (one thread, one `from_preset`)."""
 
@@ -408,45 +286,136 @@ class _Session:
         self.stats = LoadStats()
         self.pending = {}  # id(variable) -> (weakref to variable, initializer)
         self.placeholders = set()  # ids of variables holding a placeholder
-        self.files = {}
+        self.files = {}  # path -> HeldFile, one per weight file for the load
+        self._executor = None
+        # The last weight put on the devices: its array, and the array in
+        # the file's dtype it was cast from (freed once the cast is done).
+        self._in_flight = None
         # True inside keras-hub's `port_weight` without a hook: safetensors
         # reads give a `LazySafetensor`.
         self.lazy_safetensors = False
 
-    def open_dataset(self, filename: str, name: str):
-        file = self.files.get(filename)
-        if file is None:
-            file = self.files[filename] = h5py.File(filename, "r")
-        return file[name]
+    def executor(self) -> concurrent.futures.Executor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                read_threads(), thread_name_prefix="keras_hub_autodist_read"
+            )
+        return self._executor
 
-    def close(self):
-        for file in self.files.values():
-            file.close()
-        self.files.clear()
+    def held_h5_file(self, dataset) -> HeldFile | None:
+        """The held descriptor of the file Keras opened `dataset` from, or
+        `None` when it is not a plain file on disk."""
+        h5_file = dataset.file
+        if h5_file.driver != "sec2":
+            return None
+        fd = h5_file.id.get_vfd_handle()
+        held = self.files.get(h5_file.filename)
+        if held is None:
+            held = HeldFile(h5_file.filename, fd=os.dup(fd))
+            self.files[h5_file.filename] = held
+        elif not held.same_file(fd):
+            raise WeightFileChangedError(
+                f"{h5_file.filename} was replaced while a model was loaded "
+                "from it, and Keras reopened the new file: the loaded weights "
+                "would mix two versions of it. Load again once the new file "
+                f"is complete. Received: dataset {dataset.name}"
+            )
+        return held
+
+    def safetensors_file(self, path, framework: str) -> SafetensorsFile:
+        """keras-hub's view of safetensors file `path`: read from the
+        descriptor held for the whole load, lazy inside `port_weight`."""
+        key = os.path.abspath(os.fspath(path))
+        held = self.files.get(key)
+        if held is None:
+            held = self.files[key] = HeldFile(key)
+        file = SafetensorsFile(key, framework=framework, file=held)
+        file.executor = self.executor()
+        file.get_lazy = self._lazy_safetensor
+        return file
+
+    def _lazy_safetensor(self, file, name) -> LazySafetensor | None:
+        if not self.lazy_safetensors or _active_session() is not self:
+            return None
+        lazy = LazySafetensor(file, name)
+        return lazy if lazy.shape and 0 not in lazy.shape else None
+
+    def close(self, check: bool = False) -> None:
+        """Wait for the last transfer and close the files; with `check`,
+        raise `WeightFileChangedError` if one changed during the load."""
+        try:
+            self._finish_transfer()
+            if check:
+                for file in self.files.values():
+                    file.check_unchanged()
+        finally:
+            for file in self.files.values():
+                file.close()
+            self.files.clear()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True, cancel_futures=True)
+                self._executor = None
+
+    def _finish_transfer(self) -> None:
+        if self._in_flight is None:
+            return
+        array, stored = self._in_flight
+        self._in_flight = None
+        array.block_until_ready()
+        if stored is not None:
+            stored.delete()
 
     def put(self, source, variable) -> jax.Array:
         """Build `variable`'s sharded value from `source`, slice by slice."""
-        sharding = _backend_sharding(variable._layout)
-        dtype = _numpy_dtype(variable._dtype)
+        sharding = _backend_sharding(compat.variable_layout(variable))
+        wanted = _numpy_dtype(compat.variable_dtype(variable))
         shape = tuple(variable.shape)
-        slices = {}
+        indices = sharding.addressable_devices_indices_map(shape)
+        unique = {}
+        for index in indices.values():
+            unique.setdefault(_slice_key(index, shape), index)
+        stored = np.dtype(source.dtype)
+        on_device = _casts_on_device(stored, wanted)
+        moved = stored if on_device else wanted
 
-        def read_slice(index):
-            key = tuple((s.start, s.stop, s.step) for s in index)
-            values = slices.get(key)
-            if values is None:
-                if isinstance(source, _LAZY):
-                    values = source.read(index)
-                else:
-                    values = np.asarray(source[index])
-                values = values.astype(dtype, copy=False)
-                slices[key] = values
-            return values
+        start = time.perf_counter()
+        if isinstance(source, LAZY_TENSORS):
+            values = source.read_slices(list(unique.values()), self.executor())
+            self.stats.bytes_read += sum(v.nbytes for v in values)
+        else:
+            values = [np.asarray(source[index]) for index in unique.values()]
+        values = [v.astype(moved, copy=False) for v in values]
+        slices = dict(zip(unique, values))
+        del values
+        read = time.perf_counter()
+        self.stats.read_seconds += read - start
 
-        try:
-            return jax.make_array_from_callback(shape, sharding, read_slice)
-        finally:
-            slices.clear()
+        # The next weight was read while this one crossed to the devices.
+        self._finish_transfer()
+        on_cpu = _on_cpu(sharding)
+        arrays, used = [], set()
+        for device, index in indices.items():
+            key = _slice_key(index, shape)
+            values = slices[key]
+            if on_cpu and key in used:
+                # The CPU backend adopts an aligned buffer as device memory:
+                # each device gets a buffer of its own.
+                values = _aligned_copy(values)
+            used.add(key)
+            arrays.append(jax.device_put(values, device))
+        slices.clear()
+        array = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        del arrays
+        if on_device:
+            cast = _device_cast(wanted.name, sharding)(array)
+            self._in_flight = (cast, array)
+            array = cast
+        else:
+            self._in_flight = (array, None)
+        if on_cpu:
+            self._finish_transfer()
+        self.stats.transfer_seconds += time.perf_counter() - read
+        return array
 
     def count(self, variable) -> None:
         self.stats.weights_loaded += 1
@@ -454,6 +423,12 @@ class _Session:
             self.stats.weights_loaded,
             self.stats.bytes_read + self.stats.bytes_received,
         )
+
+
+def _aligned_copy(values: np.ndarray) -> np.ndarray:
+    copy = aligned_empty(values.shape, values.dtype)
+    copy[...] = values
+    return copy
 
 
 _sessions: list[_Session] = []
@@ -467,14 +442,21 @@ def _active_session() -> _Session | None:
 
 
 def _placeholder(shape, dtype, sharding) -> jax.Array:
-    """Zeros laid out as `sharding`: each device allocates only its shard."""
+    """Zeros laid out as `sharding`: each device allocates only its shard.
+
+    On accelerators they are made on the devices. On CPU each shard is a
+    fresh aligned host buffer the device adopts without a copy, so its
+    pages are never touched before the real values replace it.
+    """
     dtype = _numpy_dtype(dtype)
-
-    def zeros(index):
-        local = tuple(len(range(*s.indices(size))) for s, size in zip(index, shape))
-        return np.zeros(local, dtype)
-
-    return jax.make_array_from_callback(tuple(shape), sharding, zeros)
+    shape = tuple(shape)
+    if not _on_cpu(sharding):
+        return _device_zeros(shape, dtype.name, sharding)()
+    arrays = [
+        jax.device_put(aligned_empty(local_shape(index, shape), dtype, zeros=True), d)
+        for d, index in sharding.addressable_devices_indices_map(shape).items()
+    ]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 # The hooks go on the class Keras instantiates (`keras.Variable`, the JAX
@@ -482,19 +464,18 @@ def _placeholder(shape, dtype, sharding) -> jax.Array:
 # a load only.
 _VARIABLE = keras.Variable
 _original_assign = _VARIABLE.assign
-_original_initialize = _VARIABLE._initialize_with_initializer
+_original_initialize = getattr(_VARIABLE, compat.VARIABLE_INITIALIZE_METHOD)
 _H5_IO_STORE = compat.h5_io_store()
 _original_getitem = _H5_IO_STORE.__getitem__
 _MISSING = object()
-_LAZY = (LazyH5Dataset, LazySafetensor)
 
 
 def _assign(variable, value):
     session = _active_session()
-    layout = getattr(variable, "_layout", None)
+    layout = compat.variable_layout(variable)
     if session is None or layout is None:
         return _original_assign(variable, _whole(value))
-    if not isinstance(value, (*_LAZY, np.ndarray, np.generic)):
+    if not isinstance(value, (*LAZY_TENSORS, np.ndarray, np.generic)):
         return _original_assign(variable, value)
     if tuple(value.shape) != tuple(variable.shape):
         # Keras' own message and error type for a shape mismatch.
@@ -504,18 +485,18 @@ def _assign(variable, value):
     if id(variable) in session.placeholders:
         # The placeholder's shards are freed before the real ones arrive.
         session.placeholders.discard(id(variable))
-        variable._value.delete()
-        variable._value = None
-    variable._value = session.put(value, variable)
+        compat.variable_array(variable).delete()
+        compat.set_variable_array(variable, None)
+    compat.set_variable_array(variable, session.put(value, variable))
     release_host_memory()
     session.pending.pop(id(variable), None)
     session.count(variable)
-    return variable._value
+    return compat.variable_array(variable)
 
 
 def _whole(value):
     """`value`, read whole if it is a lazy tensor."""
-    return np.asarray(value) if isinstance(value, _LAZY) else value
+    return np.asarray(value) if isinstance(value, LAZY_TENSORS) else value
 
 
 def _port_weight_hook(original):
@@ -546,14 +527,19 @@ def _initialize_with_initializer(variable, initializer):
     if session is not None and session.check_variable is not None:
         # Before Keras lays the variable out: a wrong shape is reported
         # here rather than as JAX's error for an indivisible dimension.
-        session.check_variable(variable.path, variable._shape)
+        session.check_variable(variable.path, compat.variable_declared_shape(variable))
     if session is None or not session.skip_initializers:
         return _original_initialize(variable, initializer)
-    variable._initialize_layout()
-    if variable._layout is None:
+    compat.initialize_variable_layout(variable)
+    layout = compat.variable_layout(variable)
+    if layout is None:
         return _original_initialize(variable, initializer)
-    sharding = _backend_sharding(variable._layout)
-    variable._value = _placeholder(variable._shape, variable._dtype, sharding)
+    placeholder = _placeholder(
+        compat.variable_declared_shape(variable),
+        compat.variable_dtype(variable),
+        _backend_sharding(layout),
+    )
+    compat.set_variable_array(variable, placeholder)
     session.placeholders.add(id(variable))
     session.stats.initializers_skipped += 1
     session.pending[id(variable)] = (weakref.ref(variable), initializer)
@@ -561,26 +547,23 @@ def _initialize_with_initializer(variable, initializer):
 
 def _getitem(store, key):
     session = _active_session()
-    if session is None or getattr(store, "archive", None) is not None:
+    if session is None or compat.h5_store_archive(store) is not None:
         return _original_getitem(store, key)
     dataset = compat.h5_dataset(store, key)
-    filename = getattr(getattr(dataset, "file", None), "filename", None)
-    if not isinstance(dataset, h5py.Dataset) or not filename:
-        return _original_getitem(store, key)
-    if not os.path.isfile(filename):
+    if not isinstance(dataset, h5py.Dataset):
         return _original_getitem(store, key)
     if dataset.attrs.get("dtype") == "bfloat16":
         dtype = ml_dtypes.bfloat16
     else:
         dtype = dataset.dtype
-    return LazyH5Dataset(session, filename, dataset.name, dataset.shape, dtype)
+    return LazyH5Dataset(dataset, dtype, session.held_h5_file(dataset))
 
 
 @contextlib.contextmanager
 def _hooks_installed():
     hooks = [
         (_VARIABLE, "assign", _assign),
-        (_VARIABLE, "_initialize_with_initializer", _initialize_with_initializer),
+        (_VARIABLE, compat.VARIABLE_INITIALIZE_METHOD, _initialize_with_initializer),
         (_H5_IO_STORE, "__getitem__", _getitem),
     ]
     safetensor_utils = compat.safetensor_utils_module()
@@ -609,8 +592,8 @@ def _initialize_pending(session: _Session) -> None:
         if variable is None:
             continue
         if id(variable) in session.placeholders:
-            variable._value.delete()
-            variable._value = None
+            compat.variable_array(variable).delete()
+            compat.set_variable_array(variable, None)
         _original_initialize(variable, initializer)
         session.stats.initialized_after_load += 1
     session.stats.initializers_skipped -= session.stats.initialized_after_load
@@ -645,6 +628,11 @@ def sharded_loading(
     Yields:
         The `LoadStats` of the load, filled in as it goes.
 
+    Raises:
+        WeightFileChangedError: a weight file was modified in place during
+            the load (one replaced or deleted still loads, as the version
+            first opened).
+
     Example:
     ```python
     with distribution.scope(), sharded_loading() as stats:
@@ -657,45 +645,20 @@ def sharded_loading(
     )
     start = time.perf_counter()
     _sessions.append(session)
+    completed = False
     try:
         with _hooks_installed():
             yield session.stats
         _initialize_pending(session)
+        completed = True
     finally:
         _sessions.remove(session)
-        session.close()
-        session.stats.seconds = time.perf_counter() - start
+        try:
+            session.close(check=completed)
+        finally:
+            session.stats.seconds = time.perf_counter() - start
     loaded = session.stats
     bar.update(loaded.weights_loaded, loaded.bytes_read + loaded.bytes_received, True)
-
-
-def verify_layouts(model) -> None:
-    """Raise `LayoutMismatchError` if a variable is not laid out as planned.
-
-    Args:
-        model: a model whose variables were created under a distribution.
-
-    Example:
-    ```python
-    verify_layouts(lm)  # after from_preset(..., device_mesh=mesh)
-    ```
-    """
-    wrong = []
-    for variable in model.variables:
-        layout = getattr(variable, "_layout", None)
-        if layout is None:
-            continue
-        expected = _backend_sharding(layout)
-        actual = getattr(variable.value, "sharding", None)
-        ndim = len(variable.shape)
-        if actual is None or not actual.is_equivalent_to(expected, ndim):
-            wrong.append(f"{variable.path}: {actual} (planned {expected})")
-    if wrong:
-        raise LayoutMismatchError(
-            f"{len(wrong)} variables are not laid out as planned; this is a "
-            "keras_hub_autodist bug, please report it with the preset's "
-            f"config.json. Received: {'; '.join(wrong[:5])}"
-        )
 
 
 def attach_load_stats(model, stats: LoadStats) -> None:

@@ -20,6 +20,7 @@ Each step takes the previous step's value and never calls back up.
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import keras
@@ -136,6 +137,7 @@ def from_preset(
     progress = progress_option(progress)
     require_jax_backend()
     load_from_preset = original_from_preset(cls)
+    planning_started = time.perf_counter()
     # 1-2. The config, and every weight of the model it builds.
     preset_config = read_preset_config(preset)
     weights = model_weights(preset_config, options)
@@ -148,6 +150,7 @@ def from_preset(
     else:
         mesh = build_device_mesh(device_mesh)  # validates before listing devices
         layout_plan = plan_model(weights, mesh, options)
+    plan_seconds = time.perf_counter() - planning_started
     distribution = keras.distribution.ModelParallel(
         layout_map=layout_plan.layout_map(mesh),
         batch_dim_name=layout_plan.batch_axis,
@@ -175,8 +178,14 @@ def from_preset(
                 ):
                     raise
                 raise _quantized_preset_error(preset, error) from error
+        verifying_started = time.perf_counter()
         check.built(model.weights)
         verify_layouts(model)
+        stats.verify_seconds = time.perf_counter() - verifying_started
+        stats.plan_seconds = plan_seconds
+        stats.build_seconds = max(
+            0.0, stats.seconds - stats.read_seconds - stats.transfer_seconds
+        )
         attach_load_stats(model, stats)
         return model
 

@@ -130,3 +130,14 @@ def test_progress_takes_a_bool(progress, tiny_presets_dir):
             device_mesh={"batch": 2, "model": 4},
             progress=progress,
         )
+
+
+def test_load_stats_say_where_the_time_went(tiny_presets_dir):
+    lm = keras_hub.models.GemmaCausalLM.from_preset(
+        tiny_presets_dir["gemma_mqa"], device_mesh={"batch": 2, "model": 4}
+    )
+    stats = keras_hub_autodist.load_stats(lm)
+    assert stats.plan_seconds > 0 and stats.verify_seconds > 0
+    assert stats.build_seconds > 0 and stats.read_seconds >= 0
+    parts = stats.build_seconds + stats.read_seconds + stats.transfer_seconds
+    assert parts == pytest.approx(stats.seconds)

@@ -24,7 +24,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 import keras_hub_autodist
+from keras_hub_autodist import lazy_tensors
 from keras_hub_autodist import loading
+from keras_hub_autodist import verify
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 STRATEGIES = ["tp", "fsdp"]
@@ -427,7 +429,7 @@ def test_verify_layouts_names_a_misplaced_variable(presets):
         keras_hub_autodist.LayoutMismatchError,
         match=f"not laid out as planned.*Received: {variable.path}",
     ):
-        loading.verify_layouts(backbone)
+        verify.verify_layouts(backbone)
 
 
 def mapped(path):
@@ -467,14 +469,16 @@ def test_unconverted_safetensors_weights_are_read_slice_by_slice(presets, monkey
     """A tensor keras-hub's converter passes on without a hook goes from the
     file to each device's slice; the host never holds it whole."""
     reads = []
-    read = loading.SafetensorsFile.read
+    read_slices = lazy_tensors.LazySafetensor.read_slices
 
-    def recording_read(file, name, index=None):
-        values = read(file, name, index)
-        reads.append((name, values.nbytes))
+    def recording_read_slices(tensor, indices, executor=None):
+        values = read_slices(tensor, indices, executor)
+        reads.extend((tensor.name, v.nbytes) for v in values)
         return values
 
-    monkeypatch.setattr(loading.SafetensorsFile, "read", recording_read)
+    monkeypatch.setattr(
+        lazy_tensors.LazySafetensor, "read_slices", recording_read_slices
+    )
     backbone = keras_hub.models.Backbone.from_preset(
         presets["transformers"], device_mesh=mesh_of((1, 8)), strategy="tp"
     )
@@ -488,7 +492,7 @@ def test_unconverted_safetensors_weights_are_read_slice_by_slice(presets, monkey
 
 def test_safetensors_file_reads_large_tensors_in_blocks(presets, tmp_path, monkeypatch):
     """Tensors read block by block are bitwise those `safe_open` reads."""
-    monkeypatch.setattr(loading, "SAFETENSORS_CHUNK_BYTES", 100)
+    monkeypatch.setattr(lazy_tensors, "READ_CHUNK_BYTES", 100)
     extra = str(tmp_path / "extra.safetensors")
     rng = np.random.default_rng(1)
     safetensors.numpy.save_file(
@@ -502,8 +506,10 @@ def test_safetensors_file_reads_large_tensors_in_blocks(presets, tmp_path, monke
         extra,
     )
     for path in (os.path.join(presets["transformers"], "model.safetensors"), extra):
-        file = loading.SafetensorsFile(path)
-        with safetensors.safe_open(path, framework="np") as reference:
+        with (
+            lazy_tensors.SafetensorsFile(path) as file,
+            safetensors.safe_open(path, framework="np") as reference,
+        ):
             assert file.keys() == list(reference.keys())
             for name in reference.keys():
                 expected = reference.get_tensor(name)

@@ -1,0 +1,212 @@
+"""Weight files read by offset: slices bitwise equal to numpy's, read on a
+pool of threads, and a narrower file dtype cast on the devices."""
+
+import concurrent.futures
+import threading
+
+import h5py
+import jax
+import keras
+import keras_hub
+import ml_dtypes
+import numpy as np
+import pytest
+import tiny_presets
+from test_loading import backbone_preset
+from test_loading import mesh_of
+from test_loading import sample_peaks
+
+import keras_hub_autodist
+from keras_hub_autodist import lazy_tensors
+from keras_hub_autodist import loading
+
+HEADER = 24  # bytes before the tensor in the file, so offsets are not 0
+
+
+def write_tensor(path, values):
+    with open(path, "wb") as f:
+        f.write(b"x" * HEADER)
+        f.write(np.ascontiguousarray(values).tobytes())
+        f.write(b"y" * 8)
+
+
+def column_slices(shape, parts, axis):
+    size = shape[axis] // parts
+    return [
+        tuple(
+            slice(i * size, (i + 1) * size) if a == axis else slice(None)
+            for a in range(len(shape))
+        )
+        for i in range(parts)
+    ]
+
+
+CASES = [
+    # shape, dtype, slices
+    ((64, 48), "float32", column_slices((64, 48), 8, 1)),
+    ((64, 48), "float32", column_slices((64, 48), 4, 0)),
+    ((6, 40, 10), ml_dtypes.bfloat16, column_slices((6, 40, 10), 2, 1)),
+    ((6, 40, 10), "int8", column_slices((6, 40, 10), 5, 2)),
+    (
+        (128, 16),
+        "float32",
+        [(slice(0, 64), slice(8, 16)), (slice(64, 128), slice(0, 8))],
+    ),
+    (
+        (128, 16),
+        "float32",
+        [(slice(0, 128), slice(2, 6)), (slice(0, 128), slice(10, 12))],
+    ),
+    ((50,), "float32", [(slice(0, 25),), (slice(25, 50),), (slice(None),)]),
+    ((), "float32", [()]),
+    ((0, 4), "float32", [(slice(None), slice(None))]),
+]
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("shape,dtype,indices", CASES)
+def test_slices_are_bitwise_numpys(
+    tmp_path, monkeypatch, shape, dtype, indices, threads
+):
+    # Tiny thresholds: long runs split into pieces, short runs read by rows.
+    monkeypatch.setattr(lazy_tensors, "READ_CHUNK_BYTES", 96)
+    monkeypatch.setattr(lazy_tensors, "SMALL_RUN_BYTES", 64)
+    monkeypatch.setattr(lazy_tensors, "SMALL_RUN_COUNT", 4)
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(shape) * 50).astype(dtype)
+    path = tmp_path / "tensor.bin"
+    write_tensor(path, values)
+    executor = concurrent.futures.ThreadPoolExecutor(threads) if threads else None
+    with lazy_tensors.HeldFile(path) as file:
+        tensor = lazy_tensors.ContiguousTensor(file, HEADER, shape, dtype)
+        read = tensor.read_slices(indices, executor)
+        whole = tensor.read()
+    for index, part in zip(indices, read):
+        expected = values[index]
+        assert part.dtype == expected.dtype and part.shape == expected.shape
+        assert part.tobytes() == expected.tobytes(), index
+        assert part.size == 0 or part.ctypes.data % lazy_tensors.BUFFER_ALIGNMENT == 0
+    assert whole.tobytes() == values.tobytes()
+
+
+def test_reads_run_on_the_pool(tmp_path, monkeypatch):
+    monkeypatch.setattr(lazy_tensors, "READ_CHUNK_BYTES", 1024)
+    values = np.arange(64 * 256, dtype="float32").reshape(64, 256)
+    path = tmp_path / "tensor.bin"
+    write_tensor(path, values)
+    threads = set()
+    read_into = lazy_tensors.HeldFile.read_into
+
+    def recording_read_into(file, buffer, offset):
+        threads.add(threading.current_thread().name)
+        return read_into(file, buffer, offset)
+
+    monkeypatch.setattr(lazy_tensors.HeldFile, "read_into", recording_read_into)
+    executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="reader")
+    with lazy_tensors.HeldFile(path) as file:
+        tensor = lazy_tensors.ContiguousTensor(file, HEADER, values.shape, "float32")
+        (part,) = tensor.read_slices([(slice(0, 32), slice(None))], executor)
+    np.testing.assert_array_equal(part, values[:32])
+    assert threads and all(name.startswith("reader") for name in threads)
+
+
+def test_a_truncated_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "tensor.bin"
+    write_tensor(path, np.zeros(4, "float32"))
+    with lazy_tensors.HeldFile(path) as file:
+        tensor = lazy_tensors.ContiguousTensor(file, HEADER, (400,), "float32")
+        with pytest.raises(
+            keras_hub_autodist.WeightFileChangedError, match="truncated.*Received"
+        ):
+            tensor.read()
+
+
+def test_h5_offsets_only_for_plain_contiguous_datasets(tmp_path):
+    path = str(tmp_path / "data.h5")
+    values = np.arange(60, dtype="float32").reshape(6, 10)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("plain", data=values)
+        f.create_dataset("chunked", data=values, chunks=(2, 10))
+        f.create_dataset("compressed", data=values, compression="gzip")
+        f.create_dataset("big_endian", data=values.astype(">f4"))
+    with h5py.File(path, "r") as f, lazy_tensors.HeldFile(path) as file:
+        offset = lazy_tensors.h5_contiguous_offset(f["plain"])
+        assert offset is not None
+        for name in ("chunked", "compressed", "big_endian"):
+            assert lazy_tensors.h5_contiguous_offset(f[name]) is None, name
+        for name in ("plain", "chunked", "compressed"):
+            lazy = lazy_tensors.LazyH5Dataset(f[name], "float32", file)
+            assert (lazy.contiguous is not None) == (name == "plain")
+            part = lazy.read_slices([(slice(1, 4), slice(2, 7))])[0]
+            np.testing.assert_array_equal(part, values[1:4, 2:7])
+
+
+def test_bfloat16_file_moves_as_bfloat16_and_is_cast_on_the_devices(
+    tmp_path, monkeypatch
+):
+    path = backbone_preset(tmp_path / "bf16", tiny_presets.GEMMA_MQA, dtype="bfloat16")
+    single = keras_hub.models.Backbone.from_preset(path, dtype="float32")
+    moved = []
+    device_put = jax.device_put
+
+    def recording_device_put(values, *args, **kwargs):
+        moved.append(np.dtype(values.dtype))
+        return device_put(values, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", recording_device_put)
+    monkeypatch.setattr(loading, "_placeholder", placeholder_without_device_put)
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, dtype="float32", device_mesh={"batch": 2, "model": 4}
+    )
+    assert moved and set(moved) == {np.dtype(ml_dtypes.bfloat16)}
+    for mine, theirs in zip(backbone.weights, single.weights):
+        assert mine.dtype == "float32"
+        assert np.asarray(mine.value).tobytes() == np.asarray(theirs.value).tobytes()
+
+
+def placeholder_without_device_put(shape, dtype, sharding):
+    return loading._device_zeros(
+        tuple(shape), loading._numpy_dtype(dtype).name, sharding
+    )()
+
+
+MEDIUM_GEMMA = dict(
+    vocabulary_size=4096,
+    num_layers=2,
+    num_query_heads=8,
+    num_key_value_heads=8,
+    hidden_dim=256,
+    intermediate_dim=1024,
+    head_dim=32,
+)
+
+
+def test_peak_bytes_per_device_while_casting_on_the_devices(tmp_path, monkeypatch):
+    """A bfloat16 file into a float32 model: no device holds more than its
+    final share + its largest shard, the bfloat16 copy included."""
+    path = backbone_preset(tmp_path / "medium", MEDIUM_GEMMA, dtype="bfloat16")
+    keras.utils.clear_session(free_memory=True)
+    baseline = loading.per_device_bytes()
+    peaks, _ = sample_peaks(monkeypatch)
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, dtype="float32", device_mesh=mesh_of((1, 8)), strategy="tp"
+    )
+    _, plan = keras_hub_autodist.distribution_of(backbone)
+    largest_shard = max(row.device_bytes for row in plan.rows)
+    final = loading.per_device_bytes()
+    for device, peak in peaks.items():
+        share = final.get(device, 0) - baseline.get(device, 0)
+        assert share >= plan.max_device_bytes
+        grown = peak - baseline.get(device, 0)
+        assert grown <= share + largest_shard, (device, grown, share, largest_shard)
+
+
+def test_load_stats_time_reading_and_transfer(tmp_path):
+    path = backbone_preset(tmp_path / "f32", tiny_presets.GEMMA_MQA)
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, device_mesh={"batch": 2, "model": 4}
+    )
+    stats = keras_hub_autodist.load_stats(backbone)
+    assert stats.read_seconds > 0 and stats.transfer_seconds > 0
+    assert stats.read_seconds + stats.transfer_seconds <= stats.seconds
+    assert stats.bytes_read == sum(v.value.nbytes for v in backbone.weights)
