@@ -46,32 +46,30 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import inspect
 import math
 import os
-import sys
 import threading
 import time
 import weakref
 
 import h5py
 import jax
-import jax.numpy as jnp
 import keras
 import ml_dtypes
 import numpy as np
 
 from keras_hub_autodist import compat
+from keras_hub_autodist import transfer
 from keras_hub_autodist.errors import WeightFileChangedError
+from keras_hub_autodist.file_reads import HeldFile
+from keras_hub_autodist.file_reads import read_threads
 from keras_hub_autodist.lazy_tensors import LAZY_TENSORS
-from keras_hub_autodist.lazy_tensors import HeldFile
 from keras_hub_autodist.lazy_tensors import LazyH5Dataset
 from keras_hub_autodist.lazy_tensors import LazySafetensor
 from keras_hub_autodist.lazy_tensors import SafetensorsFile
-from keras_hub_autodist.lazy_tensors import aligned_empty
-from keras_hub_autodist.lazy_tensors import local_shape
-from keras_hub_autodist.lazy_tensors import read_threads
+from keras_hub_autodist.progress import Progress
+from keras_hub_autodist.progress import progress_enabled
 
 __all__ = [
     "LazyH5Dataset",
@@ -81,15 +79,9 @@ __all__ = [
     "attach_load_stats",
     "load_stats",
     "per_device_bytes",
-    "progress_enabled",
-    "release_host_memory",
     "sharded_loading",
 ]
 
-PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
-# A progress bar appears once a load has run this long.
-PROGRESS_DELAY_SECONDS = 2.0
-PROGRESS_INTERVAL_SECONDS = 0.2
 _LOAD_STATS_ATTR = "_keras_hub_autodist_load_stats"
 
 
@@ -158,115 +150,8 @@ class _SafetensorsModule:
         return getattr(self._module, name)
 
 
-class _Progress:
-    """A one-line progress bar on a terminal; silent otherwise."""
-
-    def __init__(self, total_weights: int, total_bytes: int, enabled: bool):
-        self.total_weights = total_weights
-        self.total_bytes = total_bytes
-        self.enabled = enabled
-        self.start = time.perf_counter()
-        self.last = 0.0
-        self.shown = False
-
-    def update(self, weights: int, nbytes: int, final: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        elapsed = now - self.start
-        if elapsed < PROGRESS_DELAY_SECONDS and not self.shown:
-            return
-        if not final and now - self.last < PROGRESS_INTERVAL_SECONDS:
-            return
-        self.last, self.shown = now, True
-        total = max(self.total_weights, weights)
-        width = 24
-        filled = int(width * weights / total) if total else width
-        rate = nbytes / elapsed if elapsed > 0 else 0.0
-        line = (
-            f"\rLoading weights [{'#' * filled}{'.' * (width - filled)}] "
-            f"{weights}/{total} weights, {_mib(nbytes)}/{_mib(self.total_bytes)}"
-            f", {_mib(rate)}/s"
-        )
-        sys.stderr.write(line + ("\n" if final else ""))
-        sys.stderr.flush()
-
-
-def _glibc_malloc_trim():
-    """glibc's `malloc_trim`, or `None` on other C libraries."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _glibc_malloc_trim() if sys.platform.startswith("linux") else None
-
-
-def release_host_memory() -> None:
-    """Give freed heap memory back to the operating system (glibc only).
-
-    Each weight's host slices are freed once its shards are on the devices,
-    but glibc keeps freed heap pages and grows the mmap threshold, so without
-    this the host's resident memory grew by a third of the model while
-    loading (measured: +210 MiB on a 610 MiB preset, +64 MiB with it).
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _mib(n: float) -> str:
-    return f"{n / 1024**2:.1f} MiB"
-
-
-def progress_enabled(progress: bool | None) -> bool:
-    """Whether to show a progress bar: `progress` if given, else on a
-    terminal unless `$KERAS_HUB_AUTODIST_PROGRESS` is `0`/`false`/`off`/`no`.
-
-    Example:
-    >>> progress_enabled(False)
-    False
-    """
-    if progress is not None:
-        return bool(progress)
-    setting = os.environ.get(PROGRESS_ENV, "").strip().lower()
-    if setting in ("0", "false", "off", "no"):
-        return False
-    return sys.stderr.isatty()
-
-
 def _backend_sharding(layout):
     return getattr(layout, "backend_layout", layout)
-
-
-def _numpy_dtype(dtype) -> np.dtype:
-    return np.dtype(jnp.dtype(keras.backend.standardize_dtype(dtype)))
-
-
-def _on_cpu(sharding) -> bool:
-    return all(device.platform == "cpu" for device in sharding.device_set)
-
-
-def _casts_on_device(stored: np.dtype, wanted: np.dtype) -> bool:
-    """Whether a weight stored as `stored` goes to its devices as it is and
-    is cast to `wanted` there: floats widened only (exact, and the device
-    never holds more than the final shard plus a narrower one)."""
-    floats = all(jnp.issubdtype(d, jnp.floating) for d in (stored, wanted))
-    return floats and stored != wanted and stored.itemsize < wanted.itemsize
-
-
-@functools.lru_cache(maxsize=256)
-def _device_cast(dtype: str, sharding):
-    """A compiled cast to `dtype` that keeps `sharding`."""
-    return jax.jit(lambda values: values.astype(dtype), out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=256)
-def _device_zeros(shape: tuple, dtype: str, sharding):
-    """Zeros made on the devices, laid out as `sharding`."""
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def _slice_key(index: tuple, shape: tuple) -> tuple:
@@ -277,7 +162,7 @@ class _Session:
     """The state of one sharded load (one thread, one `from_preset`)."""
 
     def __init__(
-        self, *, skip_initializers: bool, progress: _Progress, check_variable=None
+        self, *, skip_initializers: bool, progress: Progress, check_variable=None
     ):
         self.thread = threading.get_ident()
         self.skip_initializers = skip_initializers
@@ -368,14 +253,14 @@ class _Session:
     def put(self, source, variable) -> jax.Array:
         """Build `variable`'s sharded value from `source`, slice by slice."""
         sharding = _backend_sharding(compat.variable_layout(variable))
-        wanted = _numpy_dtype(compat.variable_dtype(variable))
+        wanted = transfer.numpy_dtype(compat.variable_dtype(variable))
         shape = tuple(variable.shape)
         indices = sharding.addressable_devices_indices_map(shape)
         unique = {}
         for index in indices.values():
             unique.setdefault(_slice_key(index, shape), index)
         stored = np.dtype(source.dtype)
-        on_device = _casts_on_device(stored, wanted)
+        on_device = transfer.casts_on_device(stored, wanted)
         moved = stored if on_device else wanted
 
         start = time.perf_counter()
@@ -392,7 +277,7 @@ class _Session:
 
         # The next weight was read while this one crossed to the devices.
         self._finish_transfer()
-        on_cpu = _on_cpu(sharding)
+        on_cpu = transfer.on_cpu(sharding)
         arrays, used = [], set()
         for device, index in indices.items():
             key = _slice_key(index, shape)
@@ -400,14 +285,14 @@ class _Session:
             if on_cpu and key in used:
                 # The CPU backend adopts an aligned buffer as device memory:
                 # each device gets a buffer of its own.
-                values = _aligned_copy(values)
+                values = transfer.aligned_copy(values)
             used.add(key)
             arrays.append(jax.device_put(values, device))
         slices.clear()
         array = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
         del arrays
         if on_device:
-            cast = _device_cast(wanted.name, sharding)(array)
+            cast = transfer.device_cast(wanted.name, sharding)(array)
             self._in_flight = (cast, array)
             array = cast
         else:
@@ -425,12 +310,6 @@ class _Session:
         )
 
 
-def _aligned_copy(values: np.ndarray) -> np.ndarray:
-    copy = aligned_empty(values.shape, values.dtype)
-    copy[...] = values
-    return copy
-
-
 _sessions: list[_Session] = []
 
 
@@ -439,24 +318,6 @@ def _active_session() -> _Session | None:
         return None
     session = _sessions[-1]
     return session if session.thread == threading.get_ident() else None
-
-
-def _placeholder(shape, dtype, sharding) -> jax.Array:
-    """Zeros laid out as `sharding`: each device allocates only its shard.
-
-    On accelerators they are made on the devices. On CPU each shard is a
-    fresh aligned host buffer the device adopts without a copy, so its
-    pages are never touched before the real values replace it.
-    """
-    dtype = _numpy_dtype(dtype)
-    shape = tuple(shape)
-    if not _on_cpu(sharding):
-        return _device_zeros(shape, dtype.name, sharding)()
-    arrays = [
-        jax.device_put(aligned_empty(local_shape(index, shape), dtype, zeros=True), d)
-        for d, index in sharding.addressable_devices_indices_map(shape).items()
-    ]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 # The hooks go on the class Keras instantiates (`keras.Variable`, the JAX
@@ -488,7 +349,7 @@ def _assign(variable, value):
         compat.variable_array(variable).delete()
         compat.set_variable_array(variable, None)
     compat.set_variable_array(variable, session.put(value, variable))
-    release_host_memory()
+    transfer.release_host_memory()
     session.pending.pop(id(variable), None)
     session.count(variable)
     return compat.variable_array(variable)
@@ -534,7 +395,7 @@ def _initialize_with_initializer(variable, initializer):
     layout = compat.variable_layout(variable)
     if layout is None:
         return _original_initialize(variable, initializer)
-    placeholder = _placeholder(
+    placeholder = transfer.placeholder(
         compat.variable_declared_shape(variable),
         compat.variable_dtype(variable),
         _backend_sharding(layout),
@@ -639,7 +500,7 @@ def sharded_loading(
         backbone = keras_hub.models.Backbone.from_preset("./gemma_2b")
     ```
     """
-    bar = _Progress(total_weights, total_bytes, progress_enabled(progress))
+    bar = Progress(total_weights, total_bytes, progress_enabled(progress))
     session = _Session(
         skip_initializers=load_weights, progress=bar, check_variable=check_variable
     )

@@ -24,8 +24,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 import keras_hub_autodist
+from keras_hub_autodist import file_reads
 from keras_hub_autodist import lazy_tensors
 from keras_hub_autodist import loading
+from keras_hub_autodist import progress
+from keras_hub_autodist import transfer
 from keras_hub_autodist import verify
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
@@ -271,7 +274,7 @@ def sample_peaks(monkeypatch):
         for device, size in loading.per_device_bytes().items():
             peaks[device] = max(peaks.get(device, 0), size)
 
-    put, placeholder = loading._Session.put, loading._placeholder
+    put, placeholder = loading._Session.put, transfer.placeholder
 
     def recording_put(self, *args, **kwargs):
         result = put(self, *args, **kwargs)
@@ -284,7 +287,7 @@ def sample_peaks(monkeypatch):
         return result
 
     monkeypatch.setattr(loading._Session, "put", recording_put)
-    monkeypatch.setattr(loading, "_placeholder", recording_placeholder)
+    monkeypatch.setattr(transfer, "placeholder", recording_placeholder)
     return peaks, record
 
 
@@ -372,7 +375,7 @@ def test_progress_bar_on_a_terminal(presets, monkeypatch):
     stream = io.StringIO()
     stream.isatty = lambda: True
     monkeypatch.setattr("sys.stderr", stream)
-    monkeypatch.setattr(loading, "PROGRESS_DELAY_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_SECONDS", 0.0)
     keras_hub.models.Backbone.from_preset(
         presets["keras"], device_mesh={"batch": 2, "model": 4}
     )
@@ -397,8 +400,8 @@ def test_progress_bar_switches(presets, monkeypatch, env, tty, shown):
     stream = io.StringIO()
     stream.isatty = lambda: tty
     monkeypatch.setattr("sys.stderr", stream)
-    monkeypatch.setattr(loading, "PROGRESS_DELAY_SECONDS", 0.0)
-    monkeypatch.setenv(loading.PROGRESS_ENV, env)
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_SECONDS", 0.0)
+    monkeypatch.setenv(progress.PROGRESS_ENV, env)
     keras_hub.models.Backbone.from_preset(
         presets["keras"], device_mesh={"batch": 2, "model": 4}
     )
@@ -409,7 +412,7 @@ def test_progress_keyword_turns_it_off(presets, monkeypatch):
     stream = io.StringIO()
     stream.isatty = lambda: True
     monkeypatch.setattr("sys.stderr", stream)
-    monkeypatch.setattr(loading, "PROGRESS_DELAY_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_SECONDS", 0.0)
     keras_hub_autodist.from_preset(
         keras_hub.models.Backbone,
         presets["keras"],
@@ -492,7 +495,7 @@ def test_unconverted_safetensors_weights_are_read_slice_by_slice(presets, monkey
 
 def test_safetensors_file_reads_large_tensors_in_blocks(presets, tmp_path, monkeypatch):
     """Tensors read block by block are bitwise those `safe_open` reads."""
-    monkeypatch.setattr(lazy_tensors, "READ_CHUNK_BYTES", 100)
+    monkeypatch.setattr(file_reads, "READ_CHUNK_BYTES", 100)
     extra = str(tmp_path / "extra.safetensors")
     rng = np.random.default_rng(1)
     safetensors.numpy.save_file(

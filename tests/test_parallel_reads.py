@@ -17,8 +17,10 @@ from test_loading import mesh_of
 from test_loading import sample_peaks
 
 import keras_hub_autodist
+from keras_hub_autodist import file_reads
 from keras_hub_autodist import lazy_tensors
 from keras_hub_autodist import loading
+from keras_hub_autodist import transfer
 
 HEADER = 24  # bytes before the tensor in the file, so offsets are not 0
 
@@ -69,42 +71,42 @@ def test_slices_are_bitwise_numpys(
     tmp_path, monkeypatch, shape, dtype, indices, threads
 ):
     # Tiny thresholds: long runs split into pieces, short runs read by rows.
-    monkeypatch.setattr(lazy_tensors, "READ_CHUNK_BYTES", 96)
-    monkeypatch.setattr(lazy_tensors, "SMALL_RUN_BYTES", 64)
-    monkeypatch.setattr(lazy_tensors, "SMALL_RUN_COUNT", 4)
+    monkeypatch.setattr(file_reads, "READ_CHUNK_BYTES", 96)
+    monkeypatch.setattr(file_reads, "SMALL_RUN_BYTES", 64)
+    monkeypatch.setattr(file_reads, "SMALL_RUN_COUNT", 4)
     rng = np.random.default_rng(0)
     values = (rng.standard_normal(shape) * 50).astype(dtype)
     path = tmp_path / "tensor.bin"
     write_tensor(path, values)
     executor = concurrent.futures.ThreadPoolExecutor(threads) if threads else None
-    with lazy_tensors.HeldFile(path) as file:
-        tensor = lazy_tensors.ContiguousTensor(file, HEADER, shape, dtype)
+    with file_reads.HeldFile(path) as file:
+        tensor = file_reads.ContiguousTensor(file, HEADER, shape, dtype)
         read = tensor.read_slices(indices, executor)
         whole = tensor.read()
     for index, part in zip(indices, read):
         expected = values[index]
         assert part.dtype == expected.dtype and part.shape == expected.shape
         assert part.tobytes() == expected.tobytes(), index
-        assert part.size == 0 or part.ctypes.data % lazy_tensors.BUFFER_ALIGNMENT == 0
+        assert part.size == 0 or part.ctypes.data % file_reads.BUFFER_ALIGNMENT == 0
     assert whole.tobytes() == values.tobytes()
 
 
 def test_reads_run_on_the_pool(tmp_path, monkeypatch):
-    monkeypatch.setattr(lazy_tensors, "READ_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(file_reads, "READ_CHUNK_BYTES", 1024)
     values = np.arange(64 * 256, dtype="float32").reshape(64, 256)
     path = tmp_path / "tensor.bin"
     write_tensor(path, values)
     threads = set()
-    read_into = lazy_tensors.HeldFile.read_into
+    read_into = file_reads.HeldFile.read_into
 
     def recording_read_into(file, buffer, offset):
         threads.add(threading.current_thread().name)
         return read_into(file, buffer, offset)
 
-    monkeypatch.setattr(lazy_tensors.HeldFile, "read_into", recording_read_into)
+    monkeypatch.setattr(file_reads.HeldFile, "read_into", recording_read_into)
     executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="reader")
-    with lazy_tensors.HeldFile(path) as file:
-        tensor = lazy_tensors.ContiguousTensor(file, HEADER, values.shape, "float32")
+    with file_reads.HeldFile(path) as file:
+        tensor = file_reads.ContiguousTensor(file, HEADER, values.shape, "float32")
         (part,) = tensor.read_slices([(slice(0, 32), slice(None))], executor)
     np.testing.assert_array_equal(part, values[:32])
     assert threads and all(name.startswith("reader") for name in threads)
@@ -113,8 +115,8 @@ def test_reads_run_on_the_pool(tmp_path, monkeypatch):
 def test_a_truncated_file_is_a_clear_error(tmp_path):
     path = tmp_path / "tensor.bin"
     write_tensor(path, np.zeros(4, "float32"))
-    with lazy_tensors.HeldFile(path) as file:
-        tensor = lazy_tensors.ContiguousTensor(file, HEADER, (400,), "float32")
+    with file_reads.HeldFile(path) as file:
+        tensor = file_reads.ContiguousTensor(file, HEADER, (400,), "float32")
         with pytest.raises(
             keras_hub_autodist.WeightFileChangedError, match="truncated.*Received"
         ):
@@ -129,7 +131,7 @@ def test_h5_offsets_only_for_plain_contiguous_datasets(tmp_path):
         f.create_dataset("chunked", data=values, chunks=(2, 10))
         f.create_dataset("compressed", data=values, compression="gzip")
         f.create_dataset("big_endian", data=values.astype(">f4"))
-    with h5py.File(path, "r") as f, lazy_tensors.HeldFile(path) as file:
+    with h5py.File(path, "r") as f, file_reads.HeldFile(path) as file:
         offset = lazy_tensors.h5_contiguous_offset(f["plain"])
         assert offset is not None
         for name in ("chunked", "compressed", "big_endian"):
@@ -154,7 +156,7 @@ def test_bfloat16_file_moves_as_bfloat16_and_is_cast_on_the_devices(
         return device_put(values, *args, **kwargs)
 
     monkeypatch.setattr(jax, "device_put", recording_device_put)
-    monkeypatch.setattr(loading, "_placeholder", placeholder_without_device_put)
+    monkeypatch.setattr(transfer, "placeholder", placeholder_without_device_put)
     backbone = keras_hub.models.Backbone.from_preset(
         path, dtype="float32", device_mesh={"batch": 2, "model": 4}
     )
@@ -165,8 +167,8 @@ def test_bfloat16_file_moves_as_bfloat16_and_is_cast_on_the_devices(
 
 
 def placeholder_without_device_put(shape, dtype, sharding):
-    return loading._device_zeros(
-        tuple(shape), loading._numpy_dtype(dtype).name, sharding
+    return transfer.device_zeros(
+        tuple(shape), transfer.numpy_dtype(dtype).name, sharding
     )()
 
 

@@ -1,0 +1,379 @@
+"""Byte ranges of a weight file, read in parallel into aligned buffers.
+
+A slice of a contiguous tensor is a set of byte ranges of its file. They are
+read with `os.preadv` straight into the buffer that becomes a device's
+shard: no library in between, the GIL released during every read, and many
+reads at once from a thread pool.
+
+A file is read through one `HeldFile`, a descriptor kept open for the whole
+load. A file replaced on disk (`os.replace`) or deleted meanwhile is still
+read from the version first opened; a file modified in place is caught by
+`HeldFile.check_unchanged`. Nothing is memory-mapped, so the host holds only
+the slices being read.
+
+Buffers are aligned to 64 bytes: JAX's CPU backend then adopts them as
+device memory without a copy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import mmap
+import os
+
+import numpy as np
+
+from keras_hub_autodist.errors import WeightFileChangedError
+
+# A read task covers about this many bytes of the file.
+READ_CHUNK_BYTES = 8 * 1024**2
+# A slice whose contiguous runs are shorter than this, and many, is read by
+# blocks of whole rows shared by every slice of the weight, instead of one
+# read per run.
+SMALL_RUN_BYTES = 64 * 1024
+SMALL_RUN_COUNT = 64
+# Buffers are aligned so that JAX's CPU client can adopt them without a copy.
+BUFFER_ALIGNMENT = 64
+# Buffers of at least this size are anonymous mappings of their own.
+MAPPED_BUFFER_BYTES = 1024**2
+
+_RAW_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def read_threads() -> int:
+    """How many threads read weight files at once."""
+    return max(2, min(16, os.cpu_count() or 1))
+
+
+def aligned_empty(shape, dtype, zeros: bool = False) -> np.ndarray:
+    """A C-contiguous array whose data starts on a `BUFFER_ALIGNMENT` boundary.
+
+    A large one is a private anonymous mapping of its own, filled in by the
+    kernel in one call (`MAP_POPULATE`) unless `zeros` asks for untouched
+    zero pages, and unmapped when the last reference to it goes. This skips
+    numpy's transparent-huge-page advice, whose page faults can stall on
+    memory compaction for seconds per GiB, and leaves nothing in the heap
+    for `malloc_trim` to return.
+
+    Example:
+    >>> aligned_empty((3, 4), "float32").ctypes.data % BUFFER_ALIGNMENT
+    0
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= MAPPED_BUFFER_BYTES:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if not zeros:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(-1, nbytes, flags=flags)
+        return np.frombuffer(mapping, dtype, math.prod(shape)).reshape(shape)
+    raw = (np.zeros if zeros else np.empty)(nbytes + BUFFER_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % BUFFER_ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def local_shape(index: tuple, shape: tuple) -> tuple:
+    """The shape of `index` (a tuple of slices) of an array of `shape`."""
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+
+
+def _raw(array: np.ndarray) -> np.ndarray:
+    """`array` viewed as unsigned integers of its item size, so that copies
+    run in numpy's plain loops (with the GIL released) for any dtype."""
+    raw = _RAW_DTYPES.get(array.dtype.itemsize, f"V{array.dtype.itemsize}")
+    return array.view(raw)
+
+
+class HeldFile:
+    """One open descriptor of a weight file, kept for a whole load.
+
+    Every read is an `os.preadv` at an offset, so threads share the
+    descriptor. The file's identity and size are recorded when it is opened:
+    `check_unchanged` raises `WeightFileChangedError` if it was modified in
+    place since.
+
+    Args:
+        path: the file.
+        fd: an open descriptor of it to take over (e.g. duplicated from
+            another library's handle); by default `path` is opened.
+
+    Example:
+    ```python
+    with HeldFile("model.safetensors") as file:
+        header_length = file.read_bytes(0, 8)
+    ```
+    """
+
+    def __init__(self, path: str, fd: int | None = None):
+        self.path = str(path)
+        self.fd = os.open(self.path, os.O_RDONLY) if fd is None else fd
+        self.identity = self._identity()
+
+    def _identity(self) -> tuple:
+        status = os.fstat(self.fd)
+        return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+    def same_file(self, fd: int) -> bool:
+        """Whether descriptor `fd` refers to the same file as this one."""
+        status = os.fstat(fd)
+        return (status.st_dev, status.st_ino) == self.identity[:2]
+
+    def read_into(self, buffer, offset: int) -> None:
+        """Fill `buffer` (a writable bytes-like object) from `offset`."""
+        if isinstance(buffer, np.ndarray):
+            buffer = buffer.view(np.uint8).reshape(-1)  # contiguous: no copy
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view):
+            count = os.preadv(self.fd, [view[done:]], offset + done)
+            if count == 0:
+                raise WeightFileChangedError(
+                    f"{self.path} ended at byte {offset + done} while a weight "
+                    "was read from it; it was truncated or rewritten during "
+                    "the load. Load again once it is complete. Received: "
+                    f"{len(view) - done} bytes missing."
+                )
+            done += count
+
+    def read_bytes(self, offset: int, count: int) -> bytes:
+        """`count` bytes from `offset`."""
+        buffer = bytearray(count)
+        self.read_into(buffer, offset)
+        return bytes(buffer)
+
+    def check_unchanged(self) -> None:
+        """Raise `WeightFileChangedError` if the file changed since opened."""
+        now = self._identity()
+        if now != self.identity:
+            raise WeightFileChangedError(
+                f"{self.path} was modified while a model was loaded from it, "
+                "so the loaded weights may mix two versions of it. Load "
+                "again once the file is complete; replace weight files with "
+                "`os.replace` rather than writing them in place. Received: "
+                f"size {self.identity[2]} -> {now[2]} bytes, modification "
+                f"time {self.identity[3]} -> {now[3]} ns."
+            )
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+        return False
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            self.close()
+
+
+def _run(tasks: list, executor) -> None:
+    """Run `tasks` (callables), on `executor` when there is more than one."""
+    if executor is None or len(tasks) < 2:
+        for task in tasks:
+            task()
+        return
+    futures = [executor.submit(task) for task in tasks]
+    try:
+        for future in concurrent.futures.as_completed(futures):
+            future.result()
+    finally:
+        for future in futures:
+            future.cancel()
+        concurrent.futures.wait(futures)
+
+
+def _runs(shape: tuple, index: tuple):
+    """The contiguous runs of `index` in a C-ordered array of `shape`.
+
+    Returns:
+        `(first, outer, run)`: the element offset of the first run, the
+        element offsets of every run from the first (in output order), and
+        the elements of each run.
+    """
+    ndim = len(shape)
+    bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
+    split = 0  # dimensions from `split` on form one run
+    for axis in range(ndim - 1, -1, -1):
+        split = axis
+        start, stop = bounds[axis]
+        if (start, stop) != (0, shape[axis]):
+            break
+    strides = [math.prod(shape[axis + 1 :]) for axis in range(ndim)]
+    run = (bounds[split][1] - bounds[split][0]) * strides[split] if ndim else 1
+    first = sum(bounds[axis][0] * strides[axis] for axis in range(ndim))
+    outer = np.zeros(1, np.int64)
+    for axis in range(split):
+        extent = np.arange(bounds[axis][1] - bounds[axis][0], dtype=np.int64)
+        outer = (outer[:, None] + extent[None, :] * strides[axis]).reshape(-1)
+    return first, outer, run
+
+
+class ContiguousTensor:
+    """A C-ordered tensor stored contiguously in a file, from `offset` on.
+
+    Args:
+        file: the `HeldFile` holding it.
+        offset: the byte offset of its first element.
+        shape: its shape.
+        dtype: its numpy dtype (little-endian, as stored).
+
+    Example:
+    ```python
+    tensor = ContiguousTensor(file, offset=128, shape=(4, 8), dtype="float32")
+    top, bottom = tensor.read_slices([(slice(0, 2), slice(None)),
+                                      (slice(2, 4), slice(None))])
+    ```
+    """
+
+    def __init__(self, file: HeldFile, offset: int, shape, dtype):
+        self.file = file
+        self.offset = int(offset)
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+
+    def read_slices(self, indices: list, executor=None) -> list[np.ndarray]:
+        """Read each index of `indices` (tuples of step-1 slices).
+
+        Slices whose contiguous runs are long are read run by run straight
+        into their buffers; slices of many short runs (a weight split by
+        columns) are read together by blocks of whole rows, each byte of
+        the file once, and copied into their buffers.
+
+        Args:
+            indices: tuples of slices, one per dimension.
+            executor: a `concurrent.futures.Executor` to read on, or `None`
+                to read in the calling thread.
+
+        Returns:
+            One aligned array per index.
+        """
+        indices = [self._normalize(index) for index in indices]
+        outputs = [
+            aligned_empty(local_shape(index, self.shape), self.dtype)
+            for index in indices
+        ]
+        tasks, gathered = [], []
+        for index, output in zip(indices, outputs):
+            if output.size == 0:
+                continue
+            first, outer, run = _runs(self.shape, index)
+            if run * self.dtype.itemsize < SMALL_RUN_BYTES and (
+                len(outer) > SMALL_RUN_COUNT
+            ):
+                gathered.append((index, output))
+            else:
+                tasks += self._direct_tasks(first, outer, run, output)
+        if gathered:
+            tasks += self._gather_tasks(gathered)
+        _run(tasks, executor)
+        return outputs
+
+    def read(self, index: tuple | None = None, executor=None) -> np.ndarray:
+        """Read `index` (a tuple of slices; `None`: the whole tensor)."""
+        index = tuple(slice(None) for _ in self.shape) if index is None else index
+        return self.read_slices([index], executor)[0]
+
+    def _normalize(self, index: tuple) -> tuple:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        normalized = []
+        for s, n in zip(index, self.shape):
+            start, stop, step = s.indices(n)
+            if step != 1:
+                raise ValueError(
+                    f"Only slices of step 1 are read from weight files. "
+                    f"Received: index={index!r}"
+                )
+            normalized.append(slice(start, max(start, stop)))
+        return tuple(normalized)
+
+    def _direct_tasks(self, first, outer, run, output) -> list:
+        itemsize = self.dtype.itemsize
+        run_bytes = run * itemsize
+        target = memoryview(_raw(output).reshape(-1)).cast("B")
+        pieces = []  # (file offset, output offset, bytes)
+        for number, start in enumerate(outer.tolist()):
+            file_offset = self.offset + (first + start) * itemsize
+            for done in range(0, run_bytes, READ_CHUNK_BYTES):
+                size = min(READ_CHUNK_BYTES, run_bytes - done)
+                pieces.append((file_offset + done, number * run_bytes + done, size))
+        tasks, group, grouped = [], [], 0
+        for piece in pieces:
+            group.append(piece)
+            grouped += piece[2]
+            if grouped >= READ_CHUNK_BYTES:
+                tasks.append(self._read_pieces_task(group, target))
+                group, grouped = [], 0
+        if group:
+            tasks.append(self._read_pieces_task(group, target))
+        return tasks
+
+    def _read_pieces_task(self, pieces, target):
+        def read():
+            for file_offset, output_offset, size in pieces:
+                self.file.read_into(
+                    target[output_offset : output_offset + size], file_offset
+                )
+
+        return read
+
+    def _gather_tasks(self, gathered) -> list:
+        """Blocks of rows covering every gathered slice, each read once and
+        copied into the part of each slice it holds."""
+        shape, itemsize = self.shape, self.dtype.itemsize
+        row = math.prod(shape[1:])
+        strides = [math.prod(shape[axis + 1 :]) for axis in range(1, len(shape))]
+        low = min(index[0].start for index, _ in gathered)
+        high = max(index[0].stop for index, _ in gathered)
+        # The part of a row any gathered slice needs, in elements.
+        begin = min(
+            sum(s.start * k for s, k in zip(index[1:], strides))
+            for index, _ in gathered
+        )
+        end = max(
+            sum((s.stop - 1) * k for s, k in zip(index[1:], strides)) + 1
+            for index, _ in gathered
+        )
+        whole_rows = (begin, end) == (0, row)
+        rows_per_block = max(1, READ_CHUNK_BYTES // max(1, (end - begin) * itemsize))
+        raw_dtype = _raw(np.empty(0, self.dtype)).dtype
+
+        def block_task(first_row, last_row):
+            def read():
+                count = last_row - first_row
+                block = np.empty((count, row), raw_dtype)
+                if whole_rows:
+                    self.file.read_into(block, self.offset + first_row * row * itemsize)
+                else:
+                    for number in range(count):
+                        self.file.read_into(
+                            block[number, begin:end],
+                            self.offset
+                            + ((first_row + number) * row + begin) * itemsize,
+                        )
+                block = block.reshape((count,) + shape[1:])
+                for index, output in gathered:
+                    top = max(index[0].start, first_row)
+                    bottom = min(index[0].stop, last_row)
+                    if top >= bottom:
+                        continue
+                    part = _raw(output)[top - index[0].start : bottom - index[0].start]
+                    part[...] = block[
+                        (slice(top - first_row, bottom - first_row),) + index[1:]
+                    ]
+
+            return read
+
+        return [
+            block_task(start, min(start + rows_per_block, high))
+            for start in range(low, high, rows_per_block)
+        ]
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.read()
+        return values if dtype is None else values.astype(dtype)

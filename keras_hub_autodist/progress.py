@@ -1,0 +1,67 @@
+"""The progress bar of a sharded load: one line on a terminal, silent
+otherwise (`progress=False` or `$KERAS_HUB_AUTODIST_PROGRESS=0` turn it off)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
+# A progress bar appears once a load has run this long.
+PROGRESS_DELAY_SECONDS = 2.0
+PROGRESS_INTERVAL_SECONDS = 0.2
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, total_weights: int, total_bytes: int, enabled: bool):
+        self.total_weights = total_weights
+        self.total_bytes = total_bytes
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.last = 0.0
+        self.shown = False
+
+    def update(self, weights: int, nbytes: int, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        elapsed = now - self.start
+        if elapsed < PROGRESS_DELAY_SECONDS and not self.shown:
+            return
+        if not final and now - self.last < PROGRESS_INTERVAL_SECONDS:
+            return
+        self.last, self.shown = now, True
+        total = max(self.total_weights, weights)
+        width = 24
+        filled = int(width * weights / total) if total else width
+        rate = nbytes / elapsed if elapsed > 0 else 0.0
+        line = (
+            f"\rLoading weights [{'#' * filled}{'.' * (width - filled)}] "
+            f"{weights}/{total} weights, {_mib(nbytes)}/{_mib(self.total_bytes)}"
+            f", {_mib(rate)}/s"
+        )
+        sys.stderr.write(line + ("\n" if final else ""))
+        sys.stderr.flush()
+
+
+def _mib(n: float) -> str:
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def progress_enabled(progress: bool | None) -> bool:
+    """Whether to show a progress bar: `progress` if given, else on a
+    terminal unless `$KERAS_HUB_AUTODIST_PROGRESS` is `0`/`false`/`off`/`no`.
+
+    Example:
+    >>> progress_enabled(False)
+    False
+    """
+    if progress is not None:
+        return bool(progress)
+    setting = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        return False
+    return sys.stderr.isatty()
