@@ -23,52 +23,45 @@ os.environ.setdefault(
 import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent
+# tests/ holds the helper modules both sessions import: the tiny-preset
+# factory, the equivalence check, the real configs.
 sys.path.insert(0, str(ROOT / "tests"))
 
+import real_presets  # noqa: E402
 import tiny_presets  # noqa: E402
-
-# Real Hugging Face configs (no weights), copied into the repository so that
-# a fresh clone needs nothing beside it.
-REAL_PRESETS = ROOT / "tests" / "data" / "presets"
-# The real configs the planner's per-device targets hold on. Qwen 2.5 0.5B
-# misses the fsdp target on a (256, 1) mesh: neither its vocabulary (151936)
-# nor its hidden size (896) divide by 256 (tests/test_dense_families.py).
-PLANNED_REAL_PRESETS = (
-    "gemma2_2b",
-    "gemma3_1b",
-    "gemma_2b",
-    "gemma_7b",
-    "llama2_7b",
-    "llama3.2_1b",
-    "llama3_8b",
-    "mixtral_8x7b",
-    "qwen1.5_moe_a2.7b",
-    "qwen2.5_0.5b",
-    "qwen2.5_7b",
-)
-
-
-def shared_presets_dir() -> pathlib.Path:
-    """`tests/data/presets`: the real configs the tests plan against."""
-    return REAL_PRESETS
 
 
 @pytest.fixture(scope="session")
 def tiny_presets_dir(tmp_path_factory):
-    """Every tiny preset of `tiny_presets.BUILDERS`, saved once per session."""
-    root = tmp_path_factory.mktemp("tiny_presets")
-    return {name: build(root / name) for name, build in tiny_presets.BUILDERS.items()}
+    """Name -> folder of each tiny preset of `tiny_presets.BUILDERS`, saved on
+    first use and shared by the whole session."""
+    return tiny_presets.PresetFolder(tmp_path_factory.mktemp("tiny_presets"))
 
 
 @pytest.fixture(scope="session")
 def real_configs():
     """The real Hugging Face configs in tests/data/presets (no weights)."""
-    root = shared_presets_dir()
-    found = sorted(root / name for name in PLANNED_REAL_PRESETS)
+    root = real_presets.REAL_PRESETS
+    found = sorted(root / name for name in real_presets.PLANNED_REAL_PRESETS)
     missing = [p for p in found if not (p / "config.json").exists()]
     assert not missing, f"configs missing from {root}: {missing}"
     return found
 
 
-def pytest_configure(config):
-    pytest.shared = shared_presets_dir()
+# The default session (tests/) must stay fast: tests that train for long or
+# build virtual environments live in integration/.
+INTEGRATION_MARKERS = ("slow", "venv")
+
+
+def pytest_collection_modifyitems(config, items):
+    misplaced = [
+        item.nodeid
+        for item in items
+        if item.nodeid.startswith("tests/")
+        and any(item.get_closest_marker(name) for name in INTEGRATION_MARKERS)
+    ]
+    if misplaced:
+        raise pytest.UsageError(
+            f"tests/ is the default session; tests marked {INTEGRATION_MARKERS} "
+            f"belong in integration/. Move them there. Received: {misplaced[:5]}"
+        )

@@ -41,23 +41,20 @@ def _pytest(session, *args):
 
 @nox.session
 def tests(session):
-    """Unit tests on 8 virtual CPU devices (no network, no accelerator)."""
-    _pytest(
-        session,
-        "tests",
-        "keras_hub_autodist",
-        "--doctest-modules",
-        "-m",
-        "not slow and not venv",
-    )
+    """tests/ and the package's doctests on 8 virtual CPU devices (no network,
+    no accelerator): the default session, and what a bare `pytest` runs
+    (without the doctests)."""
+    _pytest(session, "tests", "keras_hub_autodist", "--doctest-modules")
 
 
 @nox.session
 def integration(session):
-    """Hubs and formats, LoRA, save/reload, generate, the full equivalence
-    matrix and the fresh-virtualenv plugin tests (everything but multihost)."""
-    _pytest(session, "integration", "-m", "not multihost and not notebooks")
-    _pytest(session, "tests", "-m", "slow or venv")
+    """integration/ but multihost and notebooks: hubs and formats, LoRA,
+    save/reload, generate, the full equivalence matrices and the
+    fresh-virtualenv plugin tests."""
+    _pytest(
+        session, "integration", "-m", "not multihost and not notebooks and not bench"
+    )
 
 
 @nox.session
@@ -78,8 +75,10 @@ def notebooks(session):
 
 @nox.session
 def bench(session):
-    """Regenerate docs/benchmarks.md and docs/img/*.png (not run by CI)."""
-    session.install("-e", ".[dev]", "matplotlib")
+    """Check the benchmark scripts on tiny shapes, then regenerate
+    docs/benchmarks.md and docs/img/*.png (not run by CI)."""
+    _pytest(session, "integration", "-m", "bench")
+    session.install("matplotlib")
     session.run("python", "-m", "bench", env=TEST_ENV)
 
 

@@ -278,6 +278,53 @@ def qwen3_moe(path, num_experts=E):
 MOE_WRITERS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
 
 
+def qwen2(path):
+    """Qwen 2 with query/key/value biases and an untied output embedding."""
+    config = _common("qwen2", 2) | {
+        "architectures": ["Qwen2ForCausalLM"],
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": 32,
+    }
+    extra = [
+        ("self_attn.q_proj.bias", (H * HD,)),
+        ("self_attn.k_proj.bias", (2 * HD,)),
+        ("self_attn.v_proj.bias", (2 * HD,)),
+    ]
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    tensors = _decoder("model.", 2, norms, extra)
+    tensors["lm_head.weight"] = (V, D)
+    return _write(path, config, tensors)
+
+
+def qwen3(path):
+    """Qwen 3 with query/key norms and a tied output embedding."""
+    config = _common("qwen3", 2) | {
+        "architectures": ["Qwen3ForCausalLM"],
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+    extra = [("self_attn.q_norm.weight", (HD,)), ("self_attn.k_norm.weight", (HD,))]
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    return _write(path, config, _decoder("model.", 2, norms, extra))
+
+
+def smollm3(path):
+    """SmolLM3 with one key/value head and rotary embeddings on layer 0 only."""
+    config = _common("smollm3", 1) | {
+        "architectures": ["SmolLM3ForCausalLM"],
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "no_rope_layers": [1, 0],
+        "layer_types": ["full_attention", "full_attention"],
+    }
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    return _write(path, config, _decoder("model.", 1, norms))
+
+
 # Gemma 4: three layers (local, global, local) whose last shares the first's
 # keys and values; the global layer has its own head size and one key head
 # whose projection is also the value's (no `v_proj`).

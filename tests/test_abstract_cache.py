@@ -9,6 +9,7 @@ import textwrap
 import jax
 import keras_hub
 import pytest
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import abstract
@@ -161,7 +162,7 @@ def test_a_keras_hub_conversion_is_reused_by_a_later_process(tmp_path, monkeypat
     once, and a later process plans it from the disk cache without keras."""
     cache = tmp_path / "cache"
     monkeypatch.setenv(abstract.CACHE_ENV, str(cache))
-    preset = str(pytest.shared / "mixtral_8x7b")
+    preset = str(REAL_PRESETS / "mixtral_8x7b")
     expected = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
     assert {p.name.split("-")[0] for p in cache.glob("*.json")} == {
         "conversion",

@@ -2,13 +2,14 @@
 by hand on real configs (no compile), and against XLA on a tiny model."""
 
 import pytest
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import PlanError
 
 
 def _plan(mesh, strategy="tp", preset="gemma_2b"):
-    return keras_hub_autodist.plan(str(pytest.shared / preset), mesh, strategy=strategy)
+    return keras_hub_autodist.plan(str(REAL_PRESETS / preset), mesh, strategy=strategy)
 
 
 def test_gemma_2b_by_hand():
@@ -55,7 +56,7 @@ def test_model_axis_shards_heads_mlp_and_logits_not_the_residual():
 
 
 def test_bfloat16_halves_the_estimate():
-    preset = str(pytest.shared / "gemma_2b")
+    preset = str(REAL_PRESETS / "gemma_2b")
     mesh = {"batch": 2, "model": 4}
     f32 = keras_hub_autodist.plan(preset, mesh, dtype="float32")
     bf16 = keras_hub_autodist.plan(preset, mesh, dtype="bfloat16")

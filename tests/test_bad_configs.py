@@ -6,6 +6,7 @@ import shutil
 
 import keras_hub
 import pytest
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist.errors import ConfigError
@@ -18,7 +19,7 @@ MESH = {"batch": 2, "model": 4}
 @pytest.fixture
 def gemma_copy(tmp_path):
     folder = tmp_path / "gemma_2b"
-    shutil.copytree(pytest.shared / "gemma_2b", folder)
+    shutil.copytree(REAL_PRESETS / "gemma_2b", folder)
     return folder
 
 
@@ -74,11 +75,11 @@ def test_sizes_beyond_any_model_are_refused_before_building(gemma_copy, field, v
 def test_device_memory_from_the_environment_is_bounded(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(MeshError, match=rf"Received: {name}='{value}'"):
-        keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), MESH)
+        keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), MESH)
 
 
 def test_device_memory_environment_units(monkeypatch):
-    preset = str(pytest.shared / "gemma_2b")
+    preset = str(REAL_PRESETS / "gemma_2b")
     monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB", "16")
     assert keras_hub_autodist.plan(preset, MESH).device_memory_bytes == 16 * 1024**3
     monkeypatch.delenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB")

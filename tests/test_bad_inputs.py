@@ -9,6 +9,7 @@ import time
 import keras
 import numpy as np
 import pytest
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import cli
@@ -76,7 +77,7 @@ def assert_one_line_error(status, err, message):
 def test_out_of_range_numbers_are_one_line(argv, message, capsys, monkeypatch):
     ran = []
     monkeypatch.setattr(cli, "_run_demo", ran.append)
-    argv = [str(pytest.shared / "gemma_2b") if a == "PRESET" else a for a in argv]
+    argv = [str(REAL_PRESETS / "gemma_2b") if a == "PRESET" else a for a in argv]
     status, _, err = run(argv, capsys)
     assert_one_line_error(status, err, message)
     assert ran == []  # refused before the demo builds anything
@@ -212,7 +213,7 @@ def test_numpy_integer_axis_sizes_are_accepted():
     axes = resolve_mesh_axes(mesh)
     assert axes.shape == (2, 4) and all(type(n) is int for n in axes.shape)
     assert build_device_mesh(mesh).shape == (2, 4)
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), mesh)
+    plan = keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), mesh)
     assert plan.mesh_axes.shape == (2, 4)
     assert mesh == given and type(mesh["batch"]) is np.int64
 
@@ -229,7 +230,7 @@ def test_a_device_mesh_over_non_devices_is_a_mesh_error():
         with pytest.raises(MeshError, match=r"list_devices\(\)`.*Received: mesh"):
             resolve_mesh_axes(mesh)
         with pytest.raises(MeshError, match="name no device of this machine"):
-            keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), mesh)
+            keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), mesh)
 
 
 def test_device_meshes_over_devices_or_their_names_are_accepted():

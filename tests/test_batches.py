@@ -60,27 +60,6 @@ def test_pad_batch_scales_real_rows_and_zeroes_padding():
     np.testing.assert_array_equal(w, [[1, 0.5], [0, 1], [1, 1], [0, 0]])
 
 
-@pytest.mark.slow
-def test_arrays_with_a_partial_last_batch_match_single_device(preset):
-    x, y = data(preset, 10)
-    single = causal_lm(preset)
-    sharded = causal_lm(preset, device_mesh=MESH)
-    for lm in (single, sharded):
-        lm.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    assert_same_weights(weights(sharded), weights(single))
-    # One batch of 6 on a batch axis of 4: the same loss and update.
-    x6, y6 = data(preset, 6, seed=2)
-    losses = [
-        lm.train_on_batch(x6, y6, return_dict=True)["loss"] for lm in (single, sharded)
-    ]
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
-    assert_same_weights(weights(sharded), weights(single))
-    # predict: 10 rows back, the padded ones dropped.
-    np.testing.assert_allclose(
-        sharded.predict(x, batch_size=4, verbose=0), single(x), atol=1e-5
-    )
-
-
 def test_fit_tf_data_without_drop_remainder_and_partial_validation(preset):
     x, y = data(preset, 10)
     vx, vy = data(preset, 6, seed=1)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from real_presets import REAL_PRESETS
 
 from keras_hub_autodist import cli
 
@@ -72,8 +73,8 @@ except SystemExit:
     pass
 after_help = sorted(m for m in {HEAVY!r} if m in sys.modules)
 statuses = [
-    main(["plan", {str(pytest.shared / "gemma_2b")!r}, "--mesh", "batch=2,model=4"]),
-    main(["plan", {str(pytest.shared / "llama3_8b")!r}, "--mesh", "auto",
+    main(["plan", {str(REAL_PRESETS / "gemma_2b")!r}, "--mesh", "batch=2,model=4"]),
+    main(["plan", {str(REAL_PRESETS / "llama3_8b")!r}, "--mesh", "auto",
           "--devices", "8", "--device-memory", "40"]),
     main(["plan", {str(keras_folder)!r}, "--mesh", "batch=1,model=2"]),
 ]
@@ -124,7 +125,7 @@ def test_builtin_name_without_network_is_one_line(monkeypatch, capsys):
 
 
 def test_mesh_auto_with_a_device_count(capsys):
-    preset = str(pytest.shared / "gemma_7b")
+    preset = str(REAL_PRESETS / "gemma_7b")
     status, out, _ = run(
         ["plan", preset, "--mesh", "auto", "--devices", "8", "--dtype", "bfloat16"],
         capsys,
@@ -136,13 +137,13 @@ def test_mesh_auto_with_a_device_count(capsys):
 def test_mesh_auto_uses_the_visible_devices(capsys):
     # conftest gives JAX 8 virtual CPU devices.
     status, out, _ = run(
-        ["plan", str(pytest.shared / "gemma_2b"), "--mesh", "auto"], capsys
+        ["plan", str(REAL_PRESETS / "gemma_2b"), "--mesh", "auto"], capsys
     )
     assert status == 0 and "auto over 8 devices" in out
 
 
 def test_device_memory_flag(capsys):
-    preset = str(pytest.shared / "gemma_7b")
+    preset = str(REAL_PRESETS / "gemma_7b")
     status, out, _ = run(
         ["plan", preset, "--mesh", "batch=1,model=3", "--device-memory", "80"],
         capsys,
@@ -153,7 +154,7 @@ def test_device_memory_flag(capsys):
 
 def test_messages_name_flags_from_the_cli(capsys):
     status, _, err = run(
-        ["plan", str(pytest.shared / "gemma_2b"), "--mesh", "model=8"], capsys
+        ["plan", str(REAL_PRESETS / "gemma_2b"), "--mesh", "model=8"], capsys
     )
     assert_one_line_error(status, err, "no batch axis")
     assert "--batch-axis" in err and "batch_axis=" not in err
@@ -204,7 +205,7 @@ def test_bad_input_is_one_line_with_status_2(argv, message, capsys, tmp_path):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps(GPT2_CONFIG))
     replace = {
-        "PRESET": str(pytest.shared / "gemma_2b"),
+        "PRESET": str(REAL_PRESETS / "gemma_2b"),
         "BAD_CONFIG": str(bad),
         "GPT2": str(gpt2),
     }

@@ -4,6 +4,8 @@ import json
 
 import keras_hub
 import pytest
+import tiny_presets
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import ConfigError
@@ -86,7 +88,8 @@ def test_fast_reader_agrees_with_keras_hub_on_real_configs(real_configs):
 
 
 def test_fast_reader_agrees_with_keras_hub_on_tiny_keras_presets(tiny_presets_dir):
-    for path in tiny_presets_dir.values():
+    for name in tiny_presets.CAUSAL_LMS:
+        path = tiny_presets_dir[name]
         _assert_same(read_local_config(str(path)), read_preset_config(str(path)))
 
 
@@ -110,7 +113,7 @@ def test_unknown_formats_take_keras_hubs_path(tmp_path, monkeypatch):
     monkeypatch.setenv("KERAS_HUB_AUTODIST_CACHE", str(tmp_path / "cache"))
     assert read_local_config("gemma_2b_en") is None  # a built-in name
     assert read_local_config("hf://google/gemma-2b") is None
-    qwen = str(pytest.shared / "qwen2.5_7b")
+    qwen = str(REAL_PRESETS / "qwen2.5_7b")
     assert read_local_config(qwen) is None  # no keras-free conversion
     assert read_config(qwen).backbone_cls is keras_hub.models.QwenBackbone
     # keras-hub's conversion is now on disk: read without keras-hub next time.
@@ -125,7 +128,7 @@ def test_unknown_formats_take_keras_hubs_path(tmp_path, monkeypatch):
 )
 def test_real_configs_read_by_keras_hub_plan(name, architecture):
     """No keras-free conversion: keras-hub reads them, the model gives shapes."""
-    plan = keras_hub_autodist.plan(str(pytest.shared / name), {"batch": 2})
+    plan = keras_hub_autodist.plan(str(REAL_PRESETS / name), {"batch": 2})
     assert plan.architecture == architecture
 
 
@@ -187,7 +190,7 @@ def test_missing_keras_field_is_named(tmp_path):
 def test_bad_dtype_is_a_package_error(dtype):
     with pytest.raises(DTypeError, match=r"Received: dtype="):
         keras_hub_autodist.plan(
-            str(pytest.shared / "gemma_2b"), {"batch": 2}, dtype=dtype
+            str(REAL_PRESETS / "gemma_2b"), {"batch": 2}, dtype=dtype
         )
 
 

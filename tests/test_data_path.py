@@ -6,6 +6,7 @@ import dataclasses
 import keras
 import keras_hub
 import pytest
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import pipeline
@@ -56,7 +57,7 @@ def test_auto_choices_make_one_plan(device_mesh, monkeypatch):
             super().__post_init__()
 
     monkeypatch.setattr(planner, "LayoutPlan", Counted)
-    preset = str(pytest.shared / "gemma_2b")
+    preset = str(REAL_PRESETS / "gemma_2b")
     keras_hub_autodist.plan(preset, device_mesh, strategy="auto")
     assert len(made) == 1
 
@@ -65,7 +66,7 @@ def test_a_plan_holds_values_not_a_device_mesh():
     mesh = keras.distribution.DeviceMesh(
         (2, 4), ("batch", "model"), keras.distribution.list_devices()
     )
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), mesh)
+    plan = keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), mesh)
     assert isinstance(plan.mesh_axes, MeshAxes)
     assert (plan.mesh_axes.axis_names, plan.mesh_axes.shape) == (
         ("batch", "model"),
@@ -80,7 +81,7 @@ def test_a_plan_holds_values_not_a_device_mesh():
 
 def test_one_record_describes_a_weight_from_build_to_plan():
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4}, dtype="bfloat16"
+        str(REAL_PRESETS / "gemma_2b"), {"batch": 2, "model": 4}, dtype="bfloat16"
     )
     row = next(r for r in plan.rows if r.path.endswith("attention/query/kernel"))
     assert type(row) is keras_hub_autodist.PlanRow is Weight

@@ -4,6 +4,7 @@ import warnings
 
 import keras
 import pytest
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import cli
@@ -86,7 +87,7 @@ def test_demo_prints_no_warnings(demo_run):
 
 def test_fallbacks_are_counted_in_layout_keys_with_their_weights():
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_7b"), {"batch": 2, "model": 3}
+        str(REAL_PRESETS / "gemma_7b"), {"batch": 2, "model": 3}
     )
     text = demo.describe_plan(plan)
     noted = noted_rows(plan.table())

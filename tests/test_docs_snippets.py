@@ -24,9 +24,9 @@ import sys
 
 import keras
 import pytest
+import tiny_presets
 
 from keras_hub_autodist import cli
-from keras_hub_autodist import demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -54,7 +54,7 @@ def exported(line):
 @pytest.fixture(scope="module")
 def docs_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
-    built = demo.build_tiny_gemma_preset(str(folder / PRESET_NAMES[0]))
+    built = tiny_presets.gemma_preset(folder / PRESET_NAMES[0])
     for name in PRESET_NAMES[1:]:
         shutil.copytree(built, folder / name)
     return folder
@@ -69,7 +69,7 @@ def test_every_page_is_checked_and_has_snippets():
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_snippets_run(page, docs_folder, monkeypatch, capsys):
     monkeypatch.chdir(docs_folder)
-    namespace = {"data": demo.SENTENCES, "texts": demo.SENTENCES}
+    namespace = {"data": tiny_presets.SENTENCES, "texts": tiny_presets.SENTENCES}
     for language, code in blocks(page):
         if language == "python":
             exec(compile(code, f"{page.name} snippet", "exec"), namespace)
@@ -122,7 +122,7 @@ def test_readme_first_snippet_as_written_in_a_fresh_process(docs_folder, tmp_pat
             README_USER,
             str(ROOT / "startup"),
             str(snippet),
-            json.dumps(demo.SENTENCES),
+            json.dumps(tiny_presets.SENTENCES),
         ],
         cwd=docs_folder,
         env=env,

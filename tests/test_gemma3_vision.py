@@ -1,68 +1,15 @@
-"""Gemma 3 with its vision tower: every weight planned, and a sharded forward
-pass with images equal to one device's."""
+"""Gemma 3 with its vision tower: every weight is planned (the sharded
+forward pass and training with images are in
+integration/test_gemma3_vision_matrix.py)."""
 
-import keras
 import keras_hub
-import numpy as np
-import pytest
+import tiny_presets
 
 from keras_hub_autodist.architectures.gemma3 import GEMMA3
 
-VISION = dict(
-    image_size=16,
-    patch_size=4,
-    num_heads=2,
-    hidden_dim=16,
-    num_layers=2,
-    intermediate_dim=32,
-    output_dim=32,
-    pool_size=2,
-)
-TEXT = dict(
-    vocabulary_size=100,
-    image_size=16,
-    num_layers=2,
-    num_query_heads=4,
-    num_key_value_heads=2,
-    hidden_dim=32,
-    intermediate_dim=64,
-    head_dim=8,
-)
-
-
-def _backbone():
-    from keras_hub.models import Gemma3VisionEncoder
-
-    return keras_hub.models.Gemma3Backbone(
-        **TEXT, vision_encoder=Gemma3VisionEncoder(**VISION)
-    )
-
-
-@pytest.fixture(scope="module")
-def vision_preset(tmp_path_factory):
-    keras.utils.set_random_seed(0)
-    path = tmp_path_factory.mktemp("gemma3_vision") / "backbone"
-    _backbone().save_to_preset(str(path))
-    return str(path)
-
-
-def _inputs():
-    # 16x16 images in 4x4 patches, pooled 2x2: 4 vision tokens per image.
-    rng = np.random.default_rng(0)
-    batch, length = 4, 12
-    mask = np.zeros((batch, length), dtype="int32")
-    mask[:, 2:6] = 1
-    return {
-        "images": rng.uniform(size=(batch, 1, 16, 16, 3)).astype("float32"),
-        "token_ids": rng.integers(1, 100, size=(batch, length)).astype("int32"),
-        "padding_mask": np.ones((batch, length), dtype="int32"),
-        "vision_mask": mask,
-        "vision_indices": np.tile(np.arange(2, 6), (batch, 1)).astype("int32"),
-    }
-
 
 def test_every_vision_weight_matches_one_rule():
-    backbone = _backbone()
+    backbone = tiny_presets.gemma3_vision_backbone(**tiny_presets.GEMMA3_VISION_TEXT)
     config = backbone.get_config()
     planned = {
         w.path: w.axes for w in GEMMA3.weights(config, keras_hub.models.Gemma3Backbone)
@@ -72,54 +19,3 @@ def test_every_vision_weight_matches_one_rule():
         "image_encoder/encoder_block_0/multi_head_attention/query_proj/kernel"
     ] == ("embed", "heads")
     assert GEMMA3.shape_hints(config) is None  # the tower's shapes: the model's
-
-
-@pytest.mark.parametrize(
-    "mesh",
-    [
-        pytest.param(mesh, marks=pytest.mark.slow)
-        for mesh in ({"batch": 2, "model": 4}, {"batch": 1, "model": 8})
-    ],
-)
-def test_sharded_forward_with_images_matches_one_device(vision_preset, mesh):
-    single = keras_hub.models.Backbone.from_preset(vision_preset)
-    sharded = keras_hub.models.Backbone.from_preset(vision_preset, device_mesh=mesh)
-    query = next(
-        w
-        for w in sharded.weights
-        if w.path.endswith("encoder_block_0/multi_head_attention/query_proj/kernel")
-    )
-    assert not query.value.sharding.is_fully_replicated
-    inputs = _inputs()
-    np.testing.assert_allclose(
-        np.asarray(sharded(inputs)), np.asarray(single(inputs)), atol=1e-5, rtol=1e-5
-    )
-
-
-def _train(preset, **mesh_kwargs):
-    backbone = keras_hub.models.Backbone.from_preset(preset, **mesh_kwargs)
-    backbone.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    inputs = _inputs()
-    target = np.zeros((4, 12, TEXT["hidden_dim"]), dtype="float32")
-    losses = [float(backbone.train_on_batch(inputs, target)) for _ in range(2)]
-    return losses, {w.path: np.asarray(w.value) for w in backbone.weights}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "mesh, strategy",
-    [({"batch": 2, "model": 4}, "tp"), ({"model": 2, "batch": 4}, "fsdp")],
-)
-def test_training_with_images_matches_one_device(vision_preset, mesh, strategy):
-    losses, weights = _train(vision_preset, device_mesh=mesh, strategy=strategy)
-    ref_losses, ref_weights = _train(vision_preset)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert weights.keys() == ref_weights.keys()
-    for path, value in weights.items():
-        np.testing.assert_allclose(value, ref_weights[path], atol=1e-5, err_msg=path)
-    initial = {
-        w.path: np.asarray(w.value)
-        for w in keras_hub.models.Backbone.from_preset(vision_preset).weights
-    }
-    vision = [p for p in weights if p.startswith("image_encoder/")]
-    assert any(not np.allclose(weights[p], initial[p]) for p in vision)

@@ -20,8 +20,7 @@ import pytest
 import safetensors
 import safetensors.numpy
 import tiny_presets
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
+from equivalence import assert_laid_out_as_planned
 
 import keras_hub_autodist
 from keras_hub_autodist import file_reads
@@ -31,16 +30,12 @@ from keras_hub_autodist import progress
 from keras_hub_autodist import transfer
 from keras_hub_autodist import verify
 
-MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-STRATEGIES = ["tp", "fsdp"]
 
-
-def backbone_preset(path, config, dtype="float32", seed=0, **save_kwargs):
+def backbone_preset(path, config, dtype="float32", **save_kwargs):
     """Save a bare GemmaBackbone (no tokenizer) as a Keras preset."""
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GemmaBackbone(**config, dtype=dtype)
-    backbone.save_to_preset(str(path), **save_kwargs)
-    return str(path)
+    return tiny_presets.save_preset(
+        path, keras_hub.models.GemmaBackbone, {**config, "dtype": dtype}, **save_kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,58 +62,34 @@ def mesh_of(shape):
     return keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
 
 
-def assert_laid_out_as_planned(backbone, mesh):
-    _, plan = keras_hub_autodist.distribution_of(backbone)
-    rows = {row.path: row for row in plan.rows}
-    assert set(rows) == {v.path for v in backbone.weights}
-    for variable in backbone.weights:
-        expected = NamedSharding(
-            mesh.backend_mesh, PartitionSpec(*rows[variable.path].spec)
-        )
-        actual = variable.value.sharding
-        assert actual.is_equivalent_to(expected, len(variable.shape)), (
-            variable.path,
-            actual,
-            expected,
-        )
-
-
-# The default session rotates formats and strategies over the four meshes;
-# the integration session (`slow`) runs the whole matrix.
+# Formats and strategies rotated over the four meshes; the whole matrix in
+# integration/test_loading_matrix.py.
 ROTATION = [
     ("keras", (1, 8), "tp"),
     ("transformers", (2, 4), "fsdp"),
     ("keras", (4, 2), "fsdp"),
     ("transformers", (8, 1), "tp"),
 ]
-MATRIX = [
-    pytest.param(*case, marks=[pytest.mark.slow] if case not in ROTATION else [])
-    for case in [
-        (format, shape, strategy)
-        for format in ("keras", "transformers")
-        for shape in MESHES
-        for strategy in STRATEGIES
-    ]
-]
 
 
-@pytest.mark.parametrize("format,shape,strategy", MATRIX)
-def test_load_equals_single_device_and_follows_the_plan(
-    presets, references, format, shape, strategy
+def assert_load_equals_single_device_and_follows_the_plan(
+    preset, reference, shape, strategy, format
 ):
+    """`preset` loaded on a mesh of `shape`: bitwise `reference`, laid out as
+    planned, every weight read once and its initializer skipped."""
     mesh = mesh_of(shape)
     backbone = keras_hub.models.Backbone.from_preset(
-        presets[format], device_mesh=mesh, strategy=strategy
+        preset, device_mesh=mesh, strategy=strategy
     )
     for variable in backbone.weights:
         np.testing.assert_array_equal(
-            np.asarray(variable.value), references[format][variable.path]
+            np.asarray(variable.value), reference[variable.path]
         )
     assert_laid_out_as_planned(backbone, mesh)
     stats = keras_hub_autodist.load_stats(backbone)
     assert stats.weights_loaded == len(backbone.weights)
     assert stats.initializers_skipped == len(backbone.weights)
-    total = sum(v.nbytes for v in references[format].values())
+    total = sum(v.nbytes for v in reference.values())
     if format == "keras":
         assert stats.bytes_read == total
     else:
@@ -126,6 +97,15 @@ def test_load_equals_single_device_and_follows_the_plan(
         assert stats.bytes_read > 0
         assert stats.bytes_received > 0
         assert stats.bytes_read + stats.bytes_received == total
+
+
+@pytest.mark.parametrize("format,shape,strategy", ROTATION)
+def test_load_equals_single_device_and_follows_the_plan(
+    presets, references, format, shape, strategy
+):
+    assert_load_equals_single_device_and_follows_the_plan(
+        presets[format], references[format], shape, strategy, format
+    )
 
 
 def test_sharded_keras_weight_files(tmp_path):
@@ -222,39 +202,6 @@ def test_lora_after_loading_and_reload_on_another_mesh(presets, tmp_path):
     )
 
 
-@pytest.mark.slow
-def test_int8_quantized_preset(tmp_path):
-    """Loads like keras-hub where keras-hub loads it, else a clear error.
-
-    keras-hub 0.32 can't reload a quantized backbone saved with
-    `save_to_preset`, even on one device: the plugin then says what to do.
-    """
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(**tiny_presets.GEMMA_MQA)
-    backbone.quantize("int8")
-    path = str(tmp_path / "int8")
-    backbone.save_to_preset(path)
-    try:
-        single = keras_hub.models.Backbone.from_preset(path)
-    except ValueError:
-        single = None
-    if single is None:
-        with pytest.raises(
-            keras_hub_autodist.PresetError,
-            match=r'quantized preset.*quantize\("int8"\).*Received: preset=',
-        ):
-            keras_hub.models.Backbone.from_preset(
-                path, device_mesh={"batch": 2, "model": 4}
-            )
-        return
-    sharded = keras_hub.models.Backbone.from_preset(
-        path, device_mesh={"batch": 2, "model": 4}
-    )
-    assert any(v.dtype == "int8" for v in sharded.weights)
-    for mine, theirs in zip(sharded.weights, single.weights):
-        np.testing.assert_array_equal(np.asarray(mine.value), np.asarray(theirs.value))
-
-
 MEDIUM_GEMMA = dict(
     vocabulary_size=4096,
     num_layers=2,
@@ -312,34 +259,32 @@ def test_peak_bytes_per_device_while_loading(tmp_path, monkeypatch, shape, strat
         assert grown <= share + largest_shard, (device, grown, share, largest_shard)
 
 
-def test_upstream_loading_overshoots_the_bound(tmp_path, monkeypatch):
-    """The control: keras-hub in a hand-made scope puts whole weights on
-    one device first, far over the bound the plugin keeps."""
+def test_each_device_receives_only_its_shards_while_loading(tmp_path, monkeypatch):
+    """keras-hub alone, even inside a hand-made `ModelParallel` scope, assigns
+    each weight whole to one device before sharding it, far over the bound
+    above. Through the plugin each weight goes from the file straight to its
+    shards: every device receives exactly its planned share of each weight."""
     path = backbone_preset(tmp_path / "medium", MEDIUM_GEMMA)
-    mesh = mesh_of((1, 8))
-    plan = keras_hub_autodist.plan(path, mesh, strategy="tp")
-    largest_shard = max(row.device_bytes for row in plan.rows)
-    distribution = keras.distribution.ModelParallel(
-        layout_map=plan.layout_map(mesh), batch_dim_name="batch"
+    received = []
+    put = loading._Session.put
+
+    def recording_put(session, source, variable):
+        array = put(session, source, variable)
+        shards = [shard.data.nbytes for shard in array.addressable_shards]
+        received.append((variable.path, shards))
+        return array
+
+    monkeypatch.setattr(loading._Session, "put", recording_put)
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, device_mesh=mesh_of((1, 8)), strategy="tp"
     )
-    peaks = {}
-    original = keras.Variable.assign
-
-    def assign(variable, value):
-        result = original(variable, value)
-        for device, size in loading.per_device_bytes().items():
-            peaks[device] = max(peaks.get(device, 0), size)
-        return result
-
-    keras.utils.clear_session(free_memory=True)
-    monkeypatch.setattr(keras.Variable, "assign", assign)
-    with distribution.scope():
-        backbone = keras_hub.models.Backbone.from_preset(path)
-    monkeypatch.undo()
-    final = loading.per_device_bytes()
-    first = mesh.backend_mesh.devices.flat[0]
-    assert peaks[first] > final[first] + largest_shard
-    del backbone
+    _, plan = keras_hub_autodist.distribution_of(backbone)
+    rows = {row.path: row for row in plan.rows}
+    assert sorted(path for path, _ in received) == sorted(rows)
+    for path, shards in received:
+        assert len(shards) == 8, path
+        assert set(shards) == {rows[path].device_bytes}, (path, shards)
+    assert any(row.device_bytes < row.bytes for row in rows.values())
 
 
 def test_hooks_are_removed_after_loading(presets):

@@ -7,8 +7,8 @@ import tracemalloc
 
 import jax
 import keras
-import keras_hub
 import pytest
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import MeshError
@@ -80,7 +80,7 @@ def assert_no_dimension_divides(plan, size):
 
 
 def test_planning_is_fast_and_allocates_no_weights(real_configs):
-    folder = pytest.shared / "llama3.1_70b"
+    folder = REAL_PRESETS / "llama3.1_70b"
     keras_hub_autodist.plan(
         str(real_configs[0]), {"batch": 2, "model": 4}
     )  # warm imports
@@ -112,40 +112,38 @@ def test_abstract_meshes_of_thousands_of_devices(real_configs):
     assert plan.mesh_axes.num_devices == 4096
 
 
-def test_gemma_2b_single_kv_head_on_two_devices():
-    # The seed report: keras-hub's static GemmaBackbone map shards the key/value
-    # kernels' heads dim (size 1) over "model" and fails with IndivisibleError.
-    preset = str(pytest.shared / "gemma_2b")
+def test_gemma_2b_single_key_value_head_is_not_split_on_two_devices():
+    # A static layout map (keras-hub's `GemmaBackbone.get_layout_map`) shards
+    # the key/value kernels' heads dimension, of size 1 here, over "model",
+    # which no mesh can hold. The plan keeps that dimension whole and says
+    # why, and every dimension it shards divides by its axis.
+    preset = str(REAL_PRESETS / "gemma_2b")
     info = read_preset_config(preset)
     weights = architecture_for(info.backbone_cls).weights(
         info.config, info.backbone_cls
     )
-    mesh = keras.distribution.DeviceMesh(
-        (1, 2), ("batch", "model"), keras.distribution.list_devices()[:2]
-    )
-    static = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
     key = next(w for w in weights if w.path.endswith("0/attention/key/kernel"))
-    assert static[key.path].axes[0] == "model" and key.shape[0] == 1  # static: fails
+    assert key.shape[0] == 1
 
     plan = keras_hub_autodist.plan(preset, {"batch": 1, "model": 2}, strategy="tp")
     row = next(r for r in plan.rows if r.path == key.path)
     assert row.spec[0] is None
     assert "num_key_value_heads=1 does not divide by model=2" in row.note
     assert plan.max_device_bytes <= 1.10 * plan.total_bytes / 2
+    for row in plan.rows:
+        for size, axis in zip(row.shape, row.spec):
+            assert axis is None or size % plan.mesh_axes.size(axis) == 0, row
 
 
 def test_llama_untied_output_embedding_is_sharded_and_kv_never_on_batch():
-    # keras-hub's static Llama map: reverse_embeddings match no key (fully
-    # replicated, ~1 GB per device for Llama 3 8B in bf16) and key/value heads
-    # are sharded on the *batch* axis.
-    preset = str(pytest.shared / "llama3_8b")
+    # A static layout map (keras-hub's `LlamaBackbone.get_layout_map`) matches
+    # no key for reverse_embeddings (fully replicated, ~1 GB per device for
+    # Llama 3 8B in bf16) and shards key/value heads on the *batch* axis.
+    # The plan, and the layout map Keras gets from it, shard both on "model".
+    preset = str(REAL_PRESETS / "llama3_8b")
     mesh = keras.distribution.DeviceMesh(
         (4, 2), ("batch", "model"), keras.distribution.list_devices()
     )
-    static = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
-    assert static["token_embedding/reverse_embeddings"] is None
-    assert "batch" in static["transformer_layer_0/self_attention/key/kernel"].axes
-
     plan = keras_hub_autodist.plan(preset, mesh, strategy="tp", dtype="bfloat16")
     rows = {r.path: r for r in plan.rows}
     assert rows["token_embedding/reverse_embeddings"].spec == (None, "model")
@@ -159,11 +157,18 @@ def test_llama_untied_output_embedding_is_sharded_and_kv_never_on_batch():
         "model",
         None,
     )
+    layout_map = plan.layout_map(mesh)
+    assert tuple(layout_map["token_embedding/reverse_embeddings"].axes) == (
+        None,
+        "model",
+    )
+    key_axes = layout_map["transformer_layer_0/self_attention/key/kernel"].axes
+    assert "batch" not in key_axes
 
 
 def test_hidden_axis_shards_embed_dim(real_configs):
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "llama3_8b"),
+        str(REAL_PRESETS / "llama3_8b"),
         {"batch": 2, "model": 2, "tensor2": 2},
         strategy="tp",
     )
@@ -176,7 +181,7 @@ def test_hidden_axis_shards_embed_dim(real_configs):
 
 
 def test_fsdp_shards_over_batch_axis_and_tp_does_not():
-    preset = str(pytest.shared / "llama3.2_1b")
+    preset = str(REAL_PRESETS / "llama3.2_1b")
     tp = keras_hub_autodist.plan(preset, {"model": 2, "batch": 4}, strategy="tp")
     fsdp = keras_hub_autodist.plan(preset, {"model": 2, "batch": 4}, strategy="fsdp")
     assert all("batch" not in r.spec for r in tp.rows)
@@ -185,7 +190,7 @@ def test_fsdp_shards_over_batch_axis_and_tp_does_not():
 
 
 def test_auto_strategy_uses_device_memory():
-    preset = str(pytest.shared / "gemma_2b")
+    preset = str(REAL_PRESETS / "gemma_2b")
     roomy = keras_hub_autodist.plan(
         preset, {"batch": 2, "model": 4}, device_memory=64 * 1024**3
     )
@@ -199,18 +204,18 @@ def test_auto_strategy_uses_device_memory():
 def test_device_memory_from_environment(monkeypatch):
     monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB", "64")
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4}
+        str(REAL_PRESETS / "gemma_2b"), {"batch": 2, "model": 4}
     )
     assert plan.device_memory_bytes == 64 * 1024**3
     monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB", "lots")
     with pytest.raises(MeshError, match="must be a number of GiB.*Received: .*'lots'"):
         keras_hub_autodist.plan(
-            str(pytest.shared / "gemma_2b"), {"batch": 2, "model": 4}
+            str(REAL_PRESETS / "gemma_2b"), {"batch": 2, "model": 4}
         )
 
 
 def test_dtype_sets_bytes():
-    preset = str(pytest.shared / "gemma_7b")
+    preset = str(REAL_PRESETS / "gemma_7b")
     f32 = keras_hub_autodist.plan(preset, {"batch": 1, "model": 2}, strategy="tp")
     bf16 = keras_hub_autodist.plan(
         preset, {"batch": 1, "model": 2}, strategy="tp", dtype="bfloat16"
@@ -225,7 +230,7 @@ def test_dtype_sets_bytes():
 def test_str_is_a_readable_table():
     text = str(
         keras_hub_autodist.plan(
-            str(pytest.shared / "gemma_2b"), {"batch": 1, "model": 2}
+            str(REAL_PRESETS / "gemma_2b"), {"batch": 1, "model": 2}
         )
     )
     assert re.search(
@@ -243,7 +248,7 @@ def test_get_layout_map_for_own_scope():
         (2, 4), ("batch", "model"), keras.distribution.list_devices()
     )
     layout_map = keras_hub_autodist.get_layout_map(
-        str(pytest.shared / "gemma_7b"), mesh, strategy="tp"
+        str(REAL_PRESETS / "gemma_7b"), mesh, strategy="tp"
     )
     assert layout_map["decoder_block_3/attention/key/kernel"].axes == (
         "model",
@@ -251,12 +256,12 @@ def test_get_layout_map_for_own_scope():
         None,
     )
     with pytest.raises(MeshError, match="needs a real `keras.distribution.DeviceMesh`"):
-        keras_hub_autodist.get_layout_map(str(pytest.shared / "gemma_7b"), {"batch": 8})
+        keras_hub_autodist.get_layout_map(str(REAL_PRESETS / "gemma_7b"), {"batch": 8})
 
 
 def test_layout_map_needs_matching_device_mesh():
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_7b"), {"batch": 2, "model": 4}
+        str(REAL_PRESETS / "gemma_7b"), {"batch": 2, "model": 4}
     )
     with pytest.raises(MeshError, match="needs a `keras.distribution.DeviceMesh`"):
         plan.layout_map()
@@ -270,7 +275,7 @@ def test_layout_map_needs_matching_device_mesh():
 def test_unknown_strategy():
     with pytest.raises(StrategyError, match=r"Received: strategy='zero3'"):
         keras_hub_autodist.plan(
-            str(pytest.shared / "gemma_7b"), {"batch": 8}, strategy="zero3"
+            str(REAL_PRESETS / "gemma_7b"), {"batch": 8}, strategy="zero3"
         )
 
 
@@ -361,7 +366,7 @@ def test_multimodal_gemma3_checkpoint_plans_its_vision_tower(tmp_path):
 def test_plan_says_when_it_does_not_fit():
     # gemma_7b on model=3 needs ~56 GiB per device to train with Adam.
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_7b"), {"batch": 1, "model": 3}
+        str(REAL_PRESETS / "gemma_7b"), {"batch": 1, "model": 3}
     )
     assert not plan.fits
     summary = plan.summary()
@@ -370,7 +375,7 @@ def test_plan_says_when_it_does_not_fit():
     assert "`dtype='bfloat16'`" in summary
     assert "assumed: no device reported its memory" in summary
     roomy = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_7b"),
+        str(REAL_PRESETS / "gemma_7b"),
         {"batch": 1, "model": 3},
         device_memory=80 * 1024**3,
     )
@@ -379,7 +384,7 @@ def test_plan_says_when_it_does_not_fit():
 
 
 def test_plan_says_where_device_memory_comes_from(monkeypatch):
-    preset = str(pytest.shared / "gemma_2b")
+    preset = str(REAL_PRESETS / "gemma_2b")
     assumed = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
     assert assumed.device_memory_source == "assumed"
     monkeypatch.setenv("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB", "24")
@@ -406,7 +411,7 @@ def test_device_memory_reported_by_the_devices():
 
 def test_auto_never_picks_fsdp_on_a_batch_axis_of_one():
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_7b"), {"batch": 1, "model": 2}
+        str(REAL_PRESETS / "gemma_7b"), {"batch": 1, "model": 2}
     )
     assert plan.strategy == "tp"
     assert "fsdp would shard nothing more on a batch axis of size 1" in (
@@ -467,20 +472,20 @@ def test_query_replicated_means_no_head_dim_note():
     # gemma_7b on model=3: neither 16 heads nor head_dim 256 divide by 3, so
     # the query is replicated; K/V notes must not claim it is on head_dim.
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_7b"), {"batch": 1, "model": 3}, strategy="tp"
+        str(REAL_PRESETS / "gemma_7b"), {"batch": 1, "model": 3}, strategy="tp"
     )
     for row in plan.rows:
         assert "query heads are sharded on head_dim" not in row.note, row
 
 
 def test_plan_errors_are_package_errors():
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2})
+    plan = keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), {"batch": 2})
     with pytest.raises(PlanError, match=r"Received: optimizer='lion'"):
         plan.training_bytes_per_device("lion")
 
 
 def test_a_rule_whose_weights_get_different_layouts_is_keyed_per_weight():
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), {"batch": 2})
+    plan = keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), {"batch": 2})
     row = next(r for r in plan.rows if r.path.endswith("0/ffw_linear/kernel"))
     other = dataclasses.replace(
         row, path=row.path + "x", spec=("batch",) * len(row.spec)
@@ -493,11 +498,11 @@ def test_a_rule_whose_weights_get_different_layouts_is_keyed_per_weight():
 
 
 def test_plan_auto_mesh_over_the_visible_devices():
-    plan = keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), "auto")
+    plan = keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), "auto")
     assert plan.mesh_axes.num_devices == len(jax.devices())
     assert "auto over 8 devices" in plan.mesh_reason
     with pytest.raises(MeshError, match=r"Received: device_mesh='all'"):
-        keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), "all")
+        keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), "all")
 
 
 def _kv_row(plan):
@@ -509,7 +514,7 @@ def test_kv_replicated_when_it_fits_and_keeps_the_target():
     # ideal tp bytes, within the 1.10x target and far from 16 GiB; the old
     # 3% tolerance sharded head_dim here (extra collectives in attention).
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma3_1b"), {"batch": 1, "model": 4}, strategy="tp"
+        str(REAL_PRESETS / "gemma3_1b"), {"batch": 1, "model": 4}, strategy="tp"
     )
     row = _kv_row(plan)
     assert row.spec == (None, None, None)
@@ -522,7 +527,7 @@ def test_kv_replicated_when_it_fits_and_keeps_the_target():
 
 
 def test_kv_sharded_on_head_dim_when_replicated_does_not_fit():
-    preset = str(pytest.shared / "gemma3_1b")
+    preset = str(REAL_PRESETS / "gemma3_1b")
     mesh = {"batch": 1, "model": 4}
     replicated = keras_hub_autodist.plan(preset, mesh, strategy="tp")
     need = replicated.training_bytes_per_device("adam")
@@ -543,7 +548,7 @@ def test_kv_sharded_on_head_dim_when_replicated_does_not_fit():
 
 def test_kv_replicated_when_neither_layout_fits():
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma3_1b"),
+        str(REAL_PRESETS / "gemma3_1b"),
         {"batch": 1, "model": 4},
         strategy="tp",
         device_memory=1024**3,
@@ -566,7 +571,7 @@ def test_kv_sharded_on_head_dim_when_replicated_breaks_the_target(
 ):
     # Replicating K/V here would hold `ratio` x the ideal per-device bytes:
     # the per-device parameter targets win over the collectives saved.
-    plan = keras_hub_autodist.plan(str(pytest.shared / preset), mesh, strategy=strategy)
+    plan = keras_hub_autodist.plan(str(REAL_PRESETS / preset), mesh, strategy=strategy)
     row = _kv_row(plan)
     assert row.spec[row.logical_axes.index("head_dim")] == "model"
     assert (
@@ -577,7 +582,7 @@ def test_kv_sharded_on_head_dim_when_replicated_breaks_the_target(
 
 def test_a_plan_is_a_frozen_value():
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_2b"),
+        str(REAL_PRESETS / "gemma_2b"),
         {"batch": 2, "model": 2},
         sequence_parallel=True,
     )
@@ -606,7 +611,7 @@ def only_fallback(plan, path):
 
 def test_fallbacks_are_structured_and_their_text_is_derived():
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "gemma_2b"), {"batch": 1, "model": 2}, strategy="tp"
+        str(REAL_PRESETS / "gemma_2b"), {"batch": 1, "model": 2}, strategy="tp"
     )
     row, fallback = only_fallback(plan, "decoder_block_0/attention/key/kernel")
     assert (
@@ -626,7 +631,7 @@ def test_fallbacks_are_structured_and_their_text_is_derived():
 
 def test_a_fallback_to_another_dimension_records_it():
     plan = keras_hub_autodist.plan(
-        str(pytest.shared / "llama3_8b"), {"batch": 16, "model": 16}, strategy="fsdp"
+        str(REAL_PRESETS / "llama3_8b"), {"batch": 16, "model": 16}, strategy="fsdp"
     )
     row, fallback = only_fallback(plan, "transformer_layer_0/self_attention/key/kernel")
     assert (

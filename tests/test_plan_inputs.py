@@ -8,6 +8,7 @@ import keras
 import keras_hub
 import pytest
 import tiny_presets
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import ConfigError
@@ -41,18 +42,18 @@ GPT2_CONFIG = {
 
 
 def config_json(name):
-    return json.loads((pytest.shared / name / "config.json").read_text())
+    return json.loads((REAL_PRESETS / name / "config.json").read_text())
 
 
 def test_a_path_object_plans_like_its_string():
-    path = pytest.shared / "gemma_2b"
+    path = REAL_PRESETS / "gemma_2b"
     assert layout(keras_hub_autodist.plan(path, MESH)) == layout(
         keras_hub_autodist.plan(str(path), MESH)
     )
 
 
 def test_a_relative_path_object_is_a_folder_not_a_preset_name(monkeypatch):
-    monkeypatch.chdir(pytest.shared)
+    monkeypatch.chdir(REAL_PRESETS)
     result = keras_hub_autodist.plan(pathlib.Path("gemma_2b"), MESH)
     assert result.preset == os.path.join(".", "gemma_2b")
     assert result.backbone_class == "GemmaBackbone"
@@ -70,7 +71,7 @@ def test_a_hugging_face_config_dict_plans_like_the_folder(name):
     raw = config_json(name)
     from_dict = keras_hub_autodist.plan(raw, MESH)
     assert from_dict.preset == "<Hugging Face config dict>"
-    folder = keras_hub_autodist.plan(str(pytest.shared / name), MESH)
+    folder = keras_hub_autodist.plan(str(REAL_PRESETS / name), MESH)
     assert layout(from_dict) == layout(folder)
     assert raw == config_json(name)  # the caller's dict is not modified
 
@@ -178,7 +179,7 @@ def test_get_layout_map_of_an_instance(gemma_backbone):
         None,
         None,
     )
-    from_path = keras_hub_autodist.get_layout_map(pytest.shared / "gemma_2b", mesh)
+    from_path = keras_hub_autodist.get_layout_map(REAL_PRESETS / "gemma_2b", mesh)
     assert from_path["token_embedding/embeddings"] is not None
 
 

@@ -10,6 +10,7 @@ import warnings
 from importlib import metadata
 
 import pytest
+from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import UnsupportedArchitectureError
@@ -103,7 +104,7 @@ def test_builtins_plan_without_installed_metadata(
     no_installed_metadata, preset, backbone, handler
 ):
     if isinstance(preset, str):
-        preset = str(pytest.shared / preset)
+        preset = str(REAL_PRESETS / preset)
     result = keras_hub_autodist.plan(preset, MESH)
     assert (result.backbone_class, result.architecture) == (backbone, handler)
     assert registry.architecture_sources() == {
@@ -129,13 +130,13 @@ def test_source_checkout_plans_in_a_fresh_process():
         names = {[p for p, _, _ in FAMILIES if isinstance(p, str)]!r}
         hints = PlanOptions(shape_source="config")
         for name in names:
-            config = read_config({str(pytest.shared)!r} + "/" + name)
+            config = read_config({str(REAL_PRESETS)!r} + "/" + name)
             plan = plan_model(model_weights(config, hints), {MESH!r}, hints)
             print(name, plan.architecture)
         print("keras imported:", "keras" in sys.modules)
         for name in names:
             plan = keras_hub_autodist.plan(
-                {str(pytest.shared)!r} + "/" + name, {MESH!r})
+                {str(REAL_PRESETS)!r} + "/" + name, {MESH!r})
             print("from the model:", name, plan.architecture)
         """
     )
@@ -206,7 +207,7 @@ def test_a_broken_plugin_warns_and_the_error_names_it(plugins):
         ):
             registry.architecture_for(type("BrokenBackbone", (), {}))
     # Planning other families is unaffected.
-    assert keras_hub_autodist.plan(str(pytest.shared / "gemma_2b"), MESH).rows
+    assert keras_hub_autodist.plan(str(REAL_PRESETS / "gemma_2b"), MESH).rows
 
 
 def test_builtins_are_not_in_pyproject_entry_points():

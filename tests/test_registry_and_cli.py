@@ -3,6 +3,7 @@ import textwrap
 
 import keras_hub
 import pytest
+from real_presets import REAL_PRESETS
 
 from keras_hub_autodist import UnsupportedArchitectureError
 from keras_hub_autodist import cli
@@ -103,7 +104,7 @@ def test_console_script_is_in_installed_metadata():
 
 
 def test_cli_prints_table_and_totals(capsys):
-    preset = str(pytest.shared / "gemma_2b")
+    preset = str(REAL_PRESETS / "gemma_2b")
     assert (
         cli.main(["plan", preset, "--mesh", "batch=2,model=4", "--strategy", "fsdp"])
         == 0
@@ -127,7 +128,7 @@ def test_cli_prints_table_and_totals(capsys):
     ],
 )
 def test_cli_errors_are_one_line_with_status_2(argv, message, capsys):
-    argv = [a.replace("PRESET", str(pytest.shared / "gemma_2b")) for a in argv]
+    argv = [a.replace("PRESET", str(REAL_PRESETS / "gemma_2b")) for a in argv]
     try:
         status = cli.main(argv)
     except SystemExit as exit_:

@@ -5,11 +5,9 @@ import json
 import shutil
 import types
 
-import keras
 import keras_hub
 import numpy as np
 import pytest
-import tiny_presets
 
 import keras_hub_autodist
 from keras_hub_autodist import MeshError
@@ -22,17 +20,14 @@ from keras_hub_autodist.errors import WeightShapeError
 
 
 @pytest.fixture(scope="module")
-def backbone_preset(tmp_path_factory):
+def backbone_preset(tiny_presets_dir):
     """A bare GemmaBackbone preset (8 query heads, 1 key/value head)."""
-    path = tmp_path_factory.mktemp("strict") / "gemma"
-    keras.utils.set_random_seed(0)
-    keras_hub.models.GemmaBackbone(**tiny_presets.GEMMA_MQA).save_to_preset(str(path))
-    return str(path)
+    return tiny_presets_dir["gemma_backbone"]
 
 
 @pytest.fixture(scope="module")
-def causal_lm_preset(tmp_path_factory):
-    return tiny_presets.gemma_preset(tmp_path_factory.mktemp("strict") / "lm")
+def causal_lm_preset(tiny_presets_dir):
+    return tiny_presets_dir["gemma_mqa"]
 
 
 def _set_query_heads(node, heads):

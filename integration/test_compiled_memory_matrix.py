@@ -1,0 +1,66 @@
+"""`LayoutPlan.compiled_memory` on more meshes and models, its closed-form
+calibration on CPU, and the accelerator bench's tiny run (the fast cases are
+in tests/test_compiled_memory.py)."""
+
+import keras
+import keras_hub
+import pytest
+from test_compiled_memory import BATCH
+from test_compiled_memory import SEQ
+from test_compiled_memory import _gemma_config
+from test_compiled_memory import _mesh
+from test_compiled_memory import assert_matches_the_step_compiled_with_real_weights
+
+import keras_hub_autodist
+from keras_hub_autodist import PlanError
+from keras_hub_autodist import step_memory
+
+pytestmark = pytest.mark.slow
+
+
+def test_matches_the_step_compiled_with_real_weights_fsdp(tiny_presets_dir):
+    assert_matches_the_step_compiled_with_real_weights(
+        tiny_presets_dir["llama3_untied"],
+        keras_hub.models.Llama3CausalLM,
+        (4, 2),
+        "fsdp",
+    )
+
+
+def test_one_device_mesh_and_a_config_dict(tiny_presets_dir):
+    config = {"class_name": "GemmaBackbone", "config": dict(_gemma_config())}
+    plan = keras_hub_autodist.plan(config, _mesh((1, 1)), dtype="bfloat16")
+    memory = plan.compiled_memory(2, SEQ, preset=config)
+    assert memory.devices == 1
+    assert 3 * plan.max_device_bytes <= memory.argument_bytes
+    with pytest.raises(PlanError, match=r"pass what you planned as preset="):
+        plan.compiled_memory(2, SEQ)
+
+
+def test_leaves_the_users_optimizer_unbuilt(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
+    optimizer = keras.optimizers.Adam(1e-3)
+    count = len(optimizer.variables)
+    memory = plan.compiled_memory(BATCH, SEQ, optimizer)
+    assert not optimizer.built and len(optimizer.variables) == count
+    assert memory.optimizer == "adam"
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 4)])
+def test_cpu_estimate_within_15_percent_of_the_compiled_step(shape):
+    config = {
+        "class_name": "GemmaBackbone",
+        "config": dict(
+            vocabulary_size=4096,
+            num_layers=2,
+            num_query_heads=4,
+            num_key_value_heads=1,
+            hidden_dim=128,
+            intermediate_dim=512,
+            head_dim=32,
+        ),
+    }
+    plan = keras_hub_autodist.plan(config, _mesh(shape), strategy="tp")
+    compiled = plan.compiled_memory(8, 128, preset=config)
+    estimate = step_memory.step_estimate(plan, 8, 128, platform="cpu")
+    assert 0.85 < estimate.total_bytes / compiled.peak_bytes < 1.15
