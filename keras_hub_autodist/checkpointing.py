@@ -188,7 +188,7 @@ def _restore_orbax(model, distribution, path: str) -> bool:
     """Restore an Orbax checkpoint into `model`, each array read straight into
     its target sharding. Returns whether the optimizer state was restored."""
     ocp = _orbax()
-    folder = latest_step_folder(path)
+    folder = latest_step_folder(os.path.abspath(path))
     metadata = ocp.pytree_metadata(folder, checkpointable_name="pytree").metadata
     saved = {group: _flat(tree) for group, tree in metadata.items()}
     saved_optimizer = saved.get(OPTIMIZER_GROUP, {})
@@ -322,7 +322,8 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
     checkpoint to resume from.
 
     Args:
-        directory: the folder of the checkpoints (created when missing).
+        directory: the folder of the checkpoints (created when missing;
+            a relative path is taken from the current folder).
         save_freq: save every this many batches.
         max_to_keep: how many of the newest checkpoints to keep.
         save_on_background: write in a background thread while training
@@ -362,7 +363,7 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
                 f"save_freq={save_freq!r}"
             )
         super().__init__(
-            os.fspath(directory),
+            os.path.abspath(os.fspath(directory)),  # Orbax wants absolute
             save_freq=save_freq,
             max_to_keep=max_to_keep,
             save_on_background=save_on_background,

@@ -1,7 +1,8 @@
 """Checkpoints of bound models restore everything, or refuse to.
 
 Each case trains a tiny Gemma with Adam on 8 virtual CPU devices and compares
-with an uninterrupted run of the same model on the same data.
+with an uninterrupted run of the same model on the same data. The default
+session runs one case of each kind; other meshes and formats are `slow`.
 """
 
 import os
@@ -98,7 +99,9 @@ class StopAfter(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-@pytest.mark.parametrize("mesh", ["one-device", "2x4"])
+@pytest.mark.parametrize(
+    "mesh", ["one-device", pytest.param("2x4", marks=pytest.mark.slow)]
+)
 def test_no_mixed_sharding_warning(preset, mesh):
     mesh = one_device_mesh() if mesh == "one-device" else MESH
     with warnings.catch_warnings(record=True) as caught:
@@ -129,6 +132,7 @@ def test_compile_load_weights_fit_restores_everything(preset, tmp_path):
     assert_same_state(state(resumed), state(reference))
 
 
+@pytest.mark.slow
 def test_keras_file_restores_on_another_mesh(preset, tmp_path):
     path = str(tmp_path / "run.keras")
     trained = bound(preset)
@@ -151,6 +155,7 @@ def test_weights_only_file_into_a_trained_optimizer_is_refused(preset, tmp_path)
     assert int(fresh.optimizer.iterations) == 0
 
 
+@pytest.mark.slow
 def test_another_optimizer_is_refused(preset, tmp_path):
     path = str(tmp_path / "adam.weights.h5")
     trained = bound(preset)
@@ -174,6 +179,7 @@ def uninterrupted(preset):
     return state(lm)
 
 
+@pytest.mark.slow
 def test_orbax_load_weights_restores_optimizer_slots(preset, tmp_path):
     directory = str(tmp_path / "ckpt")
     trained = orbax_run(preset, directory, batches=3)
@@ -185,7 +191,9 @@ def test_orbax_load_weights_restores_optimizer_slots(preset, tmp_path):
         fit(restored, preset)
 
 
-@pytest.mark.parametrize("mesh", ["same", "other"])
+@pytest.mark.parametrize(
+    "mesh", ["same", pytest.param("other", marks=pytest.mark.slow)]
+)
 def test_resume_within_an_epoch(preset, tmp_path, uninterrupted, mesh):
     directory = str(tmp_path / "ckpt")
     orbax_run(preset, directory, batches=5)  # epoch 1, batch 1
@@ -198,6 +206,7 @@ def test_resume_within_an_epoch(preset, tmp_path, uninterrupted, mesh):
     assert_same_state(state(lm), uninterrupted, atol=0 if mesh == "same" else 1e-6)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_being_written_is_never_picked(preset, tmp_path):
     directory = tmp_path / "ckpt"
     orbax_run(preset, str(directory), batches=2)
