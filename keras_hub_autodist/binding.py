@@ -5,6 +5,11 @@ model loaded inside a `ModelParallel` scope and used outside it loses data
 parallelism or meets "incompatible devices" errors. A bound model enters its
 own distribution's scope around each method that creates variables or feeds
 batches, and leaves the global distribution as it found it.
+
+Around `compile`, a restore (`load_weights`) and every jitted step it makes,
+a bound model also places its optimizer and metric variables on its mesh
+(`placement.py`); `load_weights` restores the whole training state or raises
+(`checkpointing.py`); batches are checked and padded by `batches.py`.
 """
 
 from __future__ import annotations
