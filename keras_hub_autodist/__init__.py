@@ -40,6 +40,7 @@ from keras_hub_autodist.errors import PlanError  # noqa: E402
 from keras_hub_autodist.errors import PlanInputError  # noqa: E402
 from keras_hub_autodist.errors import PluginOffError  # noqa: E402
 from keras_hub_autodist.errors import PresetError  # noqa: E402
+from keras_hub_autodist.errors import RestoreError  # noqa: E402
 from keras_hub_autodist.errors import SaveTargetError  # noqa: E402
 from keras_hub_autodist.errors import StrategyError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightError  # noqa: E402
@@ -68,6 +69,7 @@ _LAZY = {
     "distribution_of": "keras_hub_autodist.binding",
     "LoadStats": "keras_hub_autodist.loading",
     "load_stats": "keras_hub_autodist.loading",
+    "ResumableCheckpoint": "keras_hub_autodist.checkpointing",
 }
 
 __all__ = [
@@ -98,6 +100,8 @@ __all__ = [
     "PlanRow",
     "PluginOffError",
     "PresetError",
+    "RestoreError",
+    "ResumableCheckpoint",
     "SaveTargetError",
     "StrategyError",
     "UnplannedWeightError",

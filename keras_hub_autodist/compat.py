@@ -36,7 +36,12 @@ TOUCHPOINTS = (
     ("keras_hub.src.utils.preset_utils", "KerasPresetLoader"),
     ("keras_hub.src.utils.transformers.preset_loader", "TransformersPresetLoader"),
     ("keras_hub.src.utils.transformers.safetensor_utils", "SafetensorLoader"),
+    # Instance attributes `_layout`, `_value` (variables) and
+    # `_initial_epoch` (models): tests/test_checkpointing.py checks them on
+    # live objects.
+    ("keras.src.backend.common.variables", "Variable"),
     ("keras.src.trainers.trainer", "Trainer"),
+    ("keras.src.callbacks.orbax_checkpoint", "OrbaxCheckpoint._save_checkpoint"),
 )
 
 
@@ -55,11 +60,13 @@ def check_touchpoints() -> list[str]:
     missing = []
     for module_name, attribute in TOUCHPOINTS:
         try:
-            module = importlib.import_module(module_name)
+            found = importlib.import_module(module_name)
         except ImportError as error:
             missing.append(f"{module_name}.{attribute}: {error}")
             continue
-        if not hasattr(module, attribute):
+        for name in attribute.split("."):  # "Class.method" too
+            found = getattr(found, name, None)
+        if found is None:
             missing.append(f"{module_name}.{attribute}: no such attribute")
     return missing
 
@@ -197,10 +204,9 @@ def h5_store_archive(store):
 
 
 def set_variable_layout(variable, layout) -> None:
-    """Give a deferred (valueless) variable the layout Keras would give it
-    on creation (`variable._layout`), so that the optimizer slots built from
-    it (`add_variable_from_reference`) take the same layout, as they do for
-    a real model."""
+    """Give a Keras variable a lasting `TensorLayout` (`variable._layout`):
+    Keras re-applies it at every `assign`, and optimizer slots built from a
+    deferred variable (`add_variable_from_reference`) take it too."""
     variable._layout = layout
 
 
@@ -211,3 +217,49 @@ def symbolic_build(model, data_batch) -> None:
     from keras.src.trainers.trainer import Trainer
 
     Trainer._symbolic_build(model, data_batch=data_batch)
+
+
+# --- Checkpoints: variable layouts, restored training position ------------------
+
+
+def variable_value_or_none(variable):
+    """A Keras variable's stored value (`variable._value`), without autocast;
+    None while a running JAX `fit` holds the state."""
+    return getattr(variable, "_value", None)
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    """Make the model's running `fit` start at `epoch` (`model._initial_epoch`),
+    as `keras.callbacks.BackupAndRestore` does from `on_train_begin`."""
+    model._initial_epoch = epoch
+
+
+# `keras.callbacks.OrbaxCheckpoint` keeps its batch counters in attributes
+# set by its `__init__`: `_total_batches_seen` (the step number of the next
+# save), `_last_batch_seen` and `_batches_seen_since_last_saving`.
+
+
+def orbax_unsaved_batches(callback) -> int:
+    """Batches an `OrbaxCheckpoint` trained on since its last save."""
+    return callback._batches_seen_since_last_saving
+
+
+def orbax_resume_counters(callback, batches_done: int) -> None:
+    """Make an `OrbaxCheckpoint` number its next saves after `batches_done`
+    batches, as if it had seen them (a resumed run)."""
+    callback._total_batches_seen = batches_done
+    callback._batches_seen_since_last_saving = 0
+
+
+def orbax_skip_batch(callback, batch: int) -> None:
+    """Let an `OrbaxCheckpoint` see batch `batch` of the epoch without
+    counting it (a batch skipped on resume)."""
+    callback._last_batch_seen = batch
+
+
+def orbax_save_now(callback, logs=None) -> None:
+    """Save an `OrbaxCheckpoint` now, numbered by the batches seen
+    (`OrbaxCheckpoint._save_checkpoint`), unless it just saved."""
+    if callback._batches_seen_since_last_saving:
+        callback._save_checkpoint(step=callback._total_batches_seen, logs=logs)
+        callback._batches_seen_since_last_saving = 0

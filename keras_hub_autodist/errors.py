@@ -123,6 +123,11 @@ class WeightShapeError(AutodistError, ValueError):
     (the model was built from a different config than the one planned)."""
 
 
+class RestoreError(AutodistError, ValueError):
+    """A checkpoint can't be restored whole into the model: part of the
+    training state (optimizer slots, iteration count) would be lost or mixed."""
+
+
 class UnplannedWeightWarning(UserWarning):
     """With `strict=False`: weights that match no rule stay replicated."""
 

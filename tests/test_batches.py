@@ -14,7 +14,7 @@ import tiny_presets
 
 import keras_hub_autodist
 from keras_hub_autodist import BatchSizeError
-from keras_hub_autodist.binding import pad_batch
+from keras_hub_autodist.batches import pad_batch
 
 MESH = {"batch": 4, "model": 2}
 PRESET = "gemma_mqa"

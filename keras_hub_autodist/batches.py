@@ -1,0 +1,316 @@
+"""Batches that divide the mesh's batch axis: checks, padding, unpadding.
+
+A sharded batch must split evenly over the batch axis of the mesh (times the
+number of processes). `check_batch` refuses a batch that won't, before
+anything runs; `pad_batch` pads a batch with zero-weight rows so the loss and
+gradients equal those of the unpadded batch; `predict_unpadded` and
+`generate_padded` drop the padded rows from what the user gets back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import keras
+import numpy as np
+
+from keras_hub_autodist.errors import BatchSizeError
+
+# Keras' default batch size for arrays passed without `batch_size`.
+KERAS_DEFAULT_BATCH_SIZE = 32
+
+
+def sample_count(x) -> int | None:
+    """Number of samples in `x` (arrays, dicts of arrays, strings), or None."""
+    if isinstance(x, str):
+        return 1
+    if isinstance(x, (list, tuple)) and x and all(isinstance(s, str) for s in x):
+        return len(x)
+    for leaf in keras.tree.flatten(x):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return shape[0]
+    return None
+
+
+def _dataset_batch(x):
+    spec = getattr(x, "element_spec", None)
+    if spec is None:
+        return None
+    for leaf in keras.tree.flatten(spec):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return shape[0]
+    return None
+
+
+def _batch_axis_size(distribution) -> int:
+    mesh = distribution.device_mesh
+    return mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)]
+
+
+def rows_multiple(distribution) -> int:
+    """Rows a process-local batch must be a multiple of.
+
+    The global batch (local rows × processes) must divide the batch axis.
+    """
+    axis_size = _batch_axis_size(distribution)
+    return axis_size // math.gcd(axis_size, distribution.num_processes)
+
+
+# Loss reductions that divide by the number of rows of the batch: a padded
+# batch needs its real rows' weights scaled by padded/real rows.
+_ROW_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
+
+
+def _scales_padded_rows(model) -> bool:
+    losses = [loss for loss in keras.tree.flatten(getattr(model, "loss", None)) if loss]
+    reductions = {getattr(loss, "reduction", "sum_over_batch_size") for loss in losses}
+    return bool(reductions & set(_ROW_MEAN_REDUCTIONS))
+
+
+def _is_tf(leaf) -> bool:
+    return type(leaf).__module__.startswith("tensorflow")
+
+
+def pad_batch(data, multiple: int, scale: bool):
+    """Pad a batch up to a multiple of `multiple` rows with zero-weight rows.
+
+    Extra rows repeat the last row (any dtype, strings included) and get
+    sample weight 0; when the loss divides by the number of rows (`scale`),
+    the real rows' weights are multiplied by padded/real rows, so that the
+    loss and its gradient equal those of the unpadded batch. Works on NumPy
+    (and JAX) arrays and inside a `tf.data` map.
+
+    Args:
+        data: `x`, or `(x, y)` / `(x, y, sample_weight)` as keras packs them.
+        multiple: the rows of the result are a multiple of it.
+        scale: scale the real rows' weights (see above).
+
+    Example:
+    ```python
+    x, y, w = pad_batch((np.ones((2, 3)), np.ones((2,))), 4, scale=True)
+    # x.shape == (4, 3); w == [2., 2., 0., 0.]
+    ```
+    """
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
+    if any(_is_tf(leaf) for leaf in keras.tree.flatten(data) if leaf is not None):
+        import tensorflow as tf
+
+        count = tf.shape(first)[0]
+        target = (count + multiple - 1) // multiple * multiple
+        index = tf.minimum(tf.range(target), count - 1)
+        real = tf.range(target) < count
+        factor = tf.cast(target, "float32") / tf.cast(count, "float32")
+
+        def take(leaf):
+            return tf.gather(leaf, index)
+
+        def weights(rows):
+            rows = tf.cast(rows, "float32")
+            mask = tf.reshape(real, [-1] + [1] * (rows.shape.rank - 1))
+            return tf.where(mask, rows * (factor if scale else 1.0), 0.0)
+
+        def ones(label):
+            shape = tf.shape(label)
+            if not label.dtype.is_integer and label.shape.rank > 1:
+                shape = shape[:-1]
+            return tf.ones(shape)
+
+    else:
+        count = int(first.shape[0])
+        if count % multiple == 0:
+            return data
+        target = -(-count // multiple) * multiple
+        index = np.minimum(np.arange(target), count - 1)
+        real = np.arange(target) < count
+
+        def take(leaf):
+            return np.take(np.asarray(leaf), index, axis=0)
+
+        def weights(rows):
+            rows = np.asarray(rows, dtype="float32")
+            mask = real.reshape((-1,) + (1,) * (rows.ndim - 1))
+            factor = target / count if scale else 1.0
+            return np.where(mask, rows * factor, 0.0).astype("float32")
+
+        def ones(label):
+            shape = np.shape(label)
+            if not np.issubdtype(np.asarray(label).dtype, np.integer):
+                shape = shape[:1] + shape[1:-1]
+            return np.ones(shape, dtype="float32")
+
+    def pad(structure):
+        return keras.tree.map_structure(
+            lambda leaf: None if leaf is None else take(leaf), structure
+        )
+
+    if y is None:
+        return pad(x) if sample_weight is None else (pad(x), None, take(sample_weight))
+    if sample_weight is None:
+        # One weight per loss value: per token for sparse labels such as
+        # (batch, sequence) ids, per row for (batch, classes) targets. A
+        # (batch,) weight against (batch, sequence) losses would be broadcast
+        # over the sequence axis by keras.
+        sample_weight = ones(keras.tree.flatten(y)[0])
+    return pad(x), pad(y), keras.tree.map_structure(weights, pad(sample_weight))
+
+
+def _batch_sizes(x, batch_size, steps=None):
+    """Rows of each batch `predict` makes of `x`, or None if unknown."""
+    if hasattr(x, "element_spec") and hasattr(x, "map"):
+        import tensorflow as tf
+
+        def rows(*element):
+            return tf.shape(tf.nest.flatten(element)[0])[0]
+
+        x = x if steps is None else x.take(steps)
+        return [int(n) for n in x.map(rows)]
+    count = sample_count(x)
+    if count is None:
+        return None
+    batch_size = batch_size or KERAS_DEFAULT_BATCH_SIZE
+    return [min(batch_size, count - start) for start in range(0, count, batch_size)]
+
+
+def _real_rows(sizes, multiple):
+    """Indices of the real rows among batches of `sizes` padded to `multiple`."""
+    keep, start = [], 0
+    for size in sizes:
+        keep.append(np.arange(start, start + size))
+        start += -(-size // multiple) * multiple
+    return np.concatenate(keep) if keep else np.zeros((0,), dtype=int)
+
+
+def predict_unpadded(predict, multiple, x=None, batch_size=None, **kwargs):
+    """`predict` of a model whose batches are padded; padded rows dropped."""
+    sizes = _batch_sizes(x, batch_size, kwargs.get("steps"))
+    outputs = predict(x, batch_size=batch_size, **kwargs)
+    if not sizes or all(size % multiple == 0 for size in sizes):
+        return outputs
+    keep = _real_rows(sizes, multiple)
+    return keras.tree.map_structure(lambda leaf: np.asarray(leaf)[keep], outputs)
+
+
+def padding_preprocess(preprocess_samples, model, multiple: int):
+    """Wrap a task's `preprocess_samples` so that it pads every batch.
+
+    Args:
+        preprocess_samples: the task's own `preprocess_samples` method.
+        model: the task; its loss tells whether real rows are scaled.
+        multiple: the rows of each batch are padded to a multiple of it.
+    """
+
+    @functools.wraps(preprocess_samples)
+    def call(x, y=None, sample_weight=None):
+        data = preprocess_samples(x, y, sample_weight)
+        return pad_batch(data, multiple, scale=_scales_padded_rows(model))
+
+    call.__keras_hub_autodist_scoped__ = True
+    return call
+
+
+def check_batch(distribution, method: str, args, kwargs) -> None:
+    """Raise `BatchSizeError` when a batch won't split over the batch axis.
+
+    Checked before anything runs, for arrays and batched `tf.data` datasets.
+    In a multi-process run, each process passes its process-local batch; the
+    global batch (local × number of processes) must divide.
+    """
+    axis = distribution.batch_dim_name
+    axis_size = _batch_axis_size(distribution)
+    processes = distribution.num_processes
+    if axis_size == 1:
+        return
+    x = args[0] if args else kwargs.get("x")
+    validation = kwargs.get("validation_data") if method == "fit" else None
+    if validation is not None:
+        vx = validation
+        if isinstance(validation, (tuple, list)) and not hasattr(vx, "element_spec"):
+            vx = validation[0]
+        size = kwargs.get("validation_batch_size") or kwargs.get("batch_size")
+        check_batch(
+            distribution, "fit(validation_data=...)", (vx,), {"batch_size": size}
+        )
+    if x is None:
+        return
+
+    def fail(batch, what):
+        per_process = (
+            f" per process ({batch * processes} in all)" if processes > 1 else ""
+        )
+        raise BatchSizeError(
+            f"{what}: {batch}{per_process} does not divide by the batch axis "
+            f"'{axis}' of size {axis_size}. Use a batch size that is a "
+            f"multiple of {axis_size}, or drop the remainder. Received: "
+            f"{method if '(' in method else method + '()'} with batch size {batch}"
+        )
+
+    batch = _dataset_batch(x)
+    if batch is not None:
+        if (batch * processes) % axis_size:
+            fail(batch, "The dataset's batch size")
+        return
+    count = sample_count(x)
+    if count is None:
+        return
+    if method.endswith("_on_batch"):
+        if (count * processes) % axis_size:
+            fail(count, "The batch size")
+        return
+    if method == "generate":
+        return
+    batch_size = kwargs.get("batch_size")
+    if batch_size is None:
+        positional = {"fit": 2, "evaluate": 2, "predict": 1}
+        index = positional.get(method)
+        if index is not None and len(args) > index and args[index] is not None:
+            batch_size = args[index]
+    batch_size = batch_size or KERAS_DEFAULT_BATCH_SIZE
+    full = min(batch_size, count)
+    if (full * processes) % axis_size:
+        fail(full, "The batch size")
+    remainder = count % batch_size if count > batch_size else 0
+    if (remainder * processes) % axis_size:
+        fail(
+            remainder,
+            f"The last batch of {count} samples in batches of {batch_size}",
+        )
+
+
+def _pad_rows(data, count, target):
+    def pad(leaf):
+        leaf = np.asarray(leaf)
+        extra = np.repeat(leaf[-1:], target - count, axis=0)
+        return np.concatenate([leaf, extra], axis=0)
+
+    return keras.tree.map_structure(pad, data)
+
+
+def generate_padded(generate, distribution, inputs, *args, **kwargs):
+    """Run `generate` on a batch padded to a multiple of the batch axis.
+
+    keras-hub shards `generate` inputs on the batch axis, so a single prompt
+    on a mesh whose batch axis has 2 devices fails with `IndivisibleError`.
+    Prompts are repeated up to the next multiple and the extra outputs
+    dropped: the caller gets exactly one output per prompt.
+    """
+    size = _batch_axis_size(distribution) * distribution.num_processes
+    single = isinstance(inputs, str)
+    prompts = [inputs] if single else inputs
+    count = sample_count(prompts) if not hasattr(prompts, "element_spec") else None
+    if size == 1 or count is None or count % size == 0:
+        return generate(inputs, *args, **kwargs)
+    target = -(-count // size) * size
+    if isinstance(prompts, (list, tuple)) and all(isinstance(p, str) for p in prompts):
+        padded = list(prompts) + [prompts[-1]] * (target - count)
+    else:
+        padded = _pad_rows(prompts, count, target)
+    outputs = generate(padded, *args, **kwargs)
+    if isinstance(outputs, (list, tuple)):
+        outputs = outputs[:count]
+    else:
+        outputs = keras.tree.map_structure(lambda leaf: leaf[:count], outputs)
+    return outputs[0] if single else outputs
