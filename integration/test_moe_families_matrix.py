@@ -89,8 +89,17 @@ def test_lora_kernels_follow_their_kernels(moe_presets, family):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     x, y = batch_for(moe_presets(family, 6))
+    frozen = {w.path: np.asarray(w.value) for w in lm.backbone.non_trainable_weights}
     losses = [lm.train_on_batch(x, y) for _ in range(2)]
-    assert np.isfinite(losses).all() and losses[1] < losses[0]
+    # The LoRA kernels train (their B kernels start at zero) and the frozen
+    # kernels stay as loaded. Whether the loss drops after one step is not
+    # asserted: top-k routing makes it jump with a tiny change of the
+    # weights (mixtral: 4.2050 → 4.2070 in one run).
+    assert np.isfinite(losses).all()
+    trained = [w for w in lm.backbone.trainable_weights if "lora_kernel_b" in w.path]
+    assert trained and all(np.abs(np.asarray(w.value)).max() > 0 for w in trained)
+    for w in lm.backbone.non_trainable_weights:
+        np.testing.assert_array_equal(np.asarray(w.value), frozen[w.path])
     assert keras.distribution.distribution() is None
 
 
