@@ -34,7 +34,7 @@ def run():
                 info.config, info.backbone_cls
             )
         except UnsupportedArchitectureError:
-            # Qwen and Mixtral configs wait for their families (issue 10).
+            # A config of a family with no architecture: listed as such.
             rows.append(
                 dict(preset=preset.name, unsupported=info.backbone_cls.__name__)
             )
