@@ -23,6 +23,7 @@ import dataclasses
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.step_memory import check_sizes
 
 # `optimizer=` names and the Keras optimizers they stand for, the same names
 # `LayoutPlan.training_bytes_per_device` takes.
@@ -129,15 +130,7 @@ def default_task_class(backbone_cls: type) -> type:
 
 
 def _check_sizes(batch_size, sequence_length, batch_axis_size) -> None:
-    for name, value in (
-        ("batch_size", batch_size),
-        ("sequence_length", sequence_length),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(
-                f"`{name}` must be a positive integer for the compiled memory "
-                f"check. Received: {name}={value!r}"
-            )
+    check_sizes(batch_size, sequence_length, "compiled memory check")
     if batch_size % batch_axis_size:
         raise PlanError(
             f"The batch is split over a batch axis of {batch_axis_size} "

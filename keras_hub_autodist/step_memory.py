@@ -110,15 +110,16 @@ class StepEstimate:
         return self.weights + self.optimizer_state + self.gradients + self.activations
 
 
-def _check_sizes(batch_size, sequence_length) -> None:
+def check_sizes(batch_size, sequence_length, what: str = "memory estimate") -> None:
+    """Raise `PlanError` unless both sizes are positive integers."""
     for name, value in (
         ("batch_size", batch_size),
         ("sequence_length", sequence_length),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(
-                f"`{name}` must be a positive integer for the memory "
-                f"estimate. Received: {name}={value!r}"
+                f"`{name}` must be a positive integer for the {what}. "
+                f"Received: {name}={value!r}"
             )
 
 
@@ -130,7 +131,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     activation_terms(plan, 8, 2048)["scores"]  # b·H·s² / shards of H
     ```
     """
-    _check_sizes(batch_size, sequence_length)
+    check_sizes(batch_size, sequence_length)
     axes = plan.mesh_axes
     parallel = {"vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"}
 
