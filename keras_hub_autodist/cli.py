@@ -207,20 +207,17 @@ def build_parser() -> argparse.ArgumentParser:
             "or an assumed 16)"
         ),
     )
-    plan.add_argument(
-        "--batch",
-        type=parse_positive("--batch"),
-        default=None,
-        metavar="B",
-        help="with --seq: estimate a training step of B sequences",
-    )
-    plan.add_argument(
-        "--seq",
-        type=parse_positive("--seq"),
-        default=None,
-        metavar="S",
-        help="with --batch: tokens per sequence of the training step",
-    )
+    for flag, metavar, help_text in (
+        ("--batch", "B", "with --seq: estimate a training step of B sequences"),
+        ("--seq", "S", "with --batch: tokens per sequence of the training step"),
+    ):
+        plan.add_argument(
+            flag,
+            type=parse_positive(flag),
+            default=None,
+            metavar=metavar,
+            help=help_text,
+        )
     plan.add_argument(
         "--optimizer",
         default="adam",
