@@ -26,6 +26,14 @@ def test_no_mixed_sharding_warning_on_a_2x4_mesh(preset):  # noqa: F811
     assert_no_mixed_sharding_warning(preset, MESH)
 
 
+def test_resume_within_an_epoch(
+    preset,  # noqa: F811
+    tmp_path,
+    uninterrupted,  # noqa: F811
+):
+    assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, "same")
+
+
 def test_resume_within_an_epoch_on_another_mesh(
     preset,  # noqa: F811
     tmp_path,

@@ -12,8 +12,10 @@ from test_compiled_memory import _mesh
 from test_compiled_memory import assert_matches_the_step_compiled_with_real_weights
 
 import keras_hub_autodist
+from keras_hub_autodist import MeshError
 from keras_hub_autodist import PlanError
 from keras_hub_autodist import step_memory
+from keras_hub_autodist.compiled_memory import CompiledMemory
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +66,14 @@ def test_cpu_estimate_within_15_percent_of_the_compiled_step(shape):
     compiled = plan.compiled_memory(8, 128, preset=config)
     estimate = step_memory.step_estimate(plan, 8, 128, platform="cpu")
     assert 0.85 < estimate.total_bytes / compiled.peak_bytes < 1.15
+
+
+def test_compiles_for_the_planned_shape_over_all_devices(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(
+        tiny_presets_dir["gemma_mqa"], {"batch": 2, "model": 4}
+    )
+    with pytest.raises(MeshError, match=r"Received: device_mesh=\{'batch'"):
+        plan.compiled_memory(BATCH, SEQ, device_mesh={"batch": 2, "model": 4})
+    given = plan.compiled_memory(BATCH, SEQ, device_mesh=_mesh((2, 4)))
+    assert isinstance(given, CompiledMemory) and given.devices == 8
+    assert plan.compiled_memory(BATCH, SEQ) == given

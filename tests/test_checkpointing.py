@@ -157,10 +157,6 @@ def uninterrupted(preset):
     return state(lm)
 
 
-def test_resume_within_an_epoch(preset, tmp_path, uninterrupted):
-    assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, "same")
-
-
 def assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, mesh):
     directory = str(tmp_path / "ckpt")
     orbax_run(preset, directory, batches=5)  # epoch 1, batch 1

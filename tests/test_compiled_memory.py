@@ -12,12 +12,10 @@ import pytest
 from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
-from keras_hub_autodist import MeshError
 from keras_hub_autodist import ModelClassError
 from keras_hub_autodist import PlanError
 from keras_hub_autodist import cli
 from keras_hub_autodist import step_memory
-from keras_hub_autodist.compiled_memory import CompiledMemory
 from keras_hub_autodist.compiled_memory import default_task_class
 from keras_hub_autodist.compiled_memory import memory_of
 
@@ -138,17 +136,6 @@ def test_bad_arguments_are_refused(tiny_presets_dir, call, error, match):
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
     with pytest.raises(error, match=match):
         call(plan)
-
-
-def test_compiles_for_the_planned_shape_over_all_devices(tiny_presets_dir):
-    plan = keras_hub_autodist.plan(
-        tiny_presets_dir["gemma_mqa"], {"batch": 2, "model": 4}
-    )
-    with pytest.raises(MeshError, match=r"Received: device_mesh=\{'batch'"):
-        plan.compiled_memory(BATCH, SEQ, device_mesh={"batch": 2, "model": 4})
-    given = plan.compiled_memory(BATCH, SEQ, device_mesh=_mesh((2, 4)))
-    assert isinstance(given, CompiledMemory) and given.devices == 8
-    assert plan.compiled_memory(BATCH, SEQ) == given
 
 
 def test_default_task_class():
