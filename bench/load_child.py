@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 
 import keras_hub_autodist  # noqa: E402
 from keras_hub_autodist import loading  # noqa: E402
+from keras_hub_autodist import transfer  # noqa: E402
 
 
 def rss_now() -> int:
@@ -110,7 +111,7 @@ class Sampler:
             time.sleep(0.02)
 
     def hook_loader(self):
-        put, placeholder = loading._Session.put, loading._placeholder
+        put, placeholder = loading._Session.put, transfer.placeholder
 
         def recording_put(session, *args, **kwargs):
             result = put(session, *args, **kwargs)
@@ -123,7 +124,7 @@ class Sampler:
             return result
 
         loading._Session.put = recording_put
-        loading._placeholder = recording_placeholder
+        transfer.placeholder = recording_placeholder
 
 
 def main(path, variant):
