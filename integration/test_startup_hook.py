@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -144,9 +145,11 @@ def test_startup_hook_only_installs_a_finder(fresh_venv):
     result = _run(fresh_venv, code, {"PYTHONPROFILEIMPORTTIME": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     started = json.loads(result.stdout)
-    # The hook ran at start-up and left its finder waiting for keras_hub...
+    # The hook ran at start-up and left the package's one finder
+    # (`keras_hub_autodist/on_import.py`, loaded without the package)
+    # waiting for keras_hub...
     assert "keras_hub_autodist_hook" in started["modules"]
-    assert "keras_hub_autodist_hook" in started["finders"]
+    assert "keras_hub_autodist.on_import" in started["finders"]
     # ...having imported nothing heavy, only the standard library.
     assert not HEAVY_MODULES & set(started["modules"])
     hook_imports = imported_under(result.stderr, "keras_hub_autodist_hook")
@@ -163,6 +166,8 @@ def test_broken_hook_never_breaks_start_up(fresh_venv, tmp_path):
     broken.mkdir()
     (broken / "__init__.py").write_text("raise RuntimeError('boom')\n")
     (broken / "plugin.py").write_text("")
+    # The standard-library module the hook loads by path, as any install has.
+    shutil.copy(os.path.join(ROOT, "keras_hub_autodist", "on_import.py"), broken)
     code = """
         import warnings
         with warnings.catch_warnings(record=True) as caught:
