@@ -158,14 +158,17 @@ def _optimizer(optimizer):
 
 
 def _mesh_of(plan, device_mesh):
-    """`device_mesh`, or a mesh of the planned shape over all devices (as
-    `from_preset` builds one for axis sizes)."""
+    """`device_mesh`, or a mesh of the planned shape over the first devices
+    (all of them for a plan that spans them, as `from_preset` builds one)."""
     from keras_hub_autodist.mesh import build_device_mesh
     from keras_hub_autodist.mesh import is_device_mesh
 
     if device_mesh is None:
+        import keras
+
         axes = plan.mesh_axes
-        return build_device_mesh(dict(zip(axes.axis_names, axes.shape)))
+        devices = keras.distribution.list_devices()[: axes.num_devices]
+        return build_device_mesh(dict(zip(axes.axis_names, axes.shape)), devices)
     if not is_device_mesh(device_mesh):
         raise MeshError(
             "The compiled memory check compiles for real devices: pass a "
@@ -276,7 +279,7 @@ def compiled_memory(
         preset: what the plan was made from, when `plan.preset` can't be
             read again (a config dict or a model instance).
         device_mesh: the `keras.distribution.DeviceMesh` to compile for;
-            defaults to one of the planned shape over all devices.
+            defaults to one of the planned shape over the first devices.
 
     Returns:
         A `CompiledMemory`.
