@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import pytest
 from real_presets import REAL_PRESETS
+from test_cli import assert_one_line_error
+from test_cli import run
 
 import keras_hub_autodist
 from keras_hub_autodist import cli
@@ -22,22 +24,6 @@ from keras_hub_autodist.mesh import build_device_mesh
 from keras_hub_autodist.mesh import resolve_mesh_axes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(argv, capsys):
-    try:
-        status = cli.main(argv)
-    except SystemExit as exit_:
-        status = exit_.code
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
-def assert_one_line_error(status, err, message):
-    assert status == 2, err
-    assert message in err, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert err.startswith("keras-hub-autodist: error: ")
 
 
 # --- The command -------------------------------------------------------------
