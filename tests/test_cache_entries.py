@@ -6,6 +6,7 @@ import os
 
 import keras_hub
 import pytest
+from test_abstract_cache import _preset
 
 import keras_hub_autodist
 from keras_hub_autodist import abstract
@@ -19,21 +20,6 @@ CONFIG = dict(
     intermediate_dim=32,
 )
 MESH = {"batch": 2, "model": 4}
-
-
-def _preset(folder, config):
-    folder.mkdir()
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                "module": "keras_hub.src.models.llama.llama_backbone",
-                "class_name": "LlamaBackbone",
-                "config": config,
-                "registered_name": "keras_hub>LlamaBackbone",
-            }
-        )
-    )
-    return str(folder)
 
 
 def _shapes(preset):

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tiny_presets
+from test_loading import MEDIUM_GEMMA
 from test_loading import backbone_preset
 from test_loading import mesh_of
 from test_loading import sample_peaks
@@ -170,17 +171,6 @@ def placeholder_without_device_put(shape, dtype, sharding):
     return transfer.device_zeros(
         tuple(shape), transfer.numpy_dtype(dtype).name, sharding
     )()
-
-
-MEDIUM_GEMMA = dict(
-    vocabulary_size=4096,
-    num_layers=2,
-    num_query_heads=8,
-    num_key_value_heads=8,
-    hidden_dim=256,
-    intermediate_dim=1024,
-    head_dim=32,
-)
 
 
 def test_peak_bytes_per_device_while_casting_on_the_devices(tmp_path, monkeypatch):
