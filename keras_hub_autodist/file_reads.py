@@ -12,16 +12,23 @@ read from the version first opened; a file modified in place is caught by
 the slices being read.
 
 Buffers are aligned to 64 bytes: JAX's CPU backend then adopts them as
-device memory without a copy.
+device memory without a copy. Each read task first faults in the pages it
+is about to fill (`populate`), so that the kernel's zeroing of fresh memory,
+which costs more than the copy from the page cache, runs on every reading
+thread at once. A slice wanted in a wider or narrower dtype than the file's
+is cast by the same tasks, so each output byte is written once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import math
 import mmap
 import os
+import sys
 
+import ml_dtypes
 import numpy as np
 
 from keras_hub_autodist.errors import WeightFileChangedError
@@ -39,6 +46,26 @@ BUFFER_ALIGNMENT = 64
 MAPPED_BUFFER_BYTES = 1024**2
 
 _RAW_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+# Linux >= 5.14: fault a range of pages in for writing, in the calling
+# thread. Older kernels refuse it and the writes fault the pages in instead.
+_MADV_POPULATE_WRITE = 23
+
+
+def _libc_madvise():
+    """libc's `madvise`, or `None` off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _libc_madvise()
 
 
 def read_threads() -> int:
@@ -71,6 +98,46 @@ def aligned_empty(shape, dtype, zeros: bool = False) -> np.ndarray:
     raw = (np.zeros if zeros else np.empty)(nbytes + BUFFER_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % BUFFER_ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def populate(array: np.ndarray, start: int, stop: int) -> None:
+    """Fault in bytes `[start, stop)` of `array`'s memory before they are
+    written, so that threads filling parts of one buffer also share the
+    kernel's work of zeroing its fresh pages. Best effort: where the kernel
+    can't, the writes fault the pages in.
+
+    Example:
+    >>> buffer = aligned_empty((1024,), "float32", zeros=True)
+    >>> populate(buffer, 0, buffer.nbytes)
+    """
+    if _MADVISE is None or stop <= start:
+        return
+    address = array.ctypes.data + start
+    first_page = address - address % mmap.PAGESIZE
+    _MADVISE(first_page, address + (stop - start) - first_page, _MADV_POPULATE_WRITE)
+
+
+def convert(source: np.ndarray, target: np.ndarray) -> None:
+    """Write `source` into `target` (same shape), cast to `target`'s dtype,
+    in numpy loops that release the GIL.
+
+    bfloat16 is the top half of a float32, so widening it is a shift of
+    its bits.
+
+    Example:
+    >>> target = np.empty(2, "float32")
+    >>> convert(np.array([1.5, -2], ml_dtypes.bfloat16), target)
+    >>> target.tolist()
+    [1.5, -2.0]
+    """
+    if source.dtype == target.dtype:
+        _raw(target)[...] = _raw(source)
+    elif source.dtype == ml_dtypes.bfloat16 and target.dtype == np.float32:
+        np.left_shift(
+            source.view(np.uint16), 16, out=target.view(np.uint32), dtype=np.uint32
+        )
+    else:
+        target[...] = source
 
 
 def local_shape(index: tuple, shape: tuple) -> tuple:
@@ -237,7 +304,7 @@ class ContiguousTensor:
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
 
-    def read_slices(self, indices: list, executor=None) -> list[np.ndarray]:
+    def read_slices(self, indices: list, executor=None, dtype=None) -> list[np.ndarray]:
         """Read each index of `indices` (tuples of step-1 slices).
 
         Slices whose contiguous runs are long are read run by run straight
@@ -249,13 +316,17 @@ class ContiguousTensor:
             indices: tuples of slices, one per dimension.
             executor: a `concurrent.futures.Executor` to read on, or `None`
                 to read in the calling thread.
+            dtype: the dtype of the returned arrays, cast from the file's
+                as each piece is read (`None`: the file's).
 
         Returns:
             One aligned array per index.
         """
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
         indices = [self._normalize(index) for index in indices]
+        # Unpopulated: each task faults in the part it fills.
         outputs = [
-            aligned_empty(local_shape(index, self.shape), self.dtype)
+            aligned_empty(local_shape(index, self.shape), dtype, zeros=True)
             for index in indices
         ]
         tasks, gathered = [], []
@@ -293,32 +364,44 @@ class ContiguousTensor:
         return tuple(normalized)
 
     def _direct_tasks(self, first, outer, run, output) -> list:
-        itemsize = self.dtype.itemsize
-        run_bytes = run * itemsize
-        target = memoryview(_raw(output).reshape(-1)).cast("B")
-        pieces = []  # (file offset, output offset, bytes)
+        """Tasks of about `READ_CHUNK_BYTES` of the file each, reading runs
+        of `run` elements (from element `first` + each of `outer`) into
+        consecutive parts of `output`."""
+        chunk = max(1, READ_CHUNK_BYTES // self.dtype.itemsize)
+        pieces = []  # (file element, output element, elements)
         for number, start in enumerate(outer.tolist()):
-            file_offset = self.offset + (first + start) * itemsize
-            for done in range(0, run_bytes, READ_CHUNK_BYTES):
-                size = min(READ_CHUNK_BYTES, run_bytes - done)
-                pieces.append((file_offset + done, number * run_bytes + done, size))
+            for done in range(0, run, chunk):
+                size = min(chunk, run - done)
+                pieces.append((first + start + done, number * run + done, size))
         tasks, group, grouped = [], [], 0
         for piece in pieces:
             group.append(piece)
             grouped += piece[2]
-            if grouped >= READ_CHUNK_BYTES:
-                tasks.append(self._read_pieces_task(group, target))
+            if grouped >= chunk:
+                tasks.append(self._read_pieces_task(group, output))
                 group, grouped = [], 0
         if group:
-            tasks.append(self._read_pieces_task(group, target))
+            tasks.append(self._read_pieces_task(group, output))
         return tasks
 
-    def _read_pieces_task(self, pieces, target):
+    def _read_pieces_task(self, pieces, output):
+        flat = output.reshape(-1)
+        itemsize = output.dtype.itemsize
+        cast = output.dtype != self.dtype
+
         def read():
-            for file_offset, output_offset, size in pieces:
+            low = min(piece[1] for piece in pieces)
+            high = max(piece[1] + piece[2] for piece in pieces)
+            populate(flat, low * itemsize, high * itemsize)
+            for file_element, output_element, size in pieces:
+                target = flat[output_element : output_element + size]
+                # A cast reads into a scratch buffer of the file's dtype.
+                buffer = np.empty(size, self.dtype) if cast else target
                 self.file.read_into(
-                    target[output_offset : output_offset + size], file_offset
+                    _raw(buffer), self.offset + file_element * self.dtype.itemsize
                 )
+                if cast:
+                    convert(buffer, target)
 
         return read
 
@@ -341,18 +424,19 @@ class ContiguousTensor:
         )
         whole_rows = (begin, end) == (0, row)
         rows_per_block = max(1, READ_CHUNK_BYTES // max(1, (end - begin) * itemsize))
-        raw_dtype = _raw(np.empty(0, self.dtype)).dtype
 
         def block_task(first_row, last_row):
             def read():
                 count = last_row - first_row
-                block = np.empty((count, row), raw_dtype)
+                block = np.empty((count, row), self.dtype)
                 if whole_rows:
-                    self.file.read_into(block, self.offset + first_row * row * itemsize)
+                    self.file.read_into(
+                        _raw(block), self.offset + first_row * row * itemsize
+                    )
                 else:
                     for number in range(count):
                         self.file.read_into(
-                            block[number, begin:end],
+                            _raw(block[number, begin:end]),
                             self.offset
                             + ((first_row + number) * row + begin) * itemsize,
                         )
@@ -362,10 +446,15 @@ class ContiguousTensor:
                     bottom = min(index[0].stop, last_row)
                     if top >= bottom:
                         continue
-                    part = _raw(output)[top - index[0].start : bottom - index[0].start]
-                    part[...] = block[
-                        (slice(top - first_row, bottom - first_row),) + index[1:]
-                    ]
+                    part = output[top - index[0].start : bottom - index[0].start]
+                    offset = part.ctypes.data - output.ctypes.data
+                    populate(output, offset, offset + part.nbytes)
+                    convert(
+                        block[
+                            (slice(top - first_row, bottom - first_row),) + index[1:]
+                        ],
+                        part,
+                    )
 
             return read
 

@@ -104,16 +104,17 @@ class LazyH5Dataset:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def read_slices(self, indices: list, executor=None) -> list[np.ndarray]:
-        """Read each index of `indices` (tuples of slices)."""
+    def read_slices(self, indices: list, executor=None, dtype=None) -> list[np.ndarray]:
+        """Read each index of `indices` (tuples of slices), cast to `dtype`
+        (`None`: the dataset's)."""
         if self.contiguous is not None:
-            return self.contiguous.read_slices(indices, executor)
+            return self.contiguous.read_slices(indices, executor, dtype)
         values = []
         for index in indices:
             part = np.asarray(self.dataset[tuple(index)] if index else self.dataset[()])
             if part.dtype != self.dtype:  # Keras' bfloat16: opaque 2-byte values
                 part = part.view(self.dtype)
-            values.append(part)
+            values.append(part if dtype is None else part.astype(dtype, copy=False))
         return values
 
     def read(self, index: tuple | None = None) -> np.ndarray:
@@ -251,9 +252,10 @@ class LazySafetensor:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def read_slices(self, indices: list, executor=None) -> list[np.ndarray]:
-        """Read each index of `indices` (tuples of slices)."""
-        return self._tensor.read_slices(indices, executor)
+    def read_slices(self, indices: list, executor=None, dtype=None) -> list[np.ndarray]:
+        """Read each index of `indices` (tuples of slices), cast to `dtype`
+        (`None`: the tensor's)."""
+        return self._tensor.read_slices(indices, executor, dtype)
 
     def read(self, index: tuple | None = None) -> np.ndarray:
         """Read `index` (a tuple of slices; `None`: all) of the tensor."""

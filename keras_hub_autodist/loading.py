@@ -22,9 +22,11 @@ out of memory while it loads (keras-team/keras#21634). Inside
   safetensors file the same way (`LazySafetensor`); a tensor its hooks
   convert arrives whole on the host, is sliced there and each device
   receives only its part. Nothing is memory-mapped (`SafetensorsFile`);
-- each slice crosses to its device in the file's dtype and is cast there
-  when the model's dtype is wider (a bfloat16 checkpoint into a float32
-  model moves half the bytes), one weight at a time;
+- on accelerators, each slice crosses to its device in the file's dtype
+  and is cast there when the model's dtype is wider (a bfloat16 checkpoint
+  into a float32 model moves half the bytes), one weight at a time; on
+  CPU, where the devices are the host, the reading threads cast as they
+  read;
 - each weight file is read through one descriptor held for the whole load,
   so a file replaced or deleted meanwhile still loads as the version first
   opened, and one modified in place raises `WeightFileChangedError`.
@@ -260,16 +262,19 @@ class _Session:
         for index in indices.values():
             unique.setdefault(_slice_key(index, shape), index)
         stored = np.dtype(source.dtype)
-        on_device = transfer.casts_on_device(stored, wanted)
+        on_device = transfer.casts_on_device(stored, wanted, sharding)
         moved = stored if on_device else wanted
 
         start = time.perf_counter()
         if isinstance(source, LAZY_TENSORS):
-            values = source.read_slices(list(unique.values()), self.executor())
-            self.stats.bytes_read += sum(v.nbytes for v in values)
+            # Cast by the reading threads, when the devices don't.
+            values = source.read_slices(
+                list(unique.values()), self.executor(), dtype=moved
+            )
+            self.stats.bytes_read += sum(v.size * stored.itemsize for v in values)
         else:
             values = [np.asarray(source[index]) for index in unique.values()]
-        values = [v.astype(moved, copy=False) for v in values]
+            values = [v.astype(moved, copy=False) for v in values]
         slices = dict(zip(unique, values))
         del values
         read = time.perf_counter()

@@ -1,10 +1,11 @@
 """Putting host slices on the devices: placeholders, aligned buffers, casts.
 
 On CPU, JAX's devices adopt 64-byte-aligned host buffers without a copy, so
-slices are read straight into such buffers. On accelerators, a weight whose
-file dtype is a narrower float than the model's crosses as it is stored and
-is cast on the devices (`device_cast`), so a bfloat16 checkpoint costs the
-same transfer into a float32 model as into a bfloat16 one.
+slices are read straight into such buffers, cast to the model's dtype by
+the reading threads. On accelerators, a weight whose file dtype is a
+narrower float than the model's crosses as it is stored and is cast on the
+devices (`device_cast`), so a bfloat16 checkpoint costs the same transfer
+into a float32 model as into a bfloat16 one.
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ def on_cpu(sharding) -> bool:
     return all(device.platform == "cpu" for device in sharding.device_set)
 
 
-def casts_on_device(stored: np.dtype, wanted: np.dtype) -> bool:
+def casts_on_device(stored: np.dtype, wanted: np.dtype, sharding) -> bool:
     """Whether a weight stored as `stored` goes to its devices as it is and
     is cast to `wanted` there: floats widened only (exact, and the device
-    never holds more than the final shard plus a narrower one)."""
+    never holds more than the final shard plus a narrower one), on
+    accelerators only. On CPU the devices are the host: the reading threads
+    cast as they read, and each shard is written once."""
     floats = all(jnp.issubdtype(d, jnp.floating) for d in (stored, wanted))
-    return floats and stored != wanted and stored.itemsize < wanted.itemsize
+    widened = floats and stored != wanted and stored.itemsize < wanted.itemsize
+    return widened and not on_cpu(sharding)
 
 
 @functools.lru_cache(maxsize=256)

@@ -419,8 +419,8 @@ def test_unconverted_safetensors_weights_are_read_slice_by_slice(presets, monkey
     reads = []
     read_slices = lazy_tensors.LazySafetensor.read_slices
 
-    def recording_read_slices(tensor, indices, executor=None):
-        values = read_slices(tensor, indices, executor)
+    def recording_read_slices(tensor, indices, executor=None, dtype=None):
+        values = read_slices(tensor, indices, executor, dtype)
         reads.extend((tensor.name, v.nbytes) for v in values)
         return values
 

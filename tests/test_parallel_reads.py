@@ -1,5 +1,6 @@
 """Weight files read by offset: slices bitwise equal to numpy's, read on a
-pool of threads, and a narrower file dtype cast on the devices."""
+pool of threads, and a narrower file dtype cast once: on the devices of an
+accelerator, by the reading threads on CPU."""
 
 import concurrent.futures
 import threading
@@ -144,9 +145,19 @@ def test_h5_offsets_only_for_plain_contiguous_datasets(tmp_path):
             np.testing.assert_array_equal(part, values[1:4, 2:7])
 
 
-def test_bfloat16_file_moves_as_bfloat16_and_is_cast_on_the_devices(
-    tmp_path, monkeypatch
+@pytest.fixture(params=["cpu", "accelerator"])
+def devices_kind(request, monkeypatch):
+    """The CPU path, or the accelerator path taken on the CPU devices."""
+    if request.param == "accelerator":
+        monkeypatch.setattr(transfer, "on_cpu", lambda sharding: False)
+    return request.param
+
+
+def test_a_bfloat16_file_into_a_float32_model_is_cast_once(
+    tmp_path, monkeypatch, devices_kind
 ):
+    """Accelerators receive the file's bfloat16 and cast on the devices; on
+    CPU the reading threads cast, and the devices receive float32."""
     path = backbone_preset(tmp_path / "bf16", tiny_presets.GEMMA_MQA, dtype="bfloat16")
     single = keras_hub.models.Backbone.from_preset(path, dtype="float32")
     moved = []
@@ -161,10 +172,40 @@ def test_bfloat16_file_moves_as_bfloat16_and_is_cast_on_the_devices(
     backbone = keras_hub.models.Backbone.from_preset(
         path, dtype="float32", device_mesh={"batch": 2, "model": 4}
     )
-    assert moved and set(moved) == {np.dtype(ml_dtypes.bfloat16)}
+    expected = ml_dtypes.bfloat16 if devices_kind == "accelerator" else "float32"
+    assert moved and set(moved) == {np.dtype(expected)}
+    stats = keras_hub_autodist.load_stats(backbone)
+    assert stats.bytes_read == sum(v.value.nbytes // 2 for v in backbone.weights)
     for mine, theirs in zip(backbone.weights, single.weights):
         assert mine.dtype == "float32"
         assert np.asarray(mine.value).tobytes() == np.asarray(theirs.value).tobytes()
+
+
+@pytest.mark.parametrize(
+    "stored,wanted",
+    [
+        (ml_dtypes.bfloat16, "float32"),
+        ("float16", "float32"),
+        ("float32", ml_dtypes.bfloat16),
+        ("float32", "float32"),
+    ],
+)
+def test_reads_cast_to_the_dtype_asked(tmp_path, monkeypatch, stored, wanted):
+    monkeypatch.setattr(file_reads, "READ_CHUNK_BYTES", 96)
+    monkeypatch.setattr(file_reads, "SMALL_RUN_BYTES", 64)
+    monkeypatch.setattr(file_reads, "SMALL_RUN_COUNT", 4)
+    values = (np.random.default_rng(0).standard_normal((64, 48)) * 50).astype(stored)
+    path = tmp_path / "tensor.bin"
+    write_tensor(path, values)
+    indices = column_slices((64, 48), 8, 1) + column_slices((64, 48), 4, 0)
+    executor = concurrent.futures.ThreadPoolExecutor(2)
+    with file_reads.HeldFile(path) as file:
+        tensor = file_reads.ContiguousTensor(file, HEADER, values.shape, stored)
+        read = tensor.read_slices(indices, executor, dtype=wanted)
+    for index, part in zip(indices, read):
+        expected = values[index].astype(wanted)
+        assert part.dtype == expected.dtype
+        assert part.tobytes() == expected.tobytes(), index
 
 
 def placeholder_without_device_put(shape, dtype, sharding):
@@ -173,9 +214,9 @@ def placeholder_without_device_put(shape, dtype, sharding):
     )()
 
 
-def test_peak_bytes_per_device_while_casting_on_the_devices(tmp_path, monkeypatch):
+def test_peak_bytes_per_device_while_casting(tmp_path, monkeypatch, devices_kind):
     """A bfloat16 file into a float32 model: no device holds more than its
-    final share + its largest shard, the bfloat16 copy included."""
+    final share + its largest shard, a bfloat16 copy included."""
     path = backbone_preset(tmp_path / "medium", MEDIUM_GEMMA, dtype="bfloat16")
     keras.utils.clear_session(free_memory=True)
     baseline = loading.per_device_bytes()
