@@ -81,6 +81,55 @@ def rule_table(*entries: tuple[str, Sequence[str]]) -> tuple[Rule, ...]:
     return tuple(Rule(pattern, tuple(axes)) for pattern, axes in entries)
 
 
+# Rows most keras-hub decoders share, for families to build their tables
+# from: `rule_table(*embedding_rules(), *attention_rules(...), ...)`.
+EMBEDDING_RULES = (
+    ("token_embedding/embeddings", ("vocab", "embed")),
+    # Untied models only: the output projection.
+    ("token_embedding/reverse_embeddings", ("embed", "vocab")),
+)
+# Where an attention layer puts the hidden dimension in its query/key/value
+# kernels: first (Llama and most others), or after the heads (Gemma).
+_ATTENTION_KERNEL_AXES = {
+    "hidden_first": (("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")),
+    "heads_first": (("heads", "embed", "head_dim"), ("kv_heads", "embed", "head_dim")),
+}
+
+
+def attention_rules(attention: str, kernels: str = "hidden_first") -> tuple:
+    """The rows of the query, key/value and output kernels of the attention
+    layers whose paths `attention` matches.
+
+    Args:
+        attention: a pattern of the attention layers' paths, e.g.
+            `r"transformer_layer_\d+/self_attention"`.
+        kernels: `"hidden_first"` for `(hidden, heads, head_dim)` query
+            kernels, `"heads_first"` for `(heads, hidden, head_dim)`.
+
+    Example:
+    >>> attention_rules("layer/attention")[1]
+    ('layer/attention/(key|value)/kernel', ('embed', 'kv_heads', 'head_dim'))
+    """
+    query, key_value = _ATTENTION_KERNEL_AXES[kernels]
+    return (
+        (f"{attention}/query/kernel", query),
+        (f"{attention}/(key|value)/kernel", key_value),
+        (f"{attention}/attention_output/kernel", ("heads", "head_dim", "embed")),
+    )
+
+
+def gated_mlp_rules(gate_and_up: str, down: str) -> tuple:
+    """The rows of a gated MLP: the gate and up projections (`gate_and_up`
+    matches both kernels' paths) into the MLP width, the down projection
+    (`down`) back.
+
+    Example:
+    >>> gated_mlp_rules("mlp/(gate|up)/kernel", "mlp/down/kernel")[1]
+    ('mlp/down/kernel', ('mlp', 'embed'))
+    """
+    return ((gate_and_up, ("embed", "mlp")), (down, ("mlp", "embed")))
+
+
 # The record an architecture describes a weight with (path, pattern, shape,
 # logical axes): the data path's one `Weight`, under the name plugins know.
 WeightSpec = Weight

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
+from keras_hub_autodist.architectures.base import attention_rules
+from keras_hub_autodist.architectures.base import gated_mlp_rules
 from keras_hub_autodist.architectures.base import global_weight
 from keras_hub_autodist.architectures.base import layer_weights
 from keras_hub_autodist.architectures.base import rule_table
@@ -29,11 +31,8 @@ GEMMA_SEQUENCE_PARALLEL_OUTPUTS = (
 _BLOCK = r"decoder_block_\d+/"
 GEMMA_RULES = rule_table(
     ("token_embedding/embeddings", ("vocab", "embed")),
-    (_BLOCK + "attention/query/kernel", ("heads", "embed", "head_dim")),
-    (_BLOCK + "attention/(key|value)/kernel", ("kv_heads", "embed", "head_dim")),
-    (_BLOCK + "attention/attention_output/kernel", ("heads", "head_dim", "embed")),
-    (_BLOCK + "ffw_gating(_2)?/kernel", ("embed", "mlp")),
-    (_BLOCK + "ffw_linear/kernel", ("mlp", "embed")),
+    *attention_rules(_BLOCK + "attention", "heads_first"),
+    *gated_mlp_rules(_BLOCK + "ffw_gating(_2)?/kernel", _BLOCK + "ffw_linear/kernel"),
     (_BLOCK + "(pre|post)_(attention|ffw)_norm/scale", ("norm",)),
     (_BLOCK + "attention/(query|key)_norm/scale", ("norm",)),
     ("final_normalization/scale", ("norm",)),

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import attention_rules
+from keras_hub_autodist.architectures.base import gated_mlp_rules
 from keras_hub_autodist.architectures.base import rule_table
 
 _BLOCK = r"decoder_block_\d+"
@@ -38,14 +40,10 @@ GEMMA4 = Architecture(
     rules=rule_table(
         ("(per_layer_)?token_embedding/embeddings", ("vocab", "embed")),
         ("per_layer_model_projection/kernel", ("embed", "unsharded")),
-        (rf"{_BLOCK}/attention/query/kernel", ("heads", "embed", "head_dim")),
-        (rf"{_BLOCK}/attention/(key|value)/kernel", ("kv_heads", "embed", "head_dim")),
-        (
-            rf"{_BLOCK}/attention/attention_output/kernel",
-            ("heads", "head_dim", "embed"),
+        *attention_rules(rf"{_BLOCK}/attention", "heads_first"),
+        *gated_mlp_rules(
+            rf"{_BLOCK}/ffw_gating(_2)?/kernel", rf"{_BLOCK}/ffw_linear/kernel"
         ),
-        (rf"{_BLOCK}/ffw_gating(_2)?/kernel", ("embed", "mlp")),
-        (rf"{_BLOCK}/ffw_linear/kernel", ("mlp", "embed")),
         (rf"{_BLOCK}/per_layer_input_gate/kernel", ("embed", "unsharded")),
         (rf"{_BLOCK}/per_layer_up_proj/kernel", ("unsharded", "embed")),
         (rf"{_BLOCK}/layer_scalar", ()),

@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
+from keras_hub_autodist.architectures.base import EMBEDDING_RULES
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.architectures.base import WeightSpec
+from keras_hub_autodist.architectures.base import attention_rules
+from keras_hub_autodist.architectures.base import gated_mlp_rules
 from keras_hub_autodist.architectures.base import global_weight
 from keras_hub_autodist.architectures.base import layer_weights
 from keras_hub_autodist.architectures.base import rule_table
@@ -32,13 +35,12 @@ LLAMA_SEQUENCE_PARALLEL_OUTPUTS = (
 # models add `reverse_embeddings` (hidden, vocab).
 _LAYER = r"transformer_layer_\d+/"
 LLAMA_RULES = rule_table(
-    ("token_embedding/embeddings", ("vocab", "embed")),
-    ("token_embedding/reverse_embeddings", ("embed", "vocab")),
-    (_LAYER + "self_attention/query/kernel", ("embed", "heads", "head_dim")),
-    (_LAYER + "self_attention/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
-    (_LAYER + "self_attention/attention_output/kernel", ("heads", "head_dim", "embed")),
-    (_LAYER + "feedforward_(intermediate|gate)_dense/kernel", ("embed", "mlp")),
-    (_LAYER + "feedforward_output_dense/kernel", ("mlp", "embed")),
+    *EMBEDDING_RULES,
+    *attention_rules(_LAYER + "self_attention"),
+    *gated_mlp_rules(
+        _LAYER + "feedforward_(intermediate|gate)_dense/kernel",
+        _LAYER + "feedforward_output_dense/kernel",
+    ),
     (_LAYER + "(self_attention|feedforward)_layernorm/scale", ("norm",)),
     ("sequence_output_layernorm/scale", ("norm",)),
 )

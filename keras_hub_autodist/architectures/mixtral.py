@@ -14,7 +14,9 @@ over the model axis.
 from __future__ import annotations
 
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
+from keras_hub_autodist.architectures.base import EMBEDDING_RULES
 from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import attention_rules
 from keras_hub_autodist.architectures.base import rule_table
 from keras_hub_autodist.architectures.llama import LLAMA_SEQUENCE_PARALLEL_OUTPUTS
 
@@ -26,20 +28,8 @@ MIXTRAL_CONFIG_FIELDS = {**DECODER_CONFIG_FIELDS, "expert": "num_experts"}
 MIXTRAL = Architecture(
     name="mixtral",
     rules=rule_table(
-        ("token_embedding/embeddings", ("vocab", "embed")),
-        ("token_embedding/reverse_embeddings", ("embed", "vocab")),
-        (
-            r"transformer_layer_\d+/self_attention/query/kernel",
-            ("embed", "heads", "head_dim"),
-        ),
-        (
-            r"transformer_layer_\d+/self_attention/(key|value)/kernel",
-            ("embed", "kv_heads", "head_dim"),
-        ),
-        (
-            r"transformer_layer_\d+/self_attention/attention_output/kernel",
-            ("heads", "head_dim", "embed"),
-        ),
+        *EMBEDDING_RULES,
+        *attention_rules(r"transformer_layer_\d+/self_attention"),
         (MOE_BLOCK + "/sparse_feedforward_gate_dense/kernel", ("embed", "unsharded")),
         (
             MOE_BLOCK + "/experts/expert_feedforward_(gate|intermediate)_dense",

@@ -7,7 +7,10 @@ Phi-3's rotary scaling ("su"/"longrope") has no variables.
 from __future__ import annotations
 
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
+from keras_hub_autodist.architectures.base import EMBEDDING_RULES
 from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import attention_rules
+from keras_hub_autodist.architectures.base import gated_mlp_rules
 from keras_hub_autodist.architectures.base import rule_table
 
 _LAYER = r"transformer_layer_\d+"
@@ -27,16 +30,12 @@ PHI3_SEQUENCE_PARALLEL_OUTPUTS = (
 PHI3 = Architecture(
     name="phi3",
     rules=rule_table(
-        ("token_embedding/embeddings", ("vocab", "embed")),
-        ("token_embedding/reverse_embeddings", ("embed", "vocab")),
-        (rf"{_LAYER}/attention/query/kernel", ("embed", "heads", "head_dim")),
-        (rf"{_LAYER}/attention/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
-        (
-            rf"{_LAYER}/attention/attention_output/kernel",
-            ("heads", "head_dim", "embed"),
+        *EMBEDDING_RULES,
+        *attention_rules(rf"{_LAYER}/attention"),
+        *gated_mlp_rules(
+            rf"{_LAYER}/feedforward_(intermediate|gate)_dense/kernel",
+            rf"{_LAYER}/feedforward_output_dense/kernel",
         ),
-        (rf"{_LAYER}/feedforward_(intermediate|gate)_dense/kernel", ("embed", "mlp")),
-        (rf"{_LAYER}/feedforward_output_dense/kernel", ("mlp", "embed")),
         (
             rf"({_LAYER}/(pre|post)_attention_layernorm"
             r"|sequence_output_layernorm)/scale",

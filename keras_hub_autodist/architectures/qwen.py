@@ -11,7 +11,10 @@ normalizes each query/key head (`query_dense_layernorm`,
 from __future__ import annotations
 
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
+from keras_hub_autodist.architectures.base import EMBEDDING_RULES
 from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import attention_rules
+from keras_hub_autodist.architectures.base import gated_mlp_rules
 from keras_hub_autodist.architectures.base import rule_table
 
 _LAYER = r"transformer_layer_\d+"
@@ -30,13 +33,12 @@ QWEN_SEQUENCE_PARALLEL_OUTPUTS = (
 
 _ATTENTION = rf"{_LAYER}/self_attention"
 _QWEN_COMMON = (
-    ("token_embedding/embeddings", ("vocab", "embed")),
-    ("token_embedding/reverse_embeddings", ("embed", "vocab")),
-    (rf"{_ATTENTION}/query/kernel", ("embed", "heads", "head_dim")),
-    (rf"{_ATTENTION}/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
-    (rf"{_ATTENTION}/attention_output/kernel", ("heads", "head_dim", "embed")),
-    (rf"{_LAYER}/feedforward_(intermediate|gate)_dense/kernel", ("embed", "mlp")),
-    (rf"{_LAYER}/feedforward_output_dense/kernel", ("mlp", "embed")),
+    *EMBEDDING_RULES,
+    *attention_rules(_ATTENTION),
+    *gated_mlp_rules(
+        rf"{_LAYER}/feedforward_(intermediate|gate)_dense/kernel",
+        rf"{_LAYER}/feedforward_output_dense/kernel",
+    ),
     (
         rf"({_LAYER}/(self_attention|feedforward)_layernorm"
         r"|sequence_output_layernorm)/scale",

@@ -17,7 +17,10 @@ so the patterns accept any suffix.
 from __future__ import annotations
 
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
+from keras_hub_autodist.architectures.base import EMBEDDING_RULES
 from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.architectures.base import attention_rules
+from keras_hub_autodist.architectures.base import gated_mlp_rules
 from keras_hub_autodist.architectures.base import rule_table
 from keras_hub_autodist.architectures.llama import LLAMA_SEQUENCE_PARALLEL_OUTPUTS
 
@@ -38,9 +41,9 @@ QWEN_MOE_CONFIG_FIELDS = {
 
 def _mlp_rules(mlp: str) -> tuple:
     """The rules of a gated MLP (a dense layer's, or Qwen-MoE's shared expert)."""
-    return (
-        (mlp + "/feedforward_(intermediate|gate)_dense/kernel", ("embed", "mlp")),
-        (mlp + "/feedforward_output_dense/kernel", ("mlp", "embed")),
+    return gated_mlp_rules(
+        mlp + "/feedforward_(intermediate|gate)_dense/kernel",
+        mlp + "/feedforward_output_dense/kernel",
     )
 
 
@@ -66,13 +69,10 @@ _QWEN_SPARSE = _LAYER + r"/qwen_sparse_moe_block(_\d+)?"
 QWEN_MOE = Architecture(
     name="qwen_moe",
     rules=rule_table(
-        ("token_embedding/embeddings", ("vocab", "embed")),
-        ("token_embedding/reverse_embeddings", ("embed", "vocab")),
-        (_ATTENTION + "/query/kernel", ("embed", "heads", "head_dim")),
+        *EMBEDDING_RULES,
+        *attention_rules(_ATTENTION),
         (_ATTENTION + "/query/bias", ("heads", "head_dim")),
-        (_ATTENTION + "/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
         (_ATTENTION + "/(key|value)/bias", ("kv_heads", "head_dim")),
-        (_ATTENTION + "/attention_output/kernel", ("heads", "head_dim", "embed")),
         *_expert_rules(_QWEN_SPARSE),
         # The shared expert and dense layers have their own rules: their MLP
         # widths differ, and so may their layouts.
@@ -89,11 +89,8 @@ QWEN_MOE = Architecture(
 QWEN3_MOE = Architecture(
     name="qwen3_moe",
     rules=rule_table(
-        ("token_embedding/embeddings", ("vocab", "embed")),
-        ("token_embedding/reverse_embeddings", ("embed", "vocab")),
-        (_ATTENTION + "/query/kernel", ("embed", "heads", "head_dim")),
-        (_ATTENTION + "/(key|value)/kernel", ("embed", "kv_heads", "head_dim")),
-        (_ATTENTION + "/attention_output/kernel", ("heads", "head_dim", "embed")),
+        *EMBEDDING_RULES,
+        *attention_rules(_ATTENTION),
         (_ATTENTION + "/(query|key)_dense_layernorm/scale", ("norm",)),
         *_expert_rules(_LAYER + r"/qwen3_sparse_moe_block(_\d+)?"),
         *_mlp_rules(_LAYER + r"/qwen3_moe_mlp(_\d+)?"),
