@@ -372,21 +372,25 @@ def memory_of(compiled, **fields) -> CompiledMemory:
     def read(name):
         return int(getattr(analysis, name, 0) or 0)
 
-    argument = read("argument_size_in_bytes")
-    output = read("output_size_in_bytes")
-    alias = read("alias_size_in_bytes")
-    temp = read("temp_size_in_bytes")
-    code = read("generated_code_size_in_bytes")
-    peak = max(argument + output - alias + temp, read("peak_memory_in_bytes"))
-    return CompiledMemory(
-        argument_bytes=argument,
-        output_bytes=output,
-        alias_bytes=alias,
-        temp_bytes=temp,
-        generated_code_bytes=code,
-        peak_bytes=peak,
-        **fields,
+    sizes = {field: read(name) for field, name in _ANALYSIS_FIELDS.items()}
+    held = (
+        sizes["argument_bytes"]
+        + sizes["output_bytes"]
+        - sizes["alias_bytes"]
+        + sizes["temp_bytes"]
     )
+    peak = max(held, read("peak_memory_in_bytes"))
+    return CompiledMemory(**sizes, peak_bytes=peak, **fields)
+
+
+# `CompiledMemory` field ← the attribute of XLA's memory analysis it copies.
+_ANALYSIS_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+}
 
 
 __all__ = ["CompiledMemory", "compiled_memory", "default_task_class", "memory_of"]

@@ -10,10 +10,12 @@ sentences: the loss before and after, and the greedy completion of
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import tempfile
+
+from keras_hub_autodist.tiny_tokenizers import llama3_vocabulary
+from keras_hub_autodist.tiny_tokenizers import sentencepiece_proto
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -47,44 +49,6 @@ TINY_GEMMA = dict(
 )
 
 
-def sentencepiece_proto(sentences=SENTENCES, vocab_size: int = 64) -> bytes:
-    """Train a small SentencePiece model with Gemma's special tokens.
-
-    Training is deterministic for the same sentences and settings.
-
-    Args:
-        sentences: the training text.
-        vocab_size: the wished vocabulary size (smaller if the text is short).
-
-    Example:
-    >>> proto = sentencepiece_proto()
-    >>> len(proto) > 0
-    True
-    """
-    import sentencepiece as spm
-
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(list(sentences) * 4),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type="word",
-        pad_id=0,
-        unk_id=1,
-        bos_id=2,
-        eos_id=3,
-        pad_piece="<pad>",
-        unk_piece="<unk>",
-        bos_piece="<bos>",
-        eos_piece="<eos>",
-        user_defined_symbols=["<s>", "</s>", "<start_of_turn>", "<end_of_turn>"],
-        hard_vocab_limit=False,
-        minloglevel=2,
-        num_threads=1,
-    )
-    return model.getvalue()
-
-
 def build_tiny_gemma_preset(path: str, *, seed: int = 0) -> str:
     """Save the embedded tiny Gemma CausalLM as a preset in `path`.
 
@@ -97,41 +61,10 @@ def build_tiny_gemma_preset(path: str, *, seed: int = 0) -> str:
     build_tiny_gemma_preset("/tmp/tiny_gemma")
     ```
     """
-    import keras
     import keras_hub
 
-    keras.utils.set_random_seed(seed)
-    tokenizer = keras_hub.models.GemmaTokenizer(proto=sentencepiece_proto())
-    preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(
-        tokenizer, sequence_length=16
-    )
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=tokenizer.vocabulary_size(), **TINY_GEMMA
-    )
-    keras_hub.models.GemmaCausalLM(backbone, preprocessor).save_to_preset(path)
-    return path
-
-
-def llama3_vocabulary() -> tuple[dict, list]:
-    """A byte-level BPE vocabulary and merges for lowercase text, for Llama 3.
-
-    Example:
-    >>> vocabulary, merges = llama3_vocabulary()
-    >>> "<|begin_of_text|>" in vocabulary and "Ġ t" in merges
-    True
-    """
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    merged = ["Ġt", "Ġa", "th", "Ġth", "in", "er"]
-    tokens = letters + ["Ġ" + c for c in letters] + ["Ġ"] + merged
-    special = [
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-        "<|eot_id|>",
-    ]
-    merges = ["Ġ t", "Ġ a", "t h", "Ġt h", "i n", "e r"]
-    return {t: i for i, t in enumerate(tokens + special)}, merges
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=sentencepiece_proto(SENTENCES))
+    return _save_tiny_causal_lm(path, seed, "Gemma", tokenizer, **TINY_GEMMA)
 
 
 def build_tiny_llama3_preset(path: str, *, seed: int = 0) -> str:
@@ -146,24 +79,38 @@ def build_tiny_llama3_preset(path: str, *, seed: int = 0) -> str:
     build_tiny_llama3_preset("/tmp/tiny_llama3")
     ```
     """
-    import keras
     import keras_hub
 
-    keras.utils.set_random_seed(seed)
     vocabulary, merges = llama3_vocabulary()
     tokenizer = keras_hub.models.Llama3Tokenizer(vocabulary=vocabulary, merges=merges)
-    preprocessor = keras_hub.models.Llama3CausalLMPreprocessor(
-        tokenizer, sequence_length=16
-    )
-    backbone = keras_hub.models.Llama3Backbone(
-        vocabulary_size=tokenizer.vocabulary_size(),
+    return _save_tiny_causal_lm(
+        path,
+        seed,
+        "Llama3",
+        tokenizer,
         num_layers=2,
         num_query_heads=8,
         num_key_value_heads=2,
         hidden_dim=64,
         intermediate_dim=128,
     )
-    keras_hub.models.Llama3CausalLM(backbone, preprocessor).save_to_preset(path)
+
+
+def _save_tiny_causal_lm(path, seed, family, tokenizer, **backbone_config) -> str:
+    """Save keras-hub's `{family}CausalLM` with random weights (`seed`) and a
+    16-token preprocessor as a preset in `path`; the backbone's vocabulary
+    is the tokenizer's."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    models = keras_hub.models
+    preprocessor = getattr(models, f"{family}CausalLMPreprocessor")(
+        tokenizer, sequence_length=16
+    )
+    backbone_config["vocabulary_size"] = tokenizer.vocabulary_size()
+    backbone = getattr(models, f"{family}Backbone")(**backbone_config)
+    getattr(models, f"{family}CausalLM")(backbone, preprocessor).save_to_preset(path)
     return path
 
 

@@ -97,7 +97,9 @@ def test_fallbacks_are_counted_in_layout_keys_with_their_weights():
 
 
 def test_sentencepiece_training_is_deterministic():
-    assert demo.sentencepiece_proto() == demo.sentencepiece_proto()
+    assert demo.sentencepiece_proto(demo.SENTENCES) == demo.sentencepiece_proto(
+        demo.SENTENCES
+    )
 
 
 def test_virtual_cpu_devices_are_set_only_when_unset(monkeypatch):

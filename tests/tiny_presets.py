@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections.abc
 import functools
-import io
 import json
 import os
 import pathlib
@@ -27,6 +26,8 @@ import pathlib
 import keras
 import keras_hub
 import numpy as np
+
+from keras_hub_autodist import tiny_tokenizers
 
 # The text the tokenizers are trained on.
 SENTENCES = [
@@ -42,44 +43,7 @@ SENTENCES = [
 def sentencepiece_proto(vocab_size: int = 48) -> bytes:
     """A small SentencePiece model with Gemma's special tokens, trained
     deterministically on `SENTENCES`."""
-    import sentencepiece
-
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(SENTENCES * 4),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type="word",
-        pad_id=0,
-        unk_id=1,
-        bos_id=2,
-        eos_id=3,
-        pad_piece="<pad>",
-        unk_piece="<unk>",
-        bos_piece="<bos>",
-        eos_piece="<eos>",
-        user_defined_symbols=["<s>", "</s>", "<start_of_turn>", "<end_of_turn>"],
-        hard_vocab_limit=False,
-        minloglevel=2,
-        num_threads=1,
-    )
-    return model.getvalue()
-
-
-def llama3_vocabulary() -> tuple[dict, list]:
-    """A byte-level BPE vocabulary and merges for lowercase text (Llama 3)."""
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    merged = ["Ġt", "Ġa", "th", "Ġth", "in", "er"]
-    tokens = letters + ["Ġ" + c for c in letters] + ["Ġ"] + merged
-    special = [
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-        "<|eot_id|>",
-    ]
-    merges = ["Ġ t", "Ġ a", "t h", "Ġt h", "i n", "e r"]
-    return {t: i for i, t in enumerate(tokens + special)}, merges
+    return tiny_tokenizers.sentencepiece_proto(SENTENCES, vocab_size)
 
 
 # --- Configs: Gemma and Llama CausalLMs with tokenizers. ---------------------
@@ -429,7 +393,7 @@ def gemma3_preset(path, config=GEMMA3_TEXT, seed=0) -> str:
 
 def llama3_preset(path, tie_word_embeddings=False, seed=0) -> str:
     """A Llama3CausalLM with a BPE tokenizer and preprocessor."""
-    vocabulary, merges = llama3_vocabulary()
+    vocabulary, merges = tiny_tokenizers.llama3_vocabulary()
     tokenizer = keras_hub.models.Llama3Tokenizer(vocabulary=vocabulary, merges=merges)
     preprocessor = keras_hub.models.Llama3CausalLMPreprocessor(
         tokenizer, sequence_length=8
