@@ -45,6 +45,8 @@ import sys
 import tempfile
 import time
 
+from bench.file_reads import read_file_only
+
 GEMMA_7B = dict(
     vocabulary_size=256000,
     num_layers=28,
@@ -107,28 +109,10 @@ def _device_memory():
     return None, sum(a.nbytes for a in jax.live_arrays())
 
 
-def raw_read(path):
-    """Read every dataset of the preset's .h5 files once, in one thread."""
-    import h5py
-    import numpy as np
-
-    total = 0
-    for name in sorted(pathlib.Path(path).glob("*.h5")):
-        with h5py.File(name, "r") as f:
-
-            def visit(_, node):
-                nonlocal total
-                if isinstance(node, h5py.Dataset):
-                    total += np.asarray(node[()]).nbytes
-
-            f.visititems(visit)
-    return total
-
-
 def child_load(path, variant, dtype):
     if variant is None:
         start = time.perf_counter()
-        read = raw_read(path)
+        read = read_file_only(path)
         return dict(seconds=time.perf_counter() - start, bytes_read=read)
     import keras_hub
 

@@ -25,6 +25,7 @@ import keras  # noqa: E402
 
 import keras_hub_autodist  # noqa: E402
 from bench import models  # noqa: E402
+from bench.accelerator import GEMMA_2B  # noqa: E402
 from keras_hub_autodist import step_memory  # noqa: E402
 
 # The tests' tiny presets (tests/tiny_presets.py) and the bench models.
@@ -54,16 +55,6 @@ TINY = {
     ),
 }
 BENCH = {name: (cls.__name__, config) for name, (cls, config) in models.CONFIGS.items()}
-# Gemma 2B's shapes (the accelerator's training run), on one device.
-GEMMA_2B = dict(
-    vocabulary_size=256000,
-    num_layers=18,
-    num_query_heads=8,
-    num_key_value_heads=1,
-    hidden_dim=2048,
-    intermediate_dim=32768,
-    head_dim=256,
-)
 MESHES = [(1, 1), (8, 1), (2, 4), (1, 8)]
 
 

@@ -23,18 +23,17 @@ os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import glob  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
-import h5py  # noqa: E402
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
-import numpy as np  # noqa: E402
 
 import keras_hub_autodist  # noqa: E402
+from bench.file_reads import read_file_only  # noqa: E402
+from bench.file_reads import weight_files  # noqa: E402
 from keras_hub_autodist import loading  # noqa: E402
 from keras_hub_autodist import transfer  # noqa: E402
 
@@ -61,34 +60,6 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
-
-
-def weight_files(path):
-    return sorted(glob.glob(os.path.join(path, "*.h5"))) + sorted(
-        glob.glob(os.path.join(path, "*.safetensors"))
-    )
-
-
-def read_file_only(path):
-    """Read every tensor of the weight files once, as a loader must."""
-    total = 0
-    for name in weight_files(path):
-        if name.endswith(".h5"):
-            with h5py.File(name, "r") as f:
-
-                def visit(_, node):
-                    nonlocal total
-                    if isinstance(node, h5py.Dataset):
-                        total += np.asarray(node[()]).nbytes
-
-                f.visititems(visit)
-        else:
-            from safetensors import safe_open
-
-            with safe_open(name, framework="np") as f:
-                for key in f.keys():
-                    total += f.get_tensor(key).nbytes
-    return total
 
 
 class Sampler:
