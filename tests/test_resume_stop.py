@@ -97,13 +97,16 @@ def reference(preset):  # noqa: F811
 
 
 def resume_and_compare(preset, directory, reference, resumed_at):  # noqa: F811
-    """Resume from `directory` in a run seeded otherwise, and compare it from
-    `resumed_at` (epoch, batch) on with the uninterrupted `reference`."""
+    """Resume from the one checkpoint in `directory` in a run seeded
+    otherwise, and compare it from `resumed_at` (epoch, batch) on with the
+    uninterrupted `reference`."""
+    (step,) = os.listdir(directory)
     checkpoint = ResumableCheckpoint(directory, save_freq=100, save_on_sigterm=False)
     handler = SigtermHandlerDuringFit()
     before = signal.getsignal(signal.SIGTERM)
     lm, history, draws = run(preset, [checkpoint, handler], seed=1)
     assert handler.handler is before  # save_on_sigterm=False: left alone
+    assert checkpoint.resumed_from == os.path.join(directory, step)
 
     expected_state, expected_history, expected_draws = reference
     assert_same_state(state(lm), expected_state)
