@@ -17,8 +17,11 @@ distribution:
    Keras' `.weights.h5` and `.keras` files go through Keras' own loader.
 
 `ResumableCheckpoint` is `keras.callbacks.OrbaxCheckpoint` that also resumes:
-at the start of `fit` it restores the newest complete checkpoint and skips
-the batches of the current epoch that were already trained on.
+at the start of `fit` it restores the newest complete checkpoint (with the
+metrics' totals and Keras' global random state) and skips the batches of the
+current epoch that were already trained on. It also saves and stops on
+`SIGTERM` or past a time limit, at the same batch in every process
+(`stopping.py`).
 """
 
 from __future__ import annotations
@@ -338,7 +341,10 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
     save together, even when only one received `SIGTERM`. The `SIGTERM`
     handler is installed at the start of `fit`, only when `fit` runs on the
     main thread (Python delivers signals there, and only the main thread can
-    install handlers), and the previous handler is put back when `fit` ends.
+    install handlers), and the previous handler is put back when `fit` ends
+    (Keras skips `on_train_end` when `fit` raises; the handler then stays
+    until the next `fit` ends). A second `SIGTERM` while `fit` runs goes to
+    the previous handler (by default, the process ends).
 
     Args:
         directory: the folder of the checkpoints (created when missing;

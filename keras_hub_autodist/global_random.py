@@ -35,10 +35,8 @@ def saved_form() -> dict:
     """Keras' global random state as the checkpointable to save.
 
     Example:
-    ```python
     >>> sorted(saved_form())
     ['in_use', 'state']
-    ```
     """
     generator = compat.global_seed_generator_or_none()
     if generator is None:

@@ -35,10 +35,8 @@ def any_process(flag: bool) -> bool:
         single process.
 
     Example:
-    ```python
     >>> any_process(False)
     False
-    ```
     """
     if jax.process_count() == 1:
         return bool(flag)
@@ -67,13 +65,11 @@ class StopRequest:
             (each agreement is one small collective).
 
     Example:
-    ```python
     >>> request = StopRequest(on_sigterm=False, time_limit=0.0)
     >>> request.start()
     >>> request.should_stop(batches_trained=1)
     True
     >>> request.finish()
-    ```
     """
 
     def __init__(
