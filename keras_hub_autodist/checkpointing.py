@@ -404,15 +404,24 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
             save_on_background=save_on_background,
         )
         self.checkpointer = global_random.CheckpointerWithRandomState(self.checkpointer)
-        self.save_on_sigterm = save_on_sigterm
-        self.time_limit = time_limit
-        self.stop_check_freq = stop_check_freq
         self.resumed_from = None
         self._resume_epoch = None
         self._skip = 0
         self._saved_metrics = []  # (variable, value) of the resumed epoch
         self._saved_random_state = None
         self._batches_trained = 0
+
+    @property
+    def save_on_sigterm(self) -> bool:
+        return self.stop_request.on_sigterm
+
+    @property
+    def time_limit(self) -> float | None:
+        return self.stop_request.time_limit
+
+    @property
+    def stop_check_freq(self) -> int:
+        return self.stop_request.check_freq
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
