@@ -21,6 +21,7 @@ from test_checkpointing import data
 from test_checkpointing import preset  # noqa: F401 (a fixture)
 from test_checkpointing import state
 
+from keras_hub_autodist import RestoreError
 from keras_hub_autodist import ResumableCheckpoint
 from keras_hub_autodist import global_random
 from keras_hub_autodist import stopping
@@ -214,8 +215,6 @@ def test_time_limit_none_never_stops():
     ],
 )
 def test_bad_stop_options_are_refused(kwargs, match):
-    from keras_hub_autodist import RestoreError
-
     with pytest.raises(RestoreError, match=match):
         StopRequest(**kwargs)
 
