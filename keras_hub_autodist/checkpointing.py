@@ -17,16 +17,16 @@ distribution:
    Keras' `.weights.h5` and `.keras` files go through Keras' own loader.
 
 `ResumableCheckpoint` is `keras.callbacks.OrbaxCheckpoint` that also resumes:
-at the start of `fit` it restores the newest complete checkpoint and skips
-the batches of the current epoch that were already trained on.
+at the start of `fit` it restores the newest complete checkpoint (with the
+metrics' totals and Keras' global random state) and skips the batches of the
+current epoch that were already trained on. It also saves and stops on
+`SIGTERM` or past a time limit, at the same batch in every process
+(`stopping.py`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import threading
-import time
 import warnings
 import zipfile
 
@@ -34,9 +34,11 @@ import jax
 import keras
 
 from keras_hub_autodist import compat
+from keras_hub_autodist import global_random
 from keras_hub_autodist.errors import RestoreError
 from keras_hub_autodist.placement import build_optimizer
 from keras_hub_autodist.placement import place_state
+from keras_hub_autodist.stopping import StopRequest
 
 # An optimizer that was never built holds these two variables only.
 UNBUILT_OPTIMIZER_VARIABLES = 2
@@ -306,7 +308,8 @@ def note_compiled(model) -> None:
 class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
     """`keras.callbacks.OrbaxCheckpoint` that resumes where training stopped.
 
-    Saves the weights, the optimizer state and its iteration count every
+    Saves the weights, the optimizer state and its iteration count, the
+    metrics' running totals and Keras' global random state every
     `save_freq` batches, as Orbax checkpoints numbered by the number of
     batches trained. At the start of `fit`, the newest complete checkpoint in
     `directory` is restored (for a bound model, straight into the model's
@@ -317,9 +320,31 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
     each run (`shuffle=False`, or a seeded, deterministic dataset) and have a
     known number of batches per epoch.
 
+    Restored on resume, so that the resumed run equals one that never
+    stopped: the weights and non-trainable variables (which hold the layers'
+    own seed generators), the optimizer's variables, the metrics' totals
+    within the interrupted epoch (the loss `fit` logs for that epoch covers
+    all its batches, not only those after the resume), and the state of
+    Keras' global seed generator (what `keras.random` functions given no
+    seed draw from; it is restored at the point of the data where it was
+    saved, after the skipped batches were read).
+
     Orbax writes each checkpoint under a temporary name and renames it when
     complete, so a process killed while saving leaves the previous complete
     checkpoint to resume from.
+
+    On `SIGTERM` (a preemption notice) or past `time_limit`, it saves at the
+    end of the current batch and stops training. In several processes
+    (`jax.process_count() > 1`) the processes agree every `stop_check_freq`
+    batches whether any of them wants to stop (one all-gather of one
+    integer per process), so that all of them stop after the same batch and
+    save together, even when only one received `SIGTERM`. The `SIGTERM`
+    handler is installed at the start of `fit`, only when `fit` runs on the
+    main thread (Python delivers signals there, and only the main thread can
+    install handlers), and the previous handler is put back when `fit` ends
+    (Keras skips `on_train_end` when `fit` raises; the handler then stays
+    until the next `fit` ends). A second `SIGTERM` while `fit` runs goes to
+    the previous handler (by default, the process ends).
 
     Args:
         directory: the folder of the checkpoints (created when missing;
@@ -328,11 +353,15 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         max_to_keep: how many of the newest checkpoints to keep.
         save_on_background: write in a background thread while training
             goes on (Orbax's asynchronous save).
-        save_on_sigterm: on `SIGTERM` (a preemption notice), save at the end
-            of the current batch and stop training. One process only.
-        time_limit: seconds after the start of `fit` at which to save and
-            stop training (a Kaggle session limit, less a margin). One
-            process only.
+        save_on_sigterm: on `SIGTERM`, save at the end of the current batch
+            and stop training. False leaves `SIGTERM`'s handler alone.
+        time_limit: seconds after the start of `fit` past which to save and
+            stop training, at the end of the batch that crosses it (a Kaggle
+            session limit, less a margin); None for no limit.
+        stop_check_freq: in several processes, agree on stopping every this
+            many batches (with steps much shorter than the collective's round
+            trip, a larger value saves its cost; the stop then comes up to
+            this many batches later).
 
     Example:
     ```python
@@ -349,6 +378,7 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         save_on_background: bool = True,
         save_on_sigterm: bool = True,
         time_limit: float | None = None,
+        stop_check_freq: int = 1,
     ):
         if isinstance(save_freq, bool) or not isinstance(save_freq, int):
             raise RestoreError(
@@ -362,26 +392,42 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
                 "`save_freq=` must be at least 1 batch. Received: "
                 f"save_freq={save_freq!r}"
             )
+        self.stop_request = StopRequest(
+            on_sigterm=save_on_sigterm,
+            time_limit=time_limit,
+            check_freq=stop_check_freq,
+        )
         super().__init__(
             os.path.abspath(os.fspath(directory)),  # Orbax wants absolute
             save_freq=save_freq,
             max_to_keep=max_to_keep,
             save_on_background=save_on_background,
         )
-        self.save_on_sigterm = save_on_sigterm
-        self.time_limit = time_limit
+        self.checkpointer = global_random.CheckpointerWithRandomState(self.checkpointer)
         self.resumed_from = None
         self._resume_epoch = None
         self._skip = 0
-        self._stop_requested = False
-        self._previous_handler = None
-        self._started = None
+        self._saved_metrics = []  # (variable, value) of the resumed epoch
+        self._saved_random_state = None
+        self._batches_trained = 0
+
+    @property
+    def save_on_sigterm(self) -> bool:
+        return self.stop_request.on_sigterm
+
+    @property
+    def time_limit(self) -> float | None:
+        return self.stop_request.time_limit
+
+    @property
+    def stop_check_freq(self) -> int:
+        return self.stop_request.check_freq
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        self._started = time.monotonic()
-        self._stop_requested = False
-        self._install_sigterm()
+        self._batches_trained = 0
+        self._saved_metrics, self._saved_random_state = [], None
+        self.stop_request.start()
         latest = self.checkpointer.latest
         if latest is None:
             return
@@ -405,13 +451,23 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
                 f"{self.model.steps_per_execution}"
             )
         self._resume_epoch = epoch
+        # `fit` resets the metrics at the start of each epoch: their restored
+        # totals are put back after that reset (`on_epoch_begin`).
+        self._saved_metrics = [(v, v.value) for v in self.model.metrics_variables]
+        self._saved_random_state = global_random.load(folder)
         compat.orbax_resume_counters(self, done)
         compat.set_initial_epoch(self.model, epoch)
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
-        if epoch == self._resume_epoch and self._skip:
+        if epoch != self._resume_epoch:
+            return
+        if self._skip:
+            for variable, value in self._saved_metrics:
+                variable.assign(value)
             self._skip_batches(self._skip)
+        else:
+            self._restore_random_state()
 
     def _skip_batches(self, count):
         """Make the next `count` train steps read their batch and train on
@@ -430,12 +486,23 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
 
         model.train_function = skip_or_train
 
+    def _restore_random_state(self):
+        """Put back Keras' global random state where the data and the
+        callbacks are where they were when it was saved: after the batches
+        trained before the checkpoint were read."""
+        if self._saved_random_state is not None:
+            global_random.restore(self._saved_random_state)
+            self._saved_random_state = None
+
     def on_train_batch_end(self, batch, logs=None):
         if self._resume_epoch is not None and batch < self._skip:
             compat.orbax_skip_batch(self, batch)
+            if batch == self._skip - 1:
+                self._restore_random_state()
             return
         super().on_train_batch_end(batch, logs)
-        if self._should_stop_now():
+        self._batches_trained += 1
+        if self.stop_request.should_stop(self._batches_trained):
             compat.orbax_save_now(self, logs)
             self.wait_until_finished()
             self.model.stop_training = True
@@ -443,31 +510,14 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == self._resume_epoch:
             self._resume_epoch, self._skip = None, 0
+            self._saved_metrics = []
         super().on_epoch_end(epoch, logs)
 
     def on_train_end(self, logs=None):
-        super().on_train_end(logs)
-        compat.set_initial_epoch(self.model, None)
-        self._resume_epoch, self._skip = None, 0
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
-
-    def _should_stop_now(self):
-        if jax.process_count() > 1:
-            return False
-        if self._stop_requested:
-            return True
-        elapsed = time.monotonic() - (self._started or time.monotonic())
-        return self.time_limit is not None and elapsed >= self.time_limit
-
-    def _install_sigterm(self):
-        if not self.save_on_sigterm or jax.process_count() > 1:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def request_stop(signum, frame):
-            self._stop_requested = True
-
-        self._previous_handler = signal.signal(signal.SIGTERM, request_stop)
+        try:
+            super().on_train_end(logs)
+        finally:
+            compat.set_initial_epoch(self.model, None)
+            self._resume_epoch, self._skip = None, 0
+            self._saved_metrics, self._saved_random_state = [], None
+            self.stop_request.finish()

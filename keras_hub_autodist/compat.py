@@ -42,6 +42,8 @@ TOUCHPOINTS = (
     ("keras.src.backend.common.variables", "Variable"),
     ("keras.src.trainers.trainer", "Trainer"),
     ("keras.src.callbacks.orbax_checkpoint", "OrbaxCheckpoint._save_checkpoint"),
+    ("keras.src.backend.common.global_state", "set_global_attribute"),
+    ("keras.src.random.seed_generator", "GLOBAL_SEED_GENERATOR"),
 )
 
 
@@ -263,3 +265,27 @@ def orbax_save_now(callback, logs=None) -> None:
     if callback._batches_seen_since_last_saving:
         callback._save_checkpoint(step=callback._total_batches_seen, logs=logs)
         callback._batches_seen_since_last_saving = 0
+
+
+# --- Resume: Keras' global random state -----------------------------------------
+
+# Keras keeps the `SeedGenerator` that `keras.random` functions draw from when
+# given no seed as a process-wide attribute, created on first use.
+
+
+def global_seed_generator_or_none():
+    """Keras' global `keras.random.SeedGenerator`, or None while nothing has
+    drawn from it (reading it does not create one: creating one draws its
+    seed from Python's `random`)."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+
+
+def set_global_seed_generator(generator) -> None:
+    """Make `generator` Keras' global `keras.random.SeedGenerator`."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, generator)
