@@ -32,6 +32,7 @@ import keras  # noqa: E402
 import keras_hub  # noqa: E402
 
 import keras_hub_autodist  # noqa: E402
+from bench.file_reads import FILE_READS  # noqa: E402
 from bench.file_reads import read_file_only  # noqa: E402
 from bench.file_reads import weight_files  # noqa: E402
 from keras_hub_autodist import loading  # noqa: E402
@@ -101,9 +102,9 @@ class Sampler:
 def main(path, variant):
     files = weight_files(path)
     file_bytes = sum(os.path.getsize(f) for f in files)
-    if variant == "read the file only":
+    if variant in FILE_READS:
         start = time.perf_counter()
-        read = read_file_only(path)
+        read = read_file_only(path, keep=FILE_READS[variant])
         seconds = time.perf_counter() - start
         print(
             json.dumps(

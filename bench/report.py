@@ -455,12 +455,25 @@ def _loading_speed_checks(rows: list[dict]) -> list[tuple]:
     checks = []
     keras_rows = {r["variant"]: r for r in rows if r["format"] == "keras"}
     floor = keras_rows.get("read the file only")
+    kept = keras_rows.get("read the file, keeping every tensor")
     for variant in ("autodist (1,8) tp", "autodist (2,4) fsdp"):
         if floor and variant in keras_rows:
             ratio = keras_rows[variant]["load_s"] / floor["load_s"]
             checks.append(
                 (
                     f"load time <= 3 x reading the file (keras, {variant})",
+                    ratio <= 3.0,
+                    f"{ratio:.1f}x",
+                )
+            )
+        if kept and variant in keras_rows:
+            # A loader keeps what it reads: the floor that pays for fresh
+            # memory as the load does.
+            ratio = keras_rows[variant]["load_s"] / kept["load_s"]
+            checks.append(
+                (
+                    "load time <= 3 x reading the file into memory kept "
+                    f"(keras, {variant}; proposed for CPU)",
                     ratio <= 3.0,
                     f"{ratio:.1f}x",
                 )
@@ -528,9 +541,9 @@ def loading_section(rows: list[dict]) -> list[str]:
         for r in group:
             ratio = r["load_s"] / base["load_s"]
             per_read = r["load_s"] / floor["load_s"] if floor["load_s"] else 0.0
-            if r["variant"] == "read the file only":
+            if r["variant"].startswith("read the file"):
                 lines.append(
-                    f"| {r['variant']} | {r['load_s']:.1f} | {ratio:.2f} | 1.00 | | | "
+                    f"| {r['variant']} | {r['load_s']:.1f} | {ratio:.2f} | {per_read:.2f} | | | "
                     f"{r['bytes_read'] / r['file_bytes']:.2f} |"
                 )
                 continue
