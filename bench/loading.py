@@ -4,8 +4,8 @@ Each load runs in a fresh process (`bench/load_child.py`), which measures its
 own peak host RSS (`VmHWM`, not `ru_maxrss`: Linux carries that over from
 this process across fork + exec). Variants: keras-hub onto one device, keras-hub
 in a hand-made `ModelParallel` scope with its static Gemma map on `(2, 4)`,
-and autodist on `(1, 8)` with `tp` and on `(2, 4)` with `fsdp`. A last child
-only reads the weight file, for the floor.
+and autodist on `(1, 8)` with `tp` and on `(2, 4)` with `fsdp`. The last two
+children only read the weight file, for the floors (`bench/file_reads.py`).
 """
 
 from __future__ import annotations
