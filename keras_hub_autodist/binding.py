@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import jax
 import keras
 
 from keras_hub_autodist.batches import check_batch
@@ -30,6 +29,7 @@ from keras_hub_autodist.checkpointing import note_compiled
 from keras_hub_autodist.checkpointing import restore
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.gathering import save_from_every_process
+from keras_hub_autodist.gathering import several_processes
 from keras_hub_autodist.placement import place_state
 from keras_hub_autodist.plan import LayoutPlan
 from keras_hub_autodist.saving import save_atomically
@@ -139,7 +139,7 @@ def _scoped(name, method, model, distribution, padded=False):
             if path_argument and (args or path_argument in kwargs):
                 if not args:
                     args = (kwargs.pop(path_argument),)
-                if jax.process_count() > 1:
+                if several_processes():
                     preset = name == "save_to_preset"
                     return save_from_every_process(
                         method, *args, preset=preset, **kwargs

@@ -53,6 +53,20 @@ WRITER = 0
 _RUNNING = contextvars.ContextVar("keras_hub_autodist_gathered_save", default=None)
 
 
+def several_processes() -> bool:
+    """Whether this JAX job runs in more than one process.
+
+    Example:
+    >>> several_processes()
+    False
+    """
+    return jax.process_count() > 1
+
+
+def _writes_here() -> bool:
+    return jax.process_index() == WRITER
+
+
 def _identity(x):
     return x
 
@@ -184,7 +198,7 @@ def save_from_every_process(
             "path, not to the Hugging Face Hub: save to a local path, then "
             f"upload it from one process. Received: {path!r}"
         )
-    writer = jax.process_index() == WRITER
+    writer = _writes_here()
     agreement = _Agreement()
     running = _RUNNING.set(agreement)
     try:
