@@ -23,6 +23,7 @@ MODE is one of:
 
 import os
 import sys
+import traceback
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -195,4 +196,11 @@ def main(process_id, port, preset, out, mode, argument=None):
 
 if __name__ == "__main__":
     pid, port, preset, out, mode, *argument = sys.argv[1:]
-    main(int(pid), int(port), preset, out, mode, *argument)
+    try:
+        main(int(pid), int(port), preset, out, mode, *argument)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        # Exit at once: JAX's shutdown at exit would wait for the other
+        # process, which may wait in a collective for this one.
+        os._exit(1)
