@@ -11,10 +11,11 @@ MODE is one of:
 - `read`: loads the backbone with `fsdp` and writes, per process, the bytes
   it read from the weight file and the weights to OUT.PROCESS_ID.npz;
 - `save`: for each case of `SAVE_CASES` (ARGUMENT: a MoE preset for the case
-  with an expert axis), trains with Adam, saves a preset and a weights file
+  with an expert axis), trains with Adam, saves a preset and weights files
   into the folder OUT/CASE shared by both processes, trains one more step,
   restores the weights file with `load_weights`, and writes the trained and
-  the restored state to OUT/CASE.npz;
+  the restored state to OUT/CASE.npz (the weights are also saved by a
+  `keras.callbacks.ModelCheckpoint`);
 - `resume`: trains the kill test's model and data (`kill_worker.py`) with a
   `ResumableCheckpoint` in the folder ARGUMENT, each process feeding its half
   of every global batch; prints `batch N` after each batch and writes the
@@ -127,6 +128,12 @@ def save_and_restore(process_id, preset, out, expert_preset):
         folder = os.path.join(out, case)
         lm.save_to_preset(os.path.join(folder, "preset"))
         lm.save_weights(os.path.join(folder, "model.weights.h5"))
+        # Keras' callback calls the bound `save_weights` at each epoch end.
+        checkpoint = keras.callbacks.ModelCheckpoint(
+            os.path.join(folder, "checkpoint.weights.h5"), save_weights_only=True
+        )
+        checkpoint.set_model(lm)
+        checkpoint.on_epoch_end(0, {})
         trained = training_state(lm)
         # One more step moves every weight and slot away from the file.
         train_local_batches(lm, local_rows(process_id))

@@ -1,7 +1,8 @@
 """Saving, restoring and resuming with 2 processes x 4 virtual CPU devices.
 
-A bound model's `save_to_preset` and `save_weights` run in both processes on
-one shared path: process 0 writes, both take part in gathering each array.
+A bound model's `save_to_preset` and `save_weights` (also through
+`keras.callbacks.ModelCheckpoint`) run in both processes on one shared path:
+process 0 writes, both take part in gathering each array.
 What they write loads with plain keras-hub in one process, and restores with
 `load_weights` in two. Training with `ResumableCheckpoint`, killed in both
 processes at random points and restarted, ends where an uninterrupted
@@ -62,7 +63,11 @@ def test_two_processes_save_to_one_path_and_restore(tiny_presets_dir, tmp_path):
                 saved[f"restored/{key}"], value, err_msg=f"{case}: {key}"
             )
         # One copy, written whole by one process, with no staging left.
-        assert sorted(os.listdir(folder)) == ["model.weights.h5", "preset"]
+        assert sorted(os.listdir(folder)) == [
+            "checkpoint.weights.h5",
+            "model.weights.h5",
+            "preset",
+        ]
 
         # Plain keras-hub, in one process, without a mesh.
         lm = keras_hub.models.CausalLM.from_preset(
@@ -77,12 +82,15 @@ def test_two_processes_save_to_one_path_and_restore(tiny_presets_dir, tmp_path):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         lm.optimizer.build(lm.trainable_variables)
-        lm.load_weights(str(folder / "model.weights.h5"))
-        state = restorable_state(lm)
-        assert sorted(state) == sorted(trained)
-        assert int(state["optimizer/iteration"]) > 0
-        for key, value in state.items():
-            np.testing.assert_array_equal(value, trained[key], err_msg=key)
+        for name in ("model.weights.h5", "checkpoint.weights.h5"):
+            lm.load_weights(str(folder / name))
+            state = restorable_state(lm)
+            assert sorted(state) == sorted(trained)
+            assert int(state["optimizer/iteration"]) > 0
+            for key, value in state.items():
+                np.testing.assert_array_equal(
+                    value, trained[key], err_msg=f"{case}: {name}: {key}"
+                )
 
 
 def test_two_processes_resume_after_kills(tiny_presets_dir, tmp_path, uninterrupted):  # noqa: F811
