@@ -15,7 +15,7 @@ MODE is one of:
   into the folder OUT/CASE shared by both processes, trains one more step,
   restores the weights file with `load_weights`, and writes the trained and
   the restored state to OUT/CASE.npz (the weights are also saved by a
-  `keras.callbacks.ModelCheckpoint`);
+  `keras.callbacks.ModelCheckpoint`, and the model by `save`);
 - `resume`: trains the kill test's model and data (`kill_worker.py`) with a
   `ResumableCheckpoint` in the folder ARGUMENT, each process feeding its half
   of every global batch; prints `batch N` after each batch and writes the
@@ -134,6 +134,7 @@ def save_and_restore(process_id, preset, out, expert_preset):
         )
         checkpoint.set_model(lm)
         checkpoint.on_epoch_end(0, {})
+        lm.save(os.path.join(folder, "model.keras"))
         trained = training_state(lm)
         # One more step moves every weight and slot away from the file.
         train_local_batches(lm, local_rows(process_id))

@@ -1,8 +1,8 @@
 """Saving, restoring and resuming with 2 processes x 4 virtual CPU devices.
 
-A bound model's `save_to_preset` and `save_weights` (also through
-`keras.callbacks.ModelCheckpoint`) run in both processes on one shared path:
-process 0 writes, both take part in gathering each array.
+A bound model's `save_to_preset`, `save_weights` (also through
+`keras.callbacks.ModelCheckpoint`) and `save` run in both processes on one
+shared path: process 0 writes, both take part in gathering each array.
 What they write loads with plain keras-hub in one process, and restores with
 `load_weights` in two. Training with `ResumableCheckpoint`, killed in both
 processes at random points and restarted, ends where an uninterrupted
@@ -65,6 +65,7 @@ def test_two_processes_save_to_one_path_and_restore(tiny_presets_dir, tmp_path):
         # One copy, written whole by one process, with no staging left.
         assert sorted(os.listdir(folder)) == [
             "checkpoint.weights.h5",
+            "model.keras",
             "model.weights.h5",
             "preset",
         ]
@@ -76,6 +77,13 @@ def test_two_processes_save_to_one_path_and_restore(tiny_presets_dir, tmp_path):
         for weight in lm.weights:
             np.testing.assert_array_equal(
                 np.asarray(weight.value), trained[weight.path], err_msg=weight.path
+            )
+        # Keras' own loader names layers anew: compared in model order.
+        whole = keras.saving.load_model(folder / "model.keras", compile=False)
+        assert len(whole.weights) == len(lm.weights)
+        for loaded, weight in zip(whole.weights, lm.weights):
+            np.testing.assert_array_equal(
+                np.asarray(loaded.value), trained[weight.path], err_msg=weight.path
             )
         lm.compile(
             optimizer=keras.optimizers.Adam(1e-2),

@@ -9,7 +9,9 @@ batches, and leaves the global distribution as it found it.
 Around `compile`, a restore (`load_weights`) and every jitted step it makes,
 a bound model also places its optimizer and metric variables on its mesh
 (`placement.py`); `load_weights` restores the whole training state or raises
-(`checkpointing.py`); batches are checked and padded by `batches.py`.
+(`checkpointing.py`); batches are checked and padded by `batches.py`. With
+several processes, its save methods run in every process and process 0
+writes (`gathering.py`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def small_trained_model():
     return model
 
 
-def values_walked(model, path, write):
+def values_walked(model, folder, write, extension, **save_kwargs):
     """The variables a save hands its weight stores, in order."""
     walked = []
 
@@ -40,23 +40,33 @@ def values_walked(model, path, write):
         walked.append(value)
         return value
 
+    folder.mkdir()
     with compat.weight_stores_writing(convert, lambda open_file: open_file(), write):
-        model.save_weights(path)
+        model.save_weights(folder / f"model.weights.{extension}", **save_kwargs)
     return walked
 
 
-def test_a_process_that_writes_nothing_walks_the_values_of_the_writer(tmp_path):
+# One file (`H5IOStore`), and shards of about 100 bytes (`ShardedH5IOStore`).
+@pytest.mark.parametrize(
+    "extension, save_kwargs", [("h5", {}), ("json", {"max_shard_size": 1e-7})]
+)
+def test_a_process_that_writes_nothing_walks_the_values_of_the_writer(
+    tmp_path, extension, save_kwargs
+):
     model = small_trained_model()
-    written = values_walked(model, tmp_path / "written.weights.h5", write=True)
-    discarded = values_walked(model, tmp_path / "discarded.weights.h5", write=False)
+    written = values_walked(model, tmp_path / "written", True, extension, **save_kwargs)
+    discarded = values_walked(
+        model, tmp_path / "discarded", False, extension, **save_kwargs
+    )
 
     assert [id(v) for v in discarded] == [id(v) for v in written]
     everything = model.weights + model.optimizer.variables
     assert sorted(id(v) for v in written) == sorted(id(v) for v in everything)
-    assert sorted(os.listdir(tmp_path)) == ["written.weights.h5"]
+    assert os.listdir(tmp_path / "discarded") == []
+    assert len(os.listdir(tmp_path / "written")) > (2 if save_kwargs else 0)
 
     again = small_trained_model()
-    again.load_weights(tmp_path / "written.weights.h5")
+    again.load_weights(tmp_path / "written" / f"model.weights.{extension}")
     for saved, loaded in zip(everything, again.weights + again.optimizer.variables):
         np.testing.assert_array_equal(loaded.numpy(), saved.numpy())
 
