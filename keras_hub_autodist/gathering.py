@@ -31,6 +31,7 @@ job (when the failed process exits).
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -144,12 +145,6 @@ class _Agreement:
         self.confirm(True)
         self.gathering = True
 
-    def converted(self, keep: bool) -> Callable[[Any], Any]:
-        def convert(value):
-            return host_array(value, keep=keep)
-
-        return convert
-
 
 def _stand_in(target: str, scratch: str, folder: bool) -> str:
     """Where a process that writes nothing sends its save."""
@@ -172,8 +167,9 @@ def save_from_every_process(
     writes what.
 
     Args:
-        save: a save method of a bound model (`save_to_preset`,
-            `save_weights` or `save`), unbound from the wrapper.
+        save: a save method of a model: Keras' `save_weights` or `save`, or
+            keras-hub's `save_to_preset` (a bound model's own, which calls
+            this).
         target: the path it saves to; one shared path for all processes.
         *args: passed to `save` after the path.
         preset: whether `target` is a preset folder (`save_to_preset`): then
@@ -185,8 +181,8 @@ def save_from_every_process(
 
     Example:
     ```python
-    # In each of 2 processes, with `lm` bound to a mesh over both:
-    save_from_every_process(type(lm).save_to_preset.__get__(lm), "./tuned")
+    # In each of 2 processes, with `model`'s variables on a mesh over both:
+    save_from_every_process(model.save_weights, "./model.weights.h5")
     ```
     """
     if _RUNNING.get() is not None:
@@ -203,7 +199,7 @@ def save_from_every_process(
     running = _RUNNING.set(agreement)
     try:
         with compat.weight_stores_writing(
-            agreement.converted(keep=writer), agreement.opened, write=writer
+            functools.partial(host_array, keep=writer), agreement.opened, writer
         ):
             if writer and preset:
                 result = save_atomically(save, target, *args, **kwargs)
