@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import keras
 import keras_hub
@@ -27,45 +28,77 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_cluster(preset, out, mode, tmp_path):
+def start_cluster(preset, out, mode, tmp_path, *argument, pipe_first=False):
+    """Start both processes of `multihost_worker.py` on a fresh port.
+
+    Their output is appended to `tmp_path/MODE-PID.log`; with `pipe_first`,
+    the first process's stdout is a pipe (its stderr goes to its log).
+    """
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    logs, procs = [], []
-    try:
-        for pid in range(2):
-            log = open(tmp_path / f"{mode}-{pid}.log", "w")
-            logs.append(log)
+    procs = []
+    for pid in range(2):
+        piped = pipe_first and pid == 0
+        with open(tmp_path / f"{mode}-{pid}.log", "a") as log:
             procs.append(
                 subprocess.Popen(
                     [
                         sys.executable,
+                        "-u",
                         os.path.join(HERE, "multihost_worker.py"),
                         str(pid),
                         str(port),
                         preset,
                         str(out),
                         mode,
+                        *argument,
                     ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
+                    stdout=subprocess.PIPE if piped else log,
+                    stderr=log if piped else subprocess.STDOUT,
+                    text=True,
                     env=env,
                     cwd=HERE,
                 )
             )
+    return procs
+
+
+def wait_cluster(procs, mode, tmp_path):
+    """Wait for both processes; when one fails, stop the other at once
+    (it would wait for its peer until JAX's coordination service gives up)."""
+    deadline = time.monotonic() + TIMEOUT
+    try:
         for proc in procs:
-            proc.wait(timeout=TIMEOUT)
+            if proc.stdout is not None:
+                proc.stdout.read()
+        while any(proc.poll() is None for proc in procs):
+            failed = any(proc.poll() not in (None, 0) for proc in procs)
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-    for pid, proc in enumerate(procs):
-        text = (tmp_path / f"{mode}-{pid}.log").read_text()
-        assert proc.returncode == 0, text[-4000:]
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+    failures = [
+        f"process {pid} (exit {proc.returncode}):\n"
+        + (tmp_path / f"{mode}-{pid}.log").read_text()[-4000:]
+        for pid, proc in enumerate(procs)
+        if proc.returncode != 0
+    ]
+    assert not failures, "\n".join(failures)
+
+
+def run_cluster(preset, out, mode, tmp_path, *argument):
+    """Run both processes of `multihost_worker.py MODE` to the end."""
+    wait_cluster(start_cluster(preset, out, mode, tmp_path, *argument), mode, tmp_path)
     if mode == "read":
         return [np.load(f"{out}.{pid}.npz") for pid in range(2)]
+    if mode == "save":
+        return None
     return np.load(out)
 
 

@@ -35,6 +35,7 @@ from keras_hub_autodist.errors import DTypeError  # noqa: E402
 from keras_hub_autodist.errors import LayoutMismatchError  # noqa: E402
 from keras_hub_autodist.errors import MeshError  # noqa: E402
 from keras_hub_autodist.errors import ModelClassError  # noqa: E402
+from keras_hub_autodist.errors import MultiprocessSaveError  # noqa: E402
 from keras_hub_autodist.errors import NotBoundError  # noqa: E402
 from keras_hub_autodist.errors import PlanError  # noqa: E402
 from keras_hub_autodist.errors import PlanInputError  # noqa: E402
@@ -93,6 +94,7 @@ __all__ = [
     "LoadStats",
     "MeshError",
     "ModelClassError",
+    "MultiprocessSaveError",
     "NotBoundError",
     "plan",
     "PlanError",

@@ -9,7 +9,9 @@ batches, and leaves the global distribution as it found it.
 Around `compile`, a restore (`load_weights`) and every jitted step it makes,
 a bound model also places its optimizer and metric variables on its mesh
 (`placement.py`); `load_weights` restores the whole training state or raises
-(`checkpointing.py`); batches are checked and padded by `batches.py`.
+(`checkpointing.py`); batches are checked and padded by `batches.py`. With
+several processes, its save methods run in every process and process 0
+writes (`gathering.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from keras_hub_autodist.batches import sample_count
 from keras_hub_autodist.checkpointing import note_compiled
 from keras_hub_autodist.checkpointing import restore
 from keras_hub_autodist.errors import NotBoundError
+from keras_hub_autodist.gathering import save_from_every_process
+from keras_hub_autodist.gathering import several_processes
 from keras_hub_autodist.placement import place_state
 from keras_hub_autodist.plan import LayoutPlan
 from keras_hub_autodist.saving import save_atomically
@@ -52,6 +56,13 @@ BOUND_METHODS = (
 # Methods that make a jitted step from the state's shardings: every variable
 # is placed on the mesh first (see `placement.py`).
 STEP_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
+# Save methods -> the name of their path argument. With several processes,
+# they run in every process and process 0 writes (see `gathering.py`).
+SAVE_PATH_ARGUMENTS = {
+    "save_to_preset": "preset_dir",
+    "save_weights": "filepath",
+    "save": "filepath",
+}
 _BINDING_ATTR = "_keras_hub_autodist_binding"
 
 
@@ -126,10 +137,17 @@ def _scoped(name, method, model, distribution, padded=False):
                 rows = sample_count(args[0] if args else kwargs.get("x"))
                 outputs = method(*args, **kwargs)
                 return keras.tree.map_structure(lambda o: o[:rows], outputs)
-            if name == "save_to_preset" and (args or "preset_dir" in kwargs):
+            path_argument = SAVE_PATH_ARGUMENTS.get(name)
+            if path_argument and (args or path_argument in kwargs):
                 if not args:
-                    args = (kwargs.pop("preset_dir"),)
-                return save_atomically(method, *args, **kwargs)
+                    args = (kwargs.pop(path_argument),)
+                if several_processes():
+                    preset = name == "save_to_preset"
+                    return save_from_every_process(
+                        method, *args, preset=preset, **kwargs
+                    )
+                if name == "save_to_preset":
+                    return save_atomically(method, *args, **kwargs)
             return method(*args, **kwargs)
 
     call.__keras_hub_autodist_scoped__ = True

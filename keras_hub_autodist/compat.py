@@ -44,6 +44,12 @@ TOUCHPOINTS = (
     ("keras.src.callbacks.orbax_checkpoint", "OrbaxCheckpoint._save_checkpoint"),
     ("keras.src.backend.common.global_state", "set_global_attribute"),
     ("keras.src.random.seed_generator", "GLOBAL_SEED_GENERATOR"),
+    # Saving from several processes: the HDF5 weight stores Keras' writers
+    # create by these module-level names, swapped during a save.
+    ("keras.src.saving.saving_lib", "ShardedH5IOStore"),
+    ("keras.src.saving.saving_lib", "H5IOStore.make"),
+    # ... and the optimizer's writer, which fetches each value itself.
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"),
 )
 
 
@@ -289,3 +295,104 @@ def set_global_seed_generator(generator) -> None:
     from keras.src.random import seed_generator
 
     global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, generator)
+
+
+# --- Saving from several processes: Keras' HDF5 weight stores ------------------
+
+# The names under which `keras.src.saving.saving_lib` creates its weight
+# stores (`save_weights_only`, `save_model`) and checks them (`_save_state`).
+_WEIGHT_STORE_NAMES = ("H5IOStore", "ShardedH5IOStore")
+
+
+def _converting_store(base, convert, opened):
+    """A subclass of the weight store `base` that writes `convert(value)`."""
+
+    class ConvertingStore(base):
+        def __init__(self, *args, **kwargs):
+            opened(lambda: base.__init__(self, *args, **kwargs))
+
+        def __setitem__(self, key, value):
+            base.__setitem__(self, key, convert(value))
+
+    ConvertingStore.__name__ = ConvertingStore.__qualname__ = base.__name__
+    return ConvertingStore
+
+
+def _discarding_store(base, convert, opened):
+    """A stand-in for the weight store `base` that opens no file: it passes
+    every value to `convert` and keeps nothing."""
+
+    class DiscardingStore(base):
+        def __init__(self, path_or_io, *args, mode="r", **kwargs):
+            self.path_or_io = path_or_io
+            self.mode = mode
+            self.archive = None
+            self.io_file = None
+            opened(lambda: None)
+
+        def __bool__(self):
+            return True
+
+        def make(self, path, metadata=None):
+            return self
+
+        def __setitem__(self, key, value):
+            convert(value)
+
+        def close(self):
+            pass
+
+    DiscardingStore.__name__ = DiscardingStore.__qualname__ = base.__name__
+    return DiscardingStore
+
+
+@contextlib.contextmanager
+def weight_stores_writing(convert, opened, write: bool = True):
+    """A scope where Keras' HDF5 weight writers pass each value through
+    `convert` (Keras' `H5IOStore` and `ShardedH5IOStore`, as `save_weights`,
+    `save` and keras-hub's `save_to_preset` create them).
+
+    With `write=True`, each store writes `convert(value)` (a NumPy array, or
+    the value for Keras to convert as usual). With `write=False`, each store
+    opens no file and writes nothing: it calls `convert(value)` for every
+    value Keras would write, in the same order, and drops the result.
+    `opened(open_file)` is called when a store is created, with a function
+    that opens its file.
+
+    Keras' optimizers fetch each of their values to NumPy before handing it
+    to the store (`BaseOptimizer.save_own_variables`), which fails for an
+    array spanning other processes: within the scope they hand the store the
+    variable itself, as layers do.
+
+    The stores and the optimizer's method are swapped in Keras' modules for
+    the duration of the scope, so the scope covers every thread of the
+    process.
+
+    Example:
+    ```python
+    with weight_stores_writing(np.asarray, lambda open_file: open_file()):
+        model.save_weights("model.weights.h5")
+    ```
+    """
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.saving import saving_lib
+
+    originals = {name: getattr(saving_lib, name) for name in _WEIGHT_STORE_NAMES}
+    optimizer_saver = BaseOptimizer.__dict__["save_own_variables"]
+    make = _converting_store if write else _discarding_store
+    try:
+        for name, base in originals.items():
+            setattr(saving_lib, name, make(base, convert, opened))
+        BaseOptimizer.save_own_variables = _save_optimizer_variables
+        yield
+    finally:
+        BaseOptimizer.save_own_variables = optimizer_saver
+        for name, base in originals.items():
+            setattr(saving_lib, name, base)
+
+
+def _save_optimizer_variables(optimizer, store):
+    """`BaseOptimizer.save_own_variables`, handing the store each variable
+    instead of its NumPy value."""
+    for index, variable in enumerate(optimizer.variables):
+        store[str(index)] = variable

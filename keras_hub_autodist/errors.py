@@ -140,3 +140,8 @@ class DemoError(AutodistError, ValueError):
 class WeightFileChangedError(AutodistError, RuntimeError):
     """A weight file was modified in place, or replaced and reopened, while a
     model loaded from it; the load would mix two versions of the file."""
+
+
+class MultiprocessSaveError(AutodistError, RuntimeError):
+    """Another process failed while the processes were saving a model
+    together; this one stopped instead of waiting for it."""
