@@ -28,10 +28,9 @@ pytestmark = pytest.mark.multihost
 # The cases of `multihost_worker.SAVE_CASES` (not imported: the worker sets
 # XLA_FLAGS for its own processes when imported).
 SAVE_CASES = ("expert", "fsdp", "tp")
-# Each restart of the two processes costs about 40 s of start-up on a 2-core
-# machine, so 3 kills (not test_kill.py's 10) keep this test near 3 minutes;
-# test_kill.py covers the kill points in depth in one process.
-KILLS = 3
+# As many kill points as test_kill.py's one-process run; each restart of
+# the two processes costs about 20 s on a 2-core machine.
+KILLS = 10
 # As test_kill.py's runs on two meshes: the same arithmetic, grouped
 # differently over the processes' collectives.
 ATOL = 1e-5
