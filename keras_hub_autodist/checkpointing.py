@@ -39,6 +39,7 @@ from keras_hub_autodist.errors import RestoreError
 from keras_hub_autodist.placement import build_optimizer
 from keras_hub_autodist.placement import place_state
 from keras_hub_autodist.stopping import StopRequest
+from keras_hub_autodist.stopping import check_batch_count
 
 # An optimizer that was never built holds these two variables only.
 UNBUILT_OPTIMIZER_VARIABLES = 2
@@ -380,18 +381,13 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         time_limit: float | None = None,
         stop_check_freq: int = 1,
     ):
-        if isinstance(save_freq, bool) or not isinstance(save_freq, int):
-            raise RestoreError(
-                "`save_freq=` is a number of batches (checkpoints are "
-                "numbered by batches trained, so that a run can resume "
-                "within an epoch). Pass an integer >= 1, e.g. the number of "
-                f"batches per epoch. Received: save_freq={save_freq!r}"
-            )
-        if save_freq < 1:
-            raise RestoreError(
-                "`save_freq=` must be at least 1 batch. Received: "
-                f"save_freq={save_freq!r}"
-            )
+        check_batch_count(
+            "save_freq",
+            save_freq,
+            "Checkpoints are numbered by batches trained, so that a run can "
+            "resume within an epoch. Pass an integer >= 1, e.g. the number "
+            "of batches per epoch.",
+        )
         self.stop_request = StopRequest(
             on_sigterm=save_on_sigterm,
             time_limit=time_limit,

@@ -46,6 +46,27 @@ def any_process(flag: bool) -> bool:
     return bool(np.asarray(flags).any())
 
 
+def check_batch_count(keyword: str, value, how: str) -> None:
+    """Refuse `value` unless it is a whole number of batches, at least 1.
+
+    Args:
+        keyword: the argument's name, for the message.
+        value: what was passed.
+        how: the sentences telling what to pass instead (`"Pass ..."`).
+
+    Example:
+    >>> check_batch_count("save_freq", 2, "Pass an integer >= 1.")
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RestoreError(
+            f"`{keyword}=` is a number of batches. {how} Received: {keyword}={value!r}"
+        )
+    if value < 1:
+        raise RestoreError(
+            f"`{keyword}=` must be at least 1 batch. Received: {keyword}={value!r}"
+        )
+
+
 class StopRequest:
     """Tells after each batch whether training should save and stop.
 
@@ -79,16 +100,7 @@ class StopRequest:
         time_limit: float | None = None,
         check_freq: int = 1,
     ):
-        if isinstance(check_freq, bool) or not isinstance(check_freq, int):
-            raise RestoreError(
-                "`stop_check_freq=` is a number of batches. Pass an integer "
-                f">= 1. Received: stop_check_freq={check_freq!r}"
-            )
-        if check_freq < 1:
-            raise RestoreError(
-                "`stop_check_freq=` must be at least 1 batch. Received: "
-                f"stop_check_freq={check_freq!r}"
-            )
+        check_batch_count("stop_check_freq", check_freq, "Pass an integer >= 1.")
         if time_limit is not None and (
             isinstance(time_limit, bool)
             or not isinstance(time_limit, (int, float))
