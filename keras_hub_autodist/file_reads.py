@@ -393,10 +393,12 @@ class ContiguousTensor:
             low = min(piece[1] for piece in pieces)
             high = max(piece[1] + piece[2] for piece in pieces)
             populate(flat, low * itemsize, high * itemsize)
+            # A cast reads into one scratch buffer of the file's dtype.
+            largest = max(piece[2] for piece in pieces)
+            scratch = np.empty(largest, self.dtype) if cast else None
             for file_element, output_element, size in pieces:
                 target = flat[output_element : output_element + size]
-                # A cast reads into a scratch buffer of the file's dtype.
-                buffer = np.empty(size, self.dtype) if cast else target
+                buffer = scratch[:size] if cast else target
                 self.file.read_into(
                     _raw(buffer), self.offset + file_element * self.dtype.itemsize
                 )
