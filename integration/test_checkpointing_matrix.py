@@ -7,6 +7,7 @@ import keras
 import pytest
 from test_checkpointing import MESH
 from test_checkpointing import OTHER_MESH
+from test_checkpointing import assert_backup_and_restore_resumes
 from test_checkpointing import assert_no_mixed_sharding_warning
 from test_checkpointing import assert_resumes_within_an_epoch
 from test_checkpointing import assert_same_state
@@ -40,6 +41,14 @@ def test_resume_within_an_epoch_on_another_mesh(
     uninterrupted,  # noqa: F811
 ):
     assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, "other")
+
+
+def test_backup_and_restore_resumes_on_another_mesh(
+    preset,  # noqa: F811
+    tmp_path,
+    uninterrupted,  # noqa: F811
+):
+    assert_backup_and_restore_resumes(preset, tmp_path, uninterrupted, "other")
 
 
 def test_keras_file_restores_on_another_mesh(preset, tmp_path):  # noqa: F811

@@ -115,7 +115,10 @@ def assert_no_mixed_sharding_warning(preset, mesh):
         assert compat.variable_layout(variable) is not None, variable.path
 
 
-def test_compile_load_weights_fit_restores_everything(preset, tmp_path):
+@pytest.mark.parametrize("optimizer_built_by", ["load_weights", "the user"])
+def test_compile_load_weights_fit_restores_everything(
+    preset, tmp_path, optimizer_built_by
+):
     path = str(tmp_path / "run.weights.h5")
     reference = bound(preset)
     fit(reference, preset)
@@ -124,6 +127,9 @@ def test_compile_load_weights_fit_restores_everything(preset, tmp_path):
     fit(reference, preset)
 
     resumed = bound(preset)
+    if optimizer_built_by == "the user":
+        # What users do so that Keras' own load_weights keeps the state.
+        resumed.optimizer.build(resumed.trainable_variables)
     resumed.load_weights(path)
     assert int(resumed.optimizer.iterations) == 4
     assert_same_state(state(resumed), saved)
@@ -167,6 +173,40 @@ def assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, mesh):
     assert checkpoint.resumed_from == os.path.join(directory, "5")
     assert int(lm.optimizer.iterations) == 8  # no batch trained twice
     assert_same_state(state(lm), uninterrupted, atol=0 if mesh == "same" else 1e-6)
+
+
+class Interrupted(Exception):
+    """Raised by `InterruptAfter`; ends `fit` without `on_train_end`."""
+
+
+class InterruptAfter(StopAfter):
+    """Ends training after `batches` batches by raising, as a crash would:
+    `BackupAndRestore` keeps its backup only when training did not finish."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if self.model.stop_training:
+            raise Interrupted(f"after {self.seen} batches")
+
+
+def assert_backup_and_restore_resumes(preset, tmp_path, uninterrupted, mesh):
+    directory = str(tmp_path / "backup")
+    with pytest.raises(Interrupted):
+        fit(
+            bound(preset),
+            preset,
+            epochs=2,
+            callbacks=[keras.callbacks.BackupAndRestore(directory), InterruptAfter(6)],
+        )
+    lm = bound(preset, MESH if mesh == "same" else OTHER_MESH)
+    fit(lm, preset, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(directory)])
+    # The backup of epoch 1 was restored, and epoch 2 trained once from it.
+    assert int(lm.optimizer.iterations) == 8
+    assert_same_state(state(lm), uninterrupted, atol=0 if mesh == "same" else 1e-6)
+
+
+def test_backup_and_restore_resumes_a_bound_model(preset, tmp_path, uninterrupted):
+    assert_backup_and_restore_resumes(preset, tmp_path, uninterrupted, "same")
 
 
 def test_resumable_checkpoint_counts_batches():

@@ -7,6 +7,7 @@ weight reached its devices."""
 import os
 import shutil
 
+import h5py
 import hf_checkpoints
 import keras_hub
 import numpy as np
@@ -61,6 +62,22 @@ def change_after_first_weight(monkeypatch, change):
     return done
 
 
+def change_as_keras_opens(monkeypatch, path, change):
+    """Run `change()` once, right after the HDF5 file at `path` is first
+    opened (by Keras' weight store), before any weight is read from it."""
+    done = []
+
+    class File(h5py.File):
+        def __init__(self, name, *args, **kwargs):
+            super().__init__(name, *args, **kwargs)
+            if not done and os.fspath(name) == path:
+                done.append(True)
+                change()
+
+    monkeypatch.setattr(h5py, "File", File)
+    return done
+
+
 def loading_copy(versions, format, tmp_path):
     old, new, weights = versions[format]
     path = tmp_path / "preset"
@@ -108,6 +125,31 @@ def test_a_file_deleted_while_loading_still_loads(
     for variable in backbone.weights:
         np.testing.assert_array_equal(
             np.asarray(variable.value), expected[variable.path]
+        )
+
+
+@pytest.mark.parametrize("change", ["replace", "delete"])
+def test_an_h5_file_changed_as_keras_opens_it_loads_what_keras_opened(
+    versions, change, tmp_path, monkeypatch
+):
+    path, new_file, weights = loading_copy(versions, "keras", tmp_path)
+    expected = reference(versions["keras"][0])
+
+    def replace():
+        staged = weights + ".tmp"
+        shutil.copyfile(new_file, staged)
+        os.replace(staged, weights)
+
+    done = change_as_keras_opens(
+        monkeypatch,
+        weights,
+        replace if change == "replace" else lambda: os.remove(weights),
+    )
+    backbone = keras_hub.models.Backbone.from_preset(path, device_mesh=MESH)
+    assert done
+    for variable in backbone.weights:
+        np.testing.assert_array_equal(
+            np.asarray(variable.value), expected[variable.path], err_msg=variable.path
         )
 
 
