@@ -25,9 +25,9 @@ that file (replacing an earlier one). `--tiny` runs tiny shapes on any
 machine, the CPU included, in a minute or two.
 
 On a machine without Keras (../shared/ACCELERATOR.md), bring wheels of
-keras, keras-hub, namex, optree and this project, install them with
-`pip install --no-index --no-deps --target DIR *.whl`, and run with
-`PYTHONPATH=DIR:.`.
+keras, keras-hub, namex, optree and this project: `scripts/accelerator_kit.sh`
+puts them in `.whl/`, and its header has the command that installs them
+there (`pip install --no-index --no-deps --target DIR`) and runs this.
 """
 
 from __future__ import annotations
