@@ -97,7 +97,7 @@ _ATTENTION_KERNEL_AXES = {
 
 
 def attention_rules(attention: str, kernels: str = "hidden_first") -> tuple:
-    """The rows of the query, key/value and output kernels of the attention
+    r"""The rows of the query, key/value and output kernels of the attention
     layers whose paths `attention` matches.
 
     Args:
