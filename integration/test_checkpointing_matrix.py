@@ -8,6 +8,7 @@ import pytest
 from test_checkpointing import MESH
 from test_checkpointing import OTHER_MESH
 from test_checkpointing import assert_backup_and_restore_resumes
+from test_checkpointing import assert_load_weights_restores_everything
 from test_checkpointing import assert_no_mixed_sharding_warning
 from test_checkpointing import assert_resumes_within_an_epoch
 from test_checkpointing import assert_same_state
@@ -41,6 +42,18 @@ def test_resume_within_an_epoch_on_another_mesh(
     uninterrupted,  # noqa: F811
 ):
     assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, "other")
+
+
+def test_load_weights_into_an_optimizer_the_user_built(preset, tmp_path):  # noqa: F811
+    assert_load_weights_restores_everything(preset, tmp_path, "the user")
+
+
+def test_backup_and_restore_resumes_a_bound_model(
+    preset,  # noqa: F811
+    tmp_path,
+    uninterrupted,  # noqa: F811
+):
+    assert_backup_and_restore_resumes(preset, tmp_path, uninterrupted, "same")
 
 
 def test_backup_and_restore_resumes_on_another_mesh(
