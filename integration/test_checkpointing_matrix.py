@@ -28,40 +28,28 @@ def test_no_mixed_sharding_warning_on_a_2x4_mesh(preset):  # noqa: F811
     assert_no_mixed_sharding_warning(preset, MESH)
 
 
+@pytest.mark.parametrize("mesh", ["same", "other"])
 def test_resume_within_an_epoch(
     preset,  # noqa: F811
     tmp_path,
     uninterrupted,  # noqa: F811
+    mesh,
 ):
-    assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, "same")
-
-
-def test_resume_within_an_epoch_on_another_mesh(
-    preset,  # noqa: F811
-    tmp_path,
-    uninterrupted,  # noqa: F811
-):
-    assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, "other")
+    assert_resumes_within_an_epoch(preset, tmp_path, uninterrupted, mesh)
 
 
 def test_load_weights_into_an_optimizer_the_user_built(preset, tmp_path):  # noqa: F811
     assert_load_weights_restores_everything(preset, tmp_path, "the user")
 
 
+@pytest.mark.parametrize("mesh", ["same", "other"])
 def test_backup_and_restore_resumes_a_bound_model(
     preset,  # noqa: F811
     tmp_path,
     uninterrupted,  # noqa: F811
+    mesh,
 ):
-    assert_backup_and_restore_resumes(preset, tmp_path, uninterrupted, "same")
-
-
-def test_backup_and_restore_resumes_on_another_mesh(
-    preset,  # noqa: F811
-    tmp_path,
-    uninterrupted,  # noqa: F811
-):
-    assert_backup_and_restore_resumes(preset, tmp_path, uninterrupted, "other")
+    assert_backup_and_restore_resumes(preset, tmp_path, uninterrupted, mesh)
 
 
 def test_keras_file_restores_on_another_mesh(preset, tmp_path):  # noqa: F811

@@ -78,6 +78,14 @@ def change_as_keras_opens(monkeypatch, path, change):
     return done
 
 
+def replace_atomically(path, new_file):
+    """Replace `path` by a copy of `new_file` as a download or an atomic save
+    does: written beside it, then renamed over it."""
+    staged = path + ".tmp"
+    shutil.copyfile(new_file, staged)
+    os.replace(staged, path)
+
+
 def loading_copy(versions, format, tmp_path):
     old, new, weights = versions[format]
     path = tmp_path / "preset"
@@ -95,12 +103,9 @@ def test_a_file_replaced_while_loading_loads_one_version(
         reference(versions[format][1]),
     )
 
-    def replace():
-        staged = weights + ".tmp"
-        shutil.copyfile(new_file, staged)
-        os.replace(staged, weights)
-
-    done = change_after_first_weight(monkeypatch, replace)
+    done = change_after_first_weight(
+        monkeypatch, lambda: replace_atomically(weights, new_file)
+    )
     try:
         backbone = keras_hub.models.Backbone.from_preset(path, device_mesh=MESH)
     except keras_hub_autodist.WeightFileChangedError as error:
@@ -135,15 +140,12 @@ def test_an_h5_file_changed_as_keras_opens_it_loads_what_keras_opened(
     path, new_file, weights = loading_copy(versions, "keras", tmp_path)
     expected = reference(versions["keras"][0])
 
-    def replace():
-        staged = weights + ".tmp"
-        shutil.copyfile(new_file, staged)
-        os.replace(staged, weights)
-
     done = change_as_keras_opens(
         monkeypatch,
         weights,
-        replace if change == "replace" else lambda: os.remove(weights),
+        (lambda: replace_atomically(weights, new_file))
+        if change == "replace"
+        else lambda: os.remove(weights),
     )
     backbone = keras_hub.models.Backbone.from_preset(path, device_mesh=MESH)
     assert done
