@@ -15,6 +15,7 @@ import functools
 import inspect
 import sys
 
+from keras_hub_autodist import compat
 from keras_hub_autodist import errors
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import MeshError
@@ -95,6 +96,10 @@ def _with_device_mesh(original):
     return from_preset_with_mesh
 
 
+# The `compat.PATCHES` that add `device_mesh=`, and the class each changes.
+_PATCHED_BASES = {"backbone_from_preset": "Backbone", "task_from_preset": "Task"}
+
+
 def activate() -> bool:
     """Add `device_mesh=` to keras-hub's `from_preset`; idempotent.
 
@@ -112,11 +117,11 @@ def activate() -> bool:
     """
     import keras_hub
 
-    for base in (keras_hub.models.Backbone, keras_hub.models.Task):
-        func = base.__dict__["from_preset"].__func__
+    for patch, base in _PATCHED_BASES.items():
+        func = getattr(keras_hub.models, base).__dict__["from_preset"].__func__
         original = getattr(func, ORIGINAL_ATTR, None)
         if original is None or getattr(func, GUARD_ATTR, False):
-            base.from_preset = classmethod(_with_device_mesh(original or func))
+            compat.set_patch(patch, classmethod(_with_device_mesh(original or func)))
     return True
 
 
@@ -124,11 +129,11 @@ def deactivate() -> None:
     """Restore keras-hub's original `from_preset` methods."""
     import keras_hub
 
-    for base in (keras_hub.models.Backbone, keras_hub.models.Task):
-        func = base.__dict__["from_preset"].__func__
+    for patch, base in _PATCHED_BASES.items():
+        func = getattr(keras_hub.models, base).__dict__["from_preset"].__func__
         original = getattr(func, ORIGINAL_ATTR, None)
         if original is not None:
-            base.from_preset = classmethod(original)
+            compat.set_patch(patch, classmethod(original))
 
 
 __all__ = ["activate", "deactivate"]

@@ -97,12 +97,18 @@ def guard(original, reason):
     return from_preset
 
 
+# The package's registered patches (`compat.PATCHES`) of `from_preset`.
+GUARDED_BASES = {"backbone_from_preset": "Backbone", "task_from_preset": "Task"}
+
+
 def install_guard(keras_hub, reason):
-    """Put `guard` on `Backbone`/`Task.from_preset` unless already wrapped."""
-    for base in (keras_hub.models.Backbone, keras_hub.models.Task):
-        func = base.__dict__["from_preset"].__func__
+    """Put `guard` on `Backbone`/`Task.from_preset` unless already wrapped,
+    through the package's one patch installer (`compat.set_patch`)."""
+    compat = _load_light("compat")
+    for patch, name in GUARDED_BASES.items():
+        func = getattr(keras_hub.models, name).__dict__["from_preset"].__func__
         if getattr(func, ORIGINAL_ATTR, None) is None:
-            base.from_preset = classmethod(guard(func, reason))
+            compat.set_patch(patch, classmethod(guard(func, reason)))
 
 
 def _off_reason():
