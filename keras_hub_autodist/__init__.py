@@ -49,12 +49,9 @@ from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
 from keras_hub_autodist.errors import WeightFileChangedError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
+from keras_hub_autodist.layout_plan import LayoutPlan  # noqa: E402
+from keras_hub_autodist.layout_plan import PlanRow  # noqa: E402
 from keras_hub_autodist.on_import import when_imported  # noqa: E402
-
-# `plan` is imported eagerly (it is light): the function must shadow the
-# submodule of the same name, which a lazy import would not do.
-from keras_hub_autodist.plan import LayoutPlan  # noqa: E402
-from keras_hub_autodist.plan import PlanRow  # noqa: E402
 from keras_hub_autodist.planner import get_layout_map  # noqa: E402
 from keras_hub_autodist.planner import plan  # noqa: E402
 from keras_hub_autodist.weight import Weight  # noqa: E402
@@ -71,6 +68,8 @@ _LAZY = {
     "LoadStats": "keras_hub_autodist.loading",
     "load_stats": "keras_hub_autodist.loading",
     "ResumableCheckpoint": "keras_hub_autodist.checkpointing",
+    "compiled_memory": "keras_hub_autodist.compiled_step",
+    "CompiledMemory": "keras_hub_autodist.compiled_step",
 }
 
 __all__ = [
@@ -80,6 +79,8 @@ __all__ = [
     "BackendError",
     "BatchSizeError",
     "Binding",
+    "compiled_memory",
+    "CompiledMemory",
     "ConfigError",
     "deactivate",
     "DemoError",

@@ -35,8 +35,8 @@ from keras_hub_autodist.checkpointing import restore
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.gathering import save_from_every_process
 from keras_hub_autodist.gathering import several_processes
+from keras_hub_autodist.layout_plan import LayoutPlan
 from keras_hub_autodist.placement import place_state
-from keras_hub_autodist.plan import LayoutPlan
 from keras_hub_autodist.saving import save_atomically
 
 _BINDING_ATTR = "_keras_hub_autodist_binding"

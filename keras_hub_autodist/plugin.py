@@ -14,12 +14,14 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import textwrap
 
 from keras_hub_autodist import compat
 from keras_hub_autodist import errors
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.options import DISTRIBUTION_KEYWORDS
+from keras_hub_autodist.options import OPTIONS
 from keras_hub_autodist.pipeline import ORIGINAL_ATTR
 from keras_hub_autodist.pipeline import from_preset
 
@@ -31,22 +33,24 @@ GUARD_ATTR = "__keras_hub_autodist_guard__"
 # module, and it must be the package's attribute too.
 sys.modules[__package__].errors = errors
 
-DEVICE_MESH_DOC = """
-        Distribution (added by keras-hub-autodist):
-            device_mesh: a `keras.distribution.DeviceMesh`, a mapping such as
-                `{"batch": 2, "model": 4}`, or `"auto"`. The preset's config
-                is planned first and the model is built and loaded already
-                sharded, then bound to its distribution.
-            strategy: `"auto"` (default), `"tp"` or `"fsdp"`.
-            batch_axis: mesh axis of the batch, if not `batch`/`data`.
-            model_axis: mesh axis of the weights, if not `model`/`tensor`.
-            progress: show a progress bar while loading (default: on a
-                terminal, unless `KERAS_HUB_AUTODIST_PROGRESS=0`).
-            strict: `True` (default): a weight that no layout rule matches
-                is an error; `False`: a warning, the weight is replicated.
-            sequence_parallel: shard residual-stream activations on the
-                sequence over the model axis (default `False`).
-"""
+DEVICE_MESH_DOC = (
+    "\n        Distribution (added by keras-hub-autodist):\n"
+    "            device_mesh: a `keras.distribution.DeviceMesh`, a mapping such\n"
+    '                as `{"batch": 2, "model": 4}`, or `"auto"`. The preset\'s\n'
+    "                config is planned first and the model is built and loaded\n"
+    "                already sharded, then bound to its distribution.\n"
+    + "".join(
+        textwrap.fill(
+            f"{o.name}: {o.doc}",
+            width=76,
+            initial_indent=" " * 12,
+            subsequent_indent=" " * 16,
+        )
+        + "\n"
+        for o in OPTIONS
+        if o.from_preset
+    )
+)
 
 
 def _keywords_of(original, cls, preset, args, kwargs):

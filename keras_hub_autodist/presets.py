@@ -34,7 +34,6 @@ from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.network import check_hugging_face_reachable
-from keras_hub_autodist.registry import architecture_by_name
 
 
 def _not_a_string(preset) -> PresetError:
@@ -331,12 +330,12 @@ def _instance_config(model) -> PresetConfig:
 def read_config(preset) -> PresetConfig:
     """The config to plan, read without keras-hub whenever possible.
 
-    Local folders and config dicts of a family with an architecture registered by
-    name are read without Keras (`presets.read_local_config`,
-    `presets.read_local_config_dict`); anything else goes through
-    keras-hub's loaders (`presets.read_preset_config`,
-    `presets.read_config_dict`). A backbone (or task) instance gives its
-    class and `get_config()`.
+    Local folders and config dicts of keras-hub backbones are read without
+    Keras (`configs.read_local_config`, `configs.read_local_config_dict`:
+    the result names the backbone class, which the weights step resolves);
+    anything else goes through keras-hub's loaders (`read_preset_config`,
+    `read_config_dict`). A backbone (or task) instance gives its class and
+    `get_config()`.
 
     Args:
         preset: as for `plan()`.
@@ -350,15 +349,8 @@ def read_config(preset) -> PresetConfig:
         preset = _path_string(preset)
     if isinstance(preset, str):
         info = read_local_config(preset)
-        if info is not None and architecture_by_name(info.backbone_class) is not None:
-            return info
-        return read_preset_config(preset)
+        return info if info is not None else read_preset_config(preset)
     if isinstance(preset, Mapping):
         info = read_local_config_dict(preset)
-        if info is not None and (
-            info.backbone_cls is not None
-            or architecture_by_name(info.backbone_class) is not None
-        ):
-            return info
-        return read_config_dict(preset)
+        return info if info is not None else read_config_dict(preset)
     return _instance_config(preset)
