@@ -31,6 +31,21 @@ import dataclasses
 import importlib
 import threading
 
+# keras-hub's constants naming the files of its preset format.
+PRESET_FORMAT_NAMES = (
+    "CONFIG_FILE",
+    "TOKENIZER_CONFIG_FILE",
+    "AUDIO_CONVERTER_CONFIG_FILE",
+    "IMAGE_CONVERTER_CONFIG_FILE",
+    "VIDEO_CONVERTER_CONFIG_FILE",
+    "TASK_CONFIG_FILE",
+    "PREPROCESSOR_CONFIG_FILE",
+    "METADATA_FILE",
+    "MODEL_WEIGHTS_FILE",
+    "TASK_WEIGHTS_FILE",
+    "SHARDED_MODEL_WEIGHTS_CONFIG_FILE",
+    "ASSET_DIR",
+)
 # (module, attribute) pairs this module relies on; `check_touchpoints()`
 # imports each against the installed versions.
 TOUCHPOINTS = (
@@ -55,6 +70,8 @@ TOUCHPOINTS = (
     ("keras.src.saving.saving_lib", "H5IOStore.make"),
     # ... and the optimizer's writer, which fetches each value itself.
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"),
+    # The names of a preset's files (`preset_format_names`).
+    *(("keras_hub.src.utils.preset_utils", name) for name in PRESET_FORMAT_NAMES),
 )
 
 
@@ -157,6 +174,16 @@ def transformers_preset_loader(label: str, config: dict):
     from keras_hub.src.utils.transformers import preset_loader as loaders
 
     return loaders.TransformersPresetLoader(label, config)
+
+
+def preset_format_names() -> dict[str, str]:
+    """keras-hub's names of the files of its preset format (the
+    `preset_utils` constants in `PRESET_FORMAT_NAMES`): what its savers write
+    and its loaders read. `preset_files.py` keeps a copy, for saves that run
+    without keras-hub; tests/test_saving.py compares the two."""
+    from keras_hub.src.utils import preset_utils
+
+    return {name: getattr(preset_utils, name) for name in PRESET_FORMAT_NAMES}
 
 
 def safetensor_utils_module():

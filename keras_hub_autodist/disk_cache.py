@@ -22,12 +22,21 @@ import pathlib
 import secrets
 from importlib import metadata
 
+from keras_hub_autodist.environment import is_off
+from keras_hub_autodist.environment import is_on
+
 CACHE_ENV = "KERAS_HUB_AUTODIST_CACHE"
-_OFF = ("0", "off", "false", "no", "none")
 
 
 def cache_folder() -> pathlib.Path | None:
-    """Where abstract builds are kept on disk, or `None` when turned off.
+    """Where entries are kept on disk, or `None` when turned off.
+
+    `$KERAS_HUB_AUTODIST_CACHE` holds an off value of the package's switches
+    (`0`, `off`, `no`, `none`..., `environment.OFF_VALUES`): no disk cache;
+    an on value (`1`, `on`...) or nothing: the default folder; anything else
+    names the folder. The default folder is under `$XDG_CACHE_HOME` when it
+    is an absolute path (the XDG spec says to ignore a relative one), else
+    under `~/.cache`.
 
     Example:
     >>> import os
@@ -37,13 +46,13 @@ def cache_folder() -> pathlib.Path | None:
     >>> del os.environ[CACHE_ENV]
     """
     value = os.environ.get(CACHE_ENV, "").strip()
-    if value.lower() in _OFF:
+    if is_off(value):
         return None
-    if value:
+    if value and not is_on(value):
         return pathlib.Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".cache"
-    )
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "keras_hub_autodist" / "abstract"
 
 

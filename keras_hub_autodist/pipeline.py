@@ -40,6 +40,7 @@ from keras_hub_autodist.planner import resolve_mesh
 from keras_hub_autodist.presets import cached_kaggle_snapshot
 from keras_hub_autodist.presets import is_network_error
 from keras_hub_autodist.presets import read_preset_config
+from keras_hub_autodist.progress import progress_enabled
 from keras_hub_autodist.shapes import model_weights
 from keras_hub_autodist.verify import verify_layouts
 from keras_hub_autodist.weight_check import WeightCheck
@@ -102,8 +103,9 @@ def from_preset(
         strategy: `"auto"`, `"tp"` or `"fsdp"` (see `plan()`).
         batch_axis: the mesh axis that splits batches.
         model_axis: the mesh axis that shards weights.
-        progress: show a progress bar while loading; by default on a
-            terminal, unless `$KERAS_HUB_AUTODIST_PROGRESS=0`.
+        progress: show a progress bar while loading; by default what
+            `$KERAS_HUB_AUTODIST_PROGRESS` says (`1`/`0`, `on`/`off`...), else
+            on a terminal only.
         strict: every weight of the built model must match exactly one rule
             of the plan: with `True` a weight that matches none raises
             `UnplannedWeightError`; with `False` it warns
@@ -135,7 +137,9 @@ def from_preset(
         sequence_parallel=sequence_parallel,
         strict=strict,
     )
-    progress = progress_option(progress)
+    # The progress switch, `$KERAS_HUB_AUTODIST_PROGRESS` included, is read
+    # before planning: a bad value fails before any work.
+    progress = progress_enabled(progress_option(progress))
     require_jax_backend()
     load_from_preset = original_from_preset(cls)
     planning_started = time.perf_counter()
