@@ -50,7 +50,6 @@ from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
 from keras_hub_autodist.errors import WeightFileChangedError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
 from keras_hub_autodist.layout_plan import LayoutPlan  # noqa: E402
-from keras_hub_autodist.layout_plan import PlanRow  # noqa: E402
 from keras_hub_autodist.on_import import when_imported  # noqa: E402
 from keras_hub_autodist.planner import get_layout_map  # noqa: E402
 from keras_hub_autodist.planner import plan  # noqa: E402
@@ -100,7 +99,6 @@ __all__ = [
     "plan",
     "PlanError",
     "PlanInputError",
-    "PlanRow",
     "PluginOffError",
     "PresetError",
     "RestoreError",
@@ -117,7 +115,21 @@ __all__ = [
 ]
 
 
+# Former names, kept for one release.
+_DEPRECATED = {"PlanRow": "Weight"}
+
+
 def __getattr__(name):
+    if name in _DEPRECATED:
+        import warnings
+
+        warnings.warn(
+            f"`keras_hub_autodist.{name}` is deprecated; use "
+            f"`keras_hub_autodist.{_DEPRECATED[name]}`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_DEPRECATED[name]]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

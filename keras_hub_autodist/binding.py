@@ -146,9 +146,9 @@ def _restoring(name, method, bound, args, kwargs):
         return restore(method, bound.model, bound.distribution, *args, **kwargs)
 
 
-def _saving(path_argument: str, preset: bool):
+def _saving(path_argument: str, whole_folder: bool):
     """A save method whose path is `path_argument`: a preset folder swapped
-    in whole (`preset`), and, with several processes, run in every process
+    in whole (`whole_folder`), and, with several processes, run in every process
     with process 0 writing."""
 
     def save(name, method, bound, args, kwargs):
@@ -158,8 +158,10 @@ def _saving(path_argument: str, preset: bool):
             args = (kwargs.pop(path_argument),)
         with bound.distribution.scope():
             if several_processes():
-                return save_from_every_process(method, *args, preset=preset, **kwargs)
-            if preset:
+                return save_from_every_process(
+                    method, *args, whole_folder=whole_folder, **kwargs
+                )
+            if whole_folder:
                 return save_atomically(method, *args, **kwargs)
             return method(*args, **kwargs)
 
@@ -186,9 +188,9 @@ BOUND_METHODS = {
     "enable_lora": _in_scope,
     "quantize": _in_scope,
     "load_weights": _restoring,
-    "save_to_preset": _saving("preset_dir", preset=True),
-    "save_weights": _saving("filepath", preset=False),
-    "save": _saving("filepath", preset=False),
+    "save_to_preset": _saving("preset_dir", whole_folder=True),
+    "save_weights": _saving("filepath", whole_folder=False),
+    "save": _saving("filepath", whole_folder=False),
     "make_train_function": _placing,
     "make_test_function": _placing,
     "make_predict_function": _placing,

@@ -157,7 +157,7 @@ def save_from_every_process(
     save: Callable[..., Any],
     target: str | os.PathLike,
     *args,
-    preset: bool = False,
+    whole_folder: bool = False,
     **kwargs,
 ) -> Any:
     """Run `save(target, *args, **kwargs)` in every process; process 0 writes.
@@ -172,8 +172,8 @@ def save_from_every_process(
             this).
         target: the path it saves to; one shared path for all processes.
         *args: passed to `save` after the path.
-        preset: whether `target` is a preset folder (`save_to_preset`): then
-            process 0 swaps it in whole (`saving.save_atomically`).
+        whole_folder: whether `target` is a preset folder (`save_to_preset`):
+            then process 0 swaps it in whole (`saving.save_atomically`).
         **kwargs: passed to `save`.
 
     Returns:
@@ -201,13 +201,15 @@ def save_from_every_process(
         with weight_stores_writing(
             functools.partial(host_array, keep=writer), agreement.opened, writer
         ):
-            if writer and preset:
+            if writer and whole_folder:
                 result = save_atomically(save, target, *args, **kwargs)
             elif writer:
                 result = save(target, *args, **kwargs)
             else:
                 with tempfile.TemporaryDirectory(prefix="autodist-save-") as scratch:
-                    result = save(_stand_in(path, scratch, preset), *args, **kwargs)
+                    result = save(
+                        _stand_in(path, scratch, whole_folder), *args, **kwargs
+                    )
     except BaseException:
         if not (agreement.gathering or agreement.settled):
             agreement.confirm(False)

@@ -19,10 +19,6 @@ from keras_hub_autodist.plan_record import PlanRecord
 from keras_hub_autodist.weight import Weight
 from keras_hub_autodist.weight_check import WeightCheck
 
-# The record of one planned weight (path, pattern, shape, logical axes,
-# spec, dtype, bytes, device bytes, fallbacks): the data path's `Weight`.
-PlanRow = Weight
-
 
 class LayoutPlan(PlanRecord):
     """How a model's weights are laid out on a mesh, computed from its config.

@@ -17,7 +17,7 @@ from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
-from keras_hub_autodist.rules import STRATEGIES
+from keras_hub_autodist.sharding import STRATEGIES
 
 STRATEGY_CHOICES = ("auto",) + STRATEGIES
 

@@ -17,7 +17,7 @@ import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist import rules
+from keras_hub_autodist import sharding
 from keras_hub_autodist.device_memory import MEMORY_GIVEN
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
@@ -111,9 +111,9 @@ class PlanRecord:
         """
         spec = None
         if self.sequence_parallel:
-            spec = rules.sequence_parallel_spec(self.mesh_axes)
+            spec = sharding.sequence_parallel_spec(self.mesh_axes)
         if spec is None and self.strategy == "fsdp":
-            spec = rules.fsdp_activation_spec(self.mesh_axes)
+            spec = sharding.fsdp_activation_spec(self.mesh_axes)
         if spec is None:
             return {}
         return {pattern: spec for pattern in self.sequence_parallel_outputs}

@@ -2,7 +2,7 @@
 
 The planner reads the config (`presets.read_config`), gets every weight with
 its logical axes (`shapes.model_weights`), then lays the weights out on the
-mesh with the rules (`rules.assign_mesh_axes`). Where it must choose (the
+mesh (`sharding.assign_mesh_axes`). Where it must choose (the
 mesh under `device_mesh="auto"`, the strategy under `strategy="auto"`, the
 key/value layout when key/value heads don't divide the model axis), it
 costs every alternative in one pass over the weights and lets `policy`
@@ -16,7 +16,7 @@ import math
 from typing import TYPE_CHECKING
 
 from keras_hub_autodist import policy
-from keras_hub_autodist import rules
+from keras_hub_autodist import sharding
 from keras_hub_autodist.device_memory import device_memory_info
 from keras_hub_autodist.dtypes import itemsize
 from keras_hub_autodist.errors import MeshError
@@ -273,7 +273,9 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
     """
     mesh_axes = mesh.axes
     capacity = mesh.device_memory_bytes
-    strategies = rules.STRATEGIES if options.strategy == "auto" else (options.strategy,)
+    strategies = (
+        sharding.STRATEGIES if options.strategy == "auto" else (options.strategy,)
+    )
     alternatives = [
         Alternative(mesh_axes, strategy, kv_fallback)
         for strategy in strategies
@@ -342,7 +344,7 @@ def _held_bytes(model: ModelWeights, alternatives: list[Alternative]) -> list[in
     for weight in model.weights:
         size = math.prod(weight.shape) * size_of
         for index, alternative in enumerate(alternatives):
-            key = (weight.shape, weight.axes, index)
+            key = (weight.shape, weight.logical_axes, index)
             if key not in shards_of:
                 spec, _ = _assign(model, weight, alternative)
                 shards_of[key] = _shards(spec, alternative.mesh_axes)
@@ -367,7 +369,7 @@ def _rows(model: ModelWeights, alternative: Alternative, kv_policy: str):
 
 
 def _assign(model, weight, alternative: Alternative, kv_policy: str = ""):
-    return rules.assign_mesh_axes(
+    return sharding.assign_mesh_axes(
         weight,
         alternative.mesh_axes,
         alternative.strategy,
@@ -382,7 +384,7 @@ def _shards(spec, mesh_axes: MeshAxes) -> int:
 
 
 def _first_with(model: ModelWeights, logical: str):
-    return next((w for w in model.weights if logical in w.axes), None)
+    return next((w for w in model.weights if logical in w.logical_axes), None)
 
 
 def _kv_fallbacks(model: ModelWeights, mesh_axes: MeshAxes) -> tuple[str, ...]:
@@ -392,7 +394,7 @@ def _kv_fallbacks(model: ModelWeights, mesh_axes: MeshAxes) -> tuple[str, ...]:
     kv = _first_with(model, "kv_heads")
     if model_size == 1 or kv is None:
         return ("replicate",)
-    if kv.shape[kv.axes.index("kv_heads")] % model_size == 0:
+    if kv.shape[kv.logical_axes.index("kv_heads")] % model_size == 0:
         return ("replicate",)
     return tuple(layout.kv_fallback for layout in policy.KV_LAYOUTS)
 
@@ -414,9 +416,12 @@ def _choose_kv(model, mesh_axes, strategy, held, capacity) -> tuple[str, str]:
     model_axis = mesh_axes.model_axis
     model_size = mesh_axes.size(model_axis)
     query = _first_with(model, "heads")
-    if query is not None and query.shape[query.axes.index("heads")] % model_size:
+    if (
+        query is not None
+        and query.shape[query.logical_axes.index("heads")] % model_size
+    ):
         spec, _ = _assign(model, query, Alternative(mesh_axes, strategy, "head_dim"))
-        if spec[query.axes.index("head_dim")] == model_axis:
+        if spec[query.logical_axes.index("head_dim")] == model_axis:
             return "head_dim", "query heads are sharded on head_dim, so are K/V"
         # The query is replicated over the model axis; so are K/V, and their
         # own notes say why.

@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 from keras_hub_autodist import memory
-from keras_hub_autodist import rules
+from keras_hub_autodist import sharding
 from keras_hub_autodist.device_memory import DEVICE_MEMORY_ENV
 from keras_hub_autodist.device_memory import DEVICE_MEMORY_GB_ENV
 from keras_hub_autodist.device_memory import MEMORY_ASSUMED
@@ -132,7 +132,7 @@ def sequence_parallel_note(plan: PlanRecord) -> str:
     """Whether the plan shards the residual stream on the sequence, and how."""
     if not plan.sequence_parallel:
         return "off"
-    spec = rules.sequence_parallel_spec(plan.mesh_axes)
+    spec = sharding.sequence_parallel_spec(plan.mesh_axes)
     if spec is None:
         return (
             f"on, but the model axis ({plan.mesh_axes.model_axis}) has one "

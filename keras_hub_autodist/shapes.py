@@ -245,7 +245,7 @@ def _missing_field_error(architecture, preset_config, error: KeyError) -> Config
 def _check_positive_dims(weights, preset_config: PresetConfig, fields) -> None:
     config = preset_config.config
     for weight in weights:
-        for size, axis in zip(weight.shape, weight.axes):
+        for size, axis in zip(weight.shape, weight.logical_axes):
             if not is_positive_int(size):
                 field = fields.get(axis, axis)
                 raise ConfigError(

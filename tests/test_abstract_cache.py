@@ -154,7 +154,7 @@ def test_quantization_scales_of_planned_weights_are_replicated():
     )
     orphan = Weight("lonely/kernel_scale", shape=(16,), dtype="float32")
     specs = LLAMA.match_variables([kernel, scale], "LlamaBackbone")
-    assert specs[1].axes == ("unsharded",)
+    assert specs[1].logical_axes == ("unsharded",)
     with pytest.raises(Exception, match=r"lonely/kernel_scale \(16,\)"):
         LLAMA.match_variables([kernel, orphan], "LlamaBackbone")
 

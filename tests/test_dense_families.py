@@ -65,7 +65,7 @@ def test_rule_table_covers_every_variable_once(name):
     for spec in specs:
         matching = [r for r in table.rules if re.fullmatch(r.pattern, spec.path)]
         assert len(matching) == 1, spec.path
-        assert spec.axes == matching[0].axes
+        assert spec.logical_axes == matching[0].axes
     assert len(table.rules) <= 15
 
 
@@ -105,7 +105,7 @@ def test_an_unmatched_variable_is_reported(name):
     with pytest.warns(UnplannedWeightWarning, match="extra_scale"):
         specs = architecture_weights(table, config, extra, strict=False)
     (spec,) = [s for s in specs if s.path.endswith("extra_scale")]
-    assert spec.axes == ("unsharded",)
+    assert spec.logical_axes == ("unsharded",)
 
 
 # The planner's per-device targets on the real Qwen 2.5 0.5B config (7B is in

@@ -13,7 +13,7 @@ def test_every_vision_weight_matches_one_rule():
     backbone = tiny_presets.gemma3_vision_backbone(**tiny_presets.GEMMA3_VISION_TEXT)
     config = backbone.get_config()
     planned = {
-        w.path: w.axes
+        w.path: w.logical_axes
         for w in architecture_weights(GEMMA3, config, keras_hub.models.Gemma3Backbone)
     }
     assert set(planned) == {w.path for w in backbone.weights}

@@ -61,7 +61,7 @@ def test_rule_table_covers_every_variable_exactly_once(family, overrides):
 def test_expert_kernels_and_routers_get_their_logical_axes():
     cls = backbone_cls("qwen_moe")
     axes = {
-        without_counters(s.path).split("/", 1)[1]: s.axes
+        without_counters(s.path).split("/", 1)[1]: s.logical_axes
         for s in architecture_weights(architecture_for(cls), QWEN_MOE, cls)
         if s.path.startswith("transformer_layer_0/")
     }

@@ -73,7 +73,7 @@ def test_third_party_handler_through_entry_points(toy_plugin):
     assert handler.name == "toy"
     variables = [keras_hub_autodist.Weight("emb/embeddings", shape=(8, 4))]
     [weight] = handler.match_variables(variables, "ToySubBackbone")
-    assert (weight.shape, weight.axes) == ((8, 4), ("vocab", "embed"))
+    assert (weight.shape, weight.logical_axes) == ((8, 4), ("vocab", "embed"))
 
 
 def test_broken_plugin_warns_and_is_skipped(toy_plugin):

@@ -131,11 +131,6 @@ def gated_mlp_rules(gate_and_up: str, down: str) -> tuple:
     return ((gate_and_up, ("embed", "mlp")), (down, ("mlp", "embed")))
 
 
-# The record an architecture describes a weight with (path, pattern, shape,
-# logical axes): the data path's one `Weight`, under the name plugins know.
-WeightSpec = Weight
-
-
 class Architecture:
     """An architecture: which logical axes each variable of a backbone has.
 
@@ -206,7 +201,7 @@ class Architecture:
 
     def match_variables(
         self, variables, backbone_class: str, *, strict: bool = True
-    ) -> list[WeightSpec]:
+    ) -> list[Weight]:
         """Each variable with the logical axes of the one rule it matches.
 
         The one path from built variables to weights, for a fresh abstract
