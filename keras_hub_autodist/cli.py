@@ -312,8 +312,8 @@ def _step_memory(result, args) -> str:
 
 
 def _use_virtual_devices_without_accelerator() -> None:
-    from keras_hub_autodist.demo import has_accelerator
-    from keras_hub_autodist.demo import use_virtual_cpu_devices
+    from keras_hub_autodist.devices import has_accelerator
+    from keras_hub_autodist.devices import use_virtual_cpu_devices
 
     if not has_accelerator():
         use_virtual_cpu_devices(8)
@@ -322,8 +322,8 @@ def _use_virtual_devices_without_accelerator() -> None:
 def _use_virtual_devices_for(mesh) -> None:
     """Without an accelerator, as many virtual CPU devices as the mesh has
     (8 for `--mesh auto`), before JAX starts."""
-    from keras_hub_autodist.demo import has_accelerator
-    from keras_hub_autodist.demo import use_virtual_cpu_devices
+    from keras_hub_autodist.devices import has_accelerator
+    from keras_hub_autodist.devices import use_virtual_cpu_devices
 
     if not has_accelerator():
         use_virtual_cpu_devices(8 if mesh == "auto" else math.prod(mesh.values()))
