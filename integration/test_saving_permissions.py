@@ -99,14 +99,30 @@ def give(path, uid=NOBODY):
                 os.chmod(os.path.join(root, name), 0o666)
 
 
+def readable_copy_of_the_package(place):
+    """The package's sources copied into `place`, readable by every user: the
+    checkout itself may sit in a folder only its owner can enter (CI clones
+    into a 0700 temporary folder)."""
+    copy = os.path.join(place, "package")
+    if not os.path.exists(copy):
+        shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        for root, _, files in os.walk(copy):
+            os.chmod(root, 0o755)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o644)
+    return copy
+
+
 def save_as_user(target, files=NEW):
-    script = os.path.join(os.path.dirname(os.path.dirname(target)), "child.py")
+    place = os.path.dirname(os.path.dirname(target))
+    script = os.path.join(place, "child.py")
     if not os.path.exists(script):
         with open(script, "w") as f:
             f.write(CHILD)
         os.chmod(script, 0o644)
+    package = readable_copy_of_the_package(place)
     done = subprocess.run(
-        as_user([sys.executable, "-S", script, PACKAGE_DIR, target, json.dumps(files)]),
+        as_user([sys.executable, "-S", script, package, target, json.dumps(files)]),
         capture_output=True,
         text=True,
         timeout=60,
