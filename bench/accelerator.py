@@ -143,7 +143,7 @@ def child_train(path, variant, batch, seq, steps, warmup, generate):
     import numpy as np
 
     import keras_hub_autodist
-    from keras_hub_autodist import step_memory
+    from keras_hub_autodist.planning import step_memory
 
     row = {}
     kwargs = dict(preprocessor=None, dtype="bfloat16")

@@ -35,8 +35,9 @@ import keras_hub_autodist  # noqa: E402
 from bench.file_reads import FILE_READS  # noqa: E402
 from bench.file_reads import read_file_only  # noqa: E402
 from bench.file_reads import weight_files  # noqa: E402
-from keras_hub_autodist import loading  # noqa: E402
-from keras_hub_autodist import transfer  # noqa: E402
+from keras_hub_autodist import devices  # noqa: E402
+from keras_hub_autodist.loading import session  # noqa: E402
+from keras_hub_autodist.loading import transfer  # noqa: E402
 
 
 def rss_now() -> int:
@@ -74,7 +75,7 @@ class Sampler:
 
     def record(self):
         self.peak_rss = max(self.peak_rss, rss_now())
-        for device, size in loading.per_device_bytes().items():
+        for device, size in devices.per_device_bytes().items():
             self.peak[str(device)] = max(self.peak.get(str(device), 0), size)
 
     def loop(self):
@@ -83,7 +84,7 @@ class Sampler:
             time.sleep(0.02)
 
     def hook_loader(self):
-        put, placeholder = loading._Session.put, transfer.placeholder
+        put, placeholder = session._Session.put, transfer.placeholder
 
         def recording_put(session, *args, **kwargs):
             result = put(session, *args, **kwargs)
@@ -95,7 +96,7 @@ class Sampler:
             self.record()
             return result
 
-        loading._Session.put = recording_put
+        session._Session.put = recording_put
         transfer.placeholder = recording_placeholder
 
 
@@ -147,7 +148,7 @@ def main(path, variant):
     sampler.stop = True
     sampler.thread.join()
     sampler.record()
-    final = {str(d): b for d, b in loading.per_device_bytes().items()}
+    final = {str(d): b for d, b in devices.per_device_bytes().items()}
     shards = []
     for weight in backbone.weights:
         for shard in weight.value.addressable_shards:

@@ -7,10 +7,10 @@ import pathlib
 import keras_hub_autodist
 from bench import planning
 from bench.static_maps import static_device_bytes
+from keras_hub_autodist.architectures.registry import architecture_for
 from keras_hub_autodist.errors import UnsupportedArchitectureError
-from keras_hub_autodist.presets import read_preset_config
-from keras_hub_autodist.registry import architecture_for
-from keras_hub_autodist.shapes import architecture_weights
+from keras_hub_autodist.planning.shapes import architecture_weights
+from keras_hub_autodist.reading.presets import read_preset_config
 
 SHARED = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "presets"
 DEVICES = [1, 2, 4, 8, 16, 32, 64, 128, 256]

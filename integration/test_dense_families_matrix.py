@@ -22,8 +22,8 @@ from equivalence import batch_for
 from equivalence import mesh_id
 
 import keras_hub_autodist
-from keras_hub_autodist.registry import architecture_for
-from keras_hub_autodist.shapes import architecture_weights
+from keras_hub_autodist.architectures.registry import architecture_for
+from keras_hub_autodist.planning.shapes import architecture_weights
 
 pytestmark = pytest.mark.slow
 

@@ -22,11 +22,11 @@ from test_saving import USER_FILES
 from test_saving import snapshot
 from test_saving import write
 
-from keras_hub_autodist import saving
+from keras_hub_autodist.saving import atomic
 
 pytestmark = pytest.mark.slow
 
-PACKAGE_DIR = os.path.dirname(saving.__file__)
+PACKAGE_DIR = os.path.dirname(os.path.dirname(atomic.__file__))
 NOBODY = 65534
 CHILD = textwrap.dedent(
     """
@@ -35,8 +35,7 @@ CHILD = textwrap.dedent(
     package = types.ModuleType("keras_hub_autodist")
     package.__path__ = [sys.argv[1]]
     sys.modules["keras_hub_autodist"] = package
-    from keras_hub_autodist import saving
-
+    from keras_hub_autodist.saving import atomic
     target, files = sys.argv[2], json.loads(sys.argv[3])
 
     def save(folder):
@@ -49,7 +48,7 @@ CHILD = textwrap.dedent(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            saving.save_atomically(save, target)
+            atomic.save_atomically(save, target)
             outcome = {"error": None}
         except Exception as error:
             outcome = {

@@ -88,7 +88,7 @@ def test_a_plugin_family_plans_in_a_fresh_venv(venv_with_plugin):
         import os
         os.environ["KERAS_BACKEND"] = "jax"
         import keras_hub_autodist
-        from keras_hub_autodist import registry
+        from keras_hub_autodist.architectures import registry
         import toy_family
 
         print("source:", registry.architecture_sources()["ToyBackbone"])

@@ -24,6 +24,7 @@ import os
 # (keras not imported, KERAS_BACKEND unset), choose JAX. No effect otherwise.
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from keras_hub_autodist.architectures.weight import Weight  # noqa: E402
 from keras_hub_autodist.errors import ArgumentError  # noqa: E402
 from keras_hub_autodist.errors import AutodistError  # noqa: E402
 from keras_hub_autodist.errors import BackendError  # noqa: E402
@@ -49,11 +50,10 @@ from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
 from keras_hub_autodist.errors import WeightFileChangedError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
-from keras_hub_autodist.layout_plan import LayoutPlan  # noqa: E402
 from keras_hub_autodist.on_import import when_imported  # noqa: E402
-from keras_hub_autodist.planner import get_layout_map  # noqa: E402
-from keras_hub_autodist.planner import plan  # noqa: E402
-from keras_hub_autodist.weight import Weight  # noqa: E402
+from keras_hub_autodist.planning.layout_plan import LayoutPlan  # noqa: E402
+from keras_hub_autodist.planning.planner import get_layout_map  # noqa: E402
+from keras_hub_autodist.planning.planner import plan  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -62,13 +62,13 @@ _LAZY = {
     "activate": "keras_hub_autodist.plugin",
     "deactivate": "keras_hub_autodist.plugin",
     "from_preset": "keras_hub_autodist.pipeline",
-    "Binding": "keras_hub_autodist.binding",
-    "distribution_of": "keras_hub_autodist.binding",
-    "LoadStats": "keras_hub_autodist.loading",
-    "load_stats": "keras_hub_autodist.loading",
-    "ResumableCheckpoint": "keras_hub_autodist.checkpointing",
-    "compiled_memory": "keras_hub_autodist.compiled_step",
-    "CompiledMemory": "keras_hub_autodist.compiled_step",
+    "Binding": "keras_hub_autodist.training.binding",
+    "distribution_of": "keras_hub_autodist.training.binding",
+    "LoadStats": "keras_hub_autodist.loading.session",
+    "load_stats": "keras_hub_autodist.loading.session",
+    "ResumableCheckpoint": "keras_hub_autodist.training.checkpointing",
+    "compiled_memory": "keras_hub_autodist.planning.compiled_step",
+    "CompiledMemory": "keras_hub_autodist.planning.compiled_step",
 }
 
 __all__ = [
@@ -117,6 +117,8 @@ __all__ = [
 
 # Former names, kept for one release.
 _DEPRECATED = {"PlanRow": "Weight"}
+# Documented modules that moved into a stage's folder, kept for one release.
+_MOVED_MODULES = {"step_memory": "keras_hub_autodist.planning.step_memory"}
 
 
 def __getattr__(name):
@@ -130,6 +132,15 @@ def __getattr__(name):
             stacklevel=2,
         )
         return globals()[_DEPRECATED[name]]
+    if name in _MOVED_MODULES:
+        import warnings
+
+        warnings.warn(
+            f"`keras_hub_autodist.{name}` is deprecated; use `{_MOVED_MODULES[name]}`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(_MOVED_MODULES[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 `--help` imports nothing but the standard library and this package's light
 modules, and planning a local preset folder for a mesh given by axis sizes
-imports neither Keras, keras-hub nor JAX (see `keras_hub_autodist.planner`).
+imports neither Keras, keras-hub nor JAX (see `keras_hub_autodist.planning.planner`).
 Every error of the package, and the common ones of bad input (missing
 files, no network), is printed as one line `keras-hub-autodist: error: ...`
 with exit status 2; messages name the command's flags.
@@ -25,8 +25,8 @@ import re
 import sys
 from collections.abc import Sequence
 
-from keras_hub_autodist.device_memory import GIB
-from keras_hub_autodist.options import STRATEGY_CHOICES
+from keras_hub_autodist.planning.device_memory import GIB
+from keras_hub_autodist.planning.options import STRATEGY_CHOICES
 
 PROG = "keras-hub-autodist"
 EXIT_USAGE = 2
@@ -106,7 +106,7 @@ def parse_devices(text: str) -> int:
     >>> parse_devices("8")
     8
     """
-    from keras_hub_autodist.mesh import MAX_DEVICES
+    from keras_hub_autodist.planning.mesh import MAX_DEVICES
 
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args) -> int:
-    from keras_hub_autodist.planner import plan
+    from keras_hub_autodist.planning.planner import plan
 
     result = plan(
         args.preset,
@@ -286,7 +286,7 @@ def _check_step_flags(args) -> None:
 
 def _step_memory(result, args) -> str:
     """The closed-form estimate of the step, and the compiled check."""
-    from keras_hub_autodist.step_memory import step_estimate
+    from keras_hub_autodist.planning.step_memory import step_estimate
 
     gib = GIB
     estimate = step_estimate(result, args.batch, args.seq, args.optimizer)
@@ -301,7 +301,7 @@ def _step_memory(result, args) -> str:
         f"{result.device_memory_bytes / gib:.1f} GiB"
     ]
     if args.compiled:
-        from keras_hub_autodist.compiled_step import compiled_memory
+        from keras_hub_autodist.planning.compiled_step import compiled_memory
 
         memory = compiled_memory(result, args.batch, args.seq, args.optimizer)
         lines.append(str(memory))

@@ -192,7 +192,7 @@ def safetensor_utils_module():
     Its `SafetensorLoader` opens each `*.safetensors` file with
     `safetensors.safe_open`, looked up on the module's `safetensors`
     attribute at each call; sharded loading swaps that attribute for the
-    duration of a load (`loading.py`).
+    duration of a load (`loading/session.py`).
     """
     from keras_hub.src.utils.transformers import safetensor_utils
 
@@ -379,8 +379,8 @@ class Patch:
 
 _SAVING_LIB = "keras.src.saving.saving_lib"
 _SAFETENSORS = "keras_hub.src.utils.transformers.safetensor_utils"
-_LOADING = "keras_hub_autodist.loading"
-_STORES = "keras_hub_autodist.weight_stores"
+_LOADING = "keras_hub_autodist.loading.session"
+_STORES = "keras_hub_autodist.saving.weight_stores"
 _PLUGIN = "keras_hub_autodist.plugin"
 PATCHES = (
     Patch("variable_assign", "keras.Variable", "assign", _LOADING, WHILE_LOADING),
@@ -435,14 +435,14 @@ PATCHES = (
         "bound_model_methods",
         None,
         "<each of binding.BOUND_METHODS>",
-        "keras_hub_autodist.binding",
+        "keras_hub_autodist.training.binding",
         MODEL_LIFETIME,
     ),
     Patch(
         "skipped_batches",
         None,
         "train_function",
-        "keras_hub_autodist.checkpointing",
+        "keras_hub_autodist.training.checkpointing",
         WHILE_SKIPPING,
     ),
 )

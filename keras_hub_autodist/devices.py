@@ -1,9 +1,11 @@
 """This machine's devices: is there an accelerator, and if not, virtual CPU
 devices for JAX (set before JAX starts). Used by the command and the demo;
-standard library only until `describe_devices` asks JAX."""
+and what each device holds (`per_device_bytes`, for the tests and the
+benchmark). Standard library only until a function asks JAX."""
 
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -49,3 +51,38 @@ def describe_devices() -> str:
         return f"{count} {virtual}CPU device{plural} ({why})"
     kinds = ", ".join(sorted({device.device_kind for device in devices}))
     return f"{count} {devices[0].platform.upper()} device{plural} ({kinds})"
+
+
+def per_device_bytes(arrays=None) -> dict:
+    """Bytes held on each device by live arrays, each buffer counted once.
+
+    `jax.live_arrays()` lists an assembled array and the per-device arrays it
+    was built from; they share buffers, so they are counted by buffer.
+
+    Example:
+    >>> isinstance(per_device_bytes([]), dict)
+    True
+    """
+    import jax
+
+    arrays = jax.live_arrays() if arrays is None else arrays
+    seen, totals = set(), {}
+    for array in arrays:
+        try:
+            shards = array.addressable_shards
+        except Exception:  # deleted arrays
+            continue
+        for shard in shards:
+            data = shard.data
+            try:
+                pointer = data.unsafe_buffer_pointer()
+            except Exception:
+                continue
+            key = (shard.device, pointer)
+            if key in seen:
+                continue
+            seen.add(key)
+            totals[shard.device] = totals.get(shard.device, 0) + (
+                math.prod(data.shape) * data.dtype.itemsize
+            )
+    return totals

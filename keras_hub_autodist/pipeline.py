@@ -25,25 +25,25 @@ import warnings
 
 import keras
 
-from keras_hub_autodist.binding import bind
-from keras_hub_autodist.dtypes import is_quantized
 from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PresetError
-from keras_hub_autodist.loading import attach_load_stats
-from keras_hub_autodist.loading import sharded_loading
-from keras_hub_autodist.options import PlanOptions
-from keras_hub_autodist.options import progress_option
-from keras_hub_autodist.planner import plan_model
-from keras_hub_autodist.planner import resolve_mesh
-from keras_hub_autodist.presets import cached_kaggle_snapshot
-from keras_hub_autodist.presets import is_network_error
-from keras_hub_autodist.presets import read_preset_config
-from keras_hub_autodist.progress import progress_enabled
-from keras_hub_autodist.shapes import model_weights
-from keras_hub_autodist.verify import verify_layouts
-from keras_hub_autodist.weight_check import WeightCheck
+from keras_hub_autodist.loading.progress import progress_enabled
+from keras_hub_autodist.loading.session import attach_load_stats
+from keras_hub_autodist.loading.session import sharded_loading
+from keras_hub_autodist.loading.verify import verify_layouts
+from keras_hub_autodist.planning.options import PlanOptions
+from keras_hub_autodist.planning.options import progress_option
+from keras_hub_autodist.planning.planner import plan_model
+from keras_hub_autodist.planning.planner import resolve_mesh
+from keras_hub_autodist.planning.shapes import model_weights
+from keras_hub_autodist.planning.weight_check import WeightCheck
+from keras_hub_autodist.reading.dtypes import is_quantized
+from keras_hub_autodist.reading.presets import cached_kaggle_snapshot
+from keras_hub_autodist.reading.presets import is_network_error
+from keras_hub_autodist.reading.presets import read_preset_config
+from keras_hub_autodist.training.binding import bind
 
 # The attribute of the plugin's `from_preset` wrapper that holds keras-hub's
 # own method (shared with the startup hook's guard).
@@ -91,7 +91,7 @@ def from_preset(
 
     Each weight goes straight into its shards: no device ever holds more
     than its final share plus one weight's shard, and the host at most one
-    weight's slices (see `keras_hub_autodist.loading`).
+    weight's slices (see `keras_hub_autodist.loading.session`).
 
     Args:
         cls: a keras-hub `Backbone` or `Task` class, e.g.

@@ -6,7 +6,7 @@ classes such as `CausalLM.from_preset`). Without `device_mesh` the original
 runs unchanged. It is idempotent. The startup hook installed with the package
 calls it when `keras_hub` is first imported, unless `KERAS_HUB_AUTODIST` is
 switched off (then the hook installs a guard that rejects `device_mesh=`);
-`import keras_hub_autodist` calls it whatever the environment says.
+importing the package itself calls it whatever the environment says.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from keras_hub_autodist import compat
 from keras_hub_autodist import errors
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import MeshError
-from keras_hub_autodist.options import DISTRIBUTION_KEYWORDS
-from keras_hub_autodist.options import OPTIONS
 from keras_hub_autodist.pipeline import ORIGINAL_ATTR
 from keras_hub_autodist.pipeline import from_preset
+from keras_hub_autodist.planning.options import DISTRIBUTION_KEYWORDS
+from keras_hub_autodist.planning.options import OPTIONS
 
 # Shared with the startup hook (startup/keras_hub_autodist_hook.py).
 GUARD_ATTR = "__keras_hub_autodist_guard__"
@@ -116,7 +116,7 @@ def activate() -> bool:
 
     Example:
     ```python
-    import keras_hub_autodist  # calls activate()
+    activate()  # what importing the package already did
     ```
     """
     import keras_hub

@@ -12,11 +12,11 @@ import pytest
 from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
-from keras_hub_autodist import abstract
-from keras_hub_autodist import disk_cache
 from keras_hub_autodist.architectures.llama import LLAMA
-from keras_hub_autodist.shapes import architecture_weights
-from keras_hub_autodist.weight import Weight
+from keras_hub_autodist.architectures.weight import Weight
+from keras_hub_autodist.planning import abstract
+from keras_hub_autodist.planning.shapes import architecture_weights
+from keras_hub_autodist.reading import disk_cache
 
 CONFIG = dict(
     vocabulary_size=64,
@@ -195,10 +195,10 @@ def test_a_build_read_from_disk_is_refused_like_a_fresh_one(tmp_path, monkeypatc
     import tiny_presets
 
     from keras_hub_autodist.architectures.gemma3 import GEMMA3
-    from keras_hub_autodist.configs import PresetConfig
     from keras_hub_autodist.errors import UnsupportedArchitectureError
-    from keras_hub_autodist.options import PlanOptions
-    from keras_hub_autodist.shapes import validated_weights
+    from keras_hub_autodist.planning.options import PlanOptions
+    from keras_hub_autodist.planning.shapes import validated_weights
+    from keras_hub_autodist.reading.configs import PresetConfig
 
     monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
     config = {

@@ -10,17 +10,17 @@ import keras
 import keras_hub
 import pytest
 
-from keras_hub_autodist.configs import PresetConfig
-from keras_hub_autodist.options import PlanOptions
-from keras_hub_autodist.planner import plan_model
-from keras_hub_autodist.planner import resolve_mesh
-from keras_hub_autodist.registry import architecture_for
-from keras_hub_autodist.shapes import architecture_weights
+from keras_hub_autodist.architectures.registry import architecture_for
+from keras_hub_autodist.planning.options import PlanOptions
+from keras_hub_autodist.planning.planner import plan_model
+from keras_hub_autodist.planning.planner import resolve_mesh
+from keras_hub_autodist.planning.shapes import architecture_weights
+from keras_hub_autodist.reading.configs import PresetConfig
 
 
 def plan_config(info, mesh, **options):
     """The plan of a config already read, as `from_preset` makes it."""
-    from keras_hub_autodist.shapes import model_weights
+    from keras_hub_autodist.planning.shapes import model_weights
 
     options = PlanOptions(**options)
     weights = model_weights(info, options)

@@ -16,12 +16,12 @@ from test_cli import run
 import keras_hub_autodist
 from keras_hub_autodist import cli
 from keras_hub_autodist import demo
-from keras_hub_autodist import network
 from keras_hub_autodist.errors import DemoError
 from keras_hub_autodist.errors import MeshError
-from keras_hub_autodist.mesh import MAX_DEVICES
-from keras_hub_autodist.mesh import build_device_mesh
-from keras_hub_autodist.mesh import resolve_mesh_axes
+from keras_hub_autodist.planning.mesh import MAX_DEVICES
+from keras_hub_autodist.planning.mesh import build_device_mesh
+from keras_hub_autodist.planning.mesh import resolve_mesh_axes
+from keras_hub_autodist.reading import network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

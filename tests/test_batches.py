@@ -14,14 +14,14 @@ import tiny_presets
 
 import keras_hub_autodist
 from keras_hub_autodist import BatchSizeError
-from keras_hub_autodist.batches import pad_batch
+from keras_hub_autodist.training.batches import pad_batch
 
 MESH = {"batch": 4, "model": 2}
 PRESET = "gemma_mqa"
 
 
 def data(preset, count, seed=0):
-    info = keras_hub_autodist.presets.read_preset_config(preset)
+    info = keras_hub_autodist.reading.presets.read_preset_config(preset)
     x = tiny_presets.token_batch(count, info.config["vocabulary_size"], seed=seed)
     return x, np.roll(x["token_ids"], -1, axis=1)
 

@@ -9,8 +9,8 @@ import pytest
 from test_abstract_cache import _preset
 
 import keras_hub_autodist
-from keras_hub_autodist import abstract
-from keras_hub_autodist import disk_cache
+from keras_hub_autodist.planning import abstract
+from keras_hub_autodist.reading import disk_cache
 
 CONFIG = dict(
     vocabulary_size=64,

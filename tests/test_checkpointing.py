@@ -37,7 +37,7 @@ def preset(tiny_presets_dir):
 
 
 def data(preset):
-    info = keras_hub_autodist.presets.read_preset_config(preset)
+    info = keras_hub_autodist.reading.presets.read_preset_config(preset)
     x = tiny_presets.token_batch(ROWS, info.config["vocabulary_size"])
     return x, np.roll(x["token_ids"], -1, axis=1)
 

@@ -15,10 +15,10 @@ import keras_hub_autodist
 from keras_hub_autodist import ModelClassError
 from keras_hub_autodist import PlanError
 from keras_hub_autodist import cli
-from keras_hub_autodist import step_memory
-from keras_hub_autodist.compiled_step import compiled_memory
-from keras_hub_autodist.compiled_step import default_task_class
-from keras_hub_autodist.compiled_step import memory_of
+from keras_hub_autodist.planning import step_memory
+from keras_hub_autodist.planning.compiled_step import compiled_memory
+from keras_hub_autodist.planning.compiled_step import default_task_class
+from keras_hub_autodist.planning.compiled_step import memory_of
 
 BATCH, SEQ = 8, 16
 

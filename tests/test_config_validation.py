@@ -11,13 +11,13 @@ import keras_hub_autodist
 from keras_hub_autodist import ConfigError
 from keras_hub_autodist import DTypeError
 from keras_hub_autodist import PresetError
-from keras_hub_autodist import registry
-from keras_hub_autodist.configs import read_local_config
-from keras_hub_autodist.options import PlanOptions
-from keras_hub_autodist.presets import cached_kaggle_snapshot
-from keras_hub_autodist.presets import read_config
-from keras_hub_autodist.presets import read_preset_config
-from keras_hub_autodist.shapes import validated_weights
+from keras_hub_autodist.architectures import registry
+from keras_hub_autodist.planning.options import PlanOptions
+from keras_hub_autodist.planning.shapes import validated_weights
+from keras_hub_autodist.reading.configs import read_local_config
+from keras_hub_autodist.reading.presets import cached_kaggle_snapshot
+from keras_hub_autodist.reading.presets import read_config
+from keras_hub_autodist.reading.presets import read_preset_config
 
 GEMMA_HF = {
     "architectures": ["GemmaForCausalLM"],

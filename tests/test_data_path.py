@@ -10,14 +10,14 @@ from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import pipeline
-from keras_hub_autodist import planner
+from keras_hub_autodist.architectures.weight import Weight
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
-from keras_hub_autodist.mesh import MeshAxes
-from keras_hub_autodist.options import PlanOptions
-from keras_hub_autodist.weight import Weight
+from keras_hub_autodist.planning import planner
+from keras_hub_autodist.planning.mesh import MeshAxes
+from keras_hub_autodist.planning.options import PlanOptions
 
 STEPS = (
     "read_preset_config",
@@ -88,6 +88,13 @@ def test_one_record_describes_a_weight_from_build_to_plan():
     assert row.axes == row.logical_axes == ("heads", "embed", "head_dim")
     assert row.bytes == 2 * row.shape[0] * row.shape[1] * row.shape[2]
     assert row.device_bytes * row.shards == row.bytes
+
+
+def test_a_documented_module_that_moved_keeps_its_former_path():
+    from keras_hub_autodist.planning import step_memory
+
+    with pytest.warns(DeprecationWarning, match="planning.step_memory"):
+        assert keras_hub_autodist.step_memory is step_memory
 
 
 BAD_OPTIONS = [

@@ -20,11 +20,11 @@ from keras_hub_autodist.architectures.gemma4 import GEMMA4
 from keras_hub_autodist.architectures.phi3 import PHI3
 from keras_hub_autodist.architectures.qwen import QWEN
 from keras_hub_autodist.architectures.qwen import QWEN3
+from keras_hub_autodist.architectures.registry import architecture_for
 from keras_hub_autodist.architectures.smollm3 import SMOLLM3
 from keras_hub_autodist.errors import UnplannedWeightError
 from keras_hub_autodist.errors import UnplannedWeightWarning
-from keras_hub_autodist.registry import architecture_for
-from keras_hub_autodist.shapes import architecture_weights
+from keras_hub_autodist.planning.shapes import architecture_weights
 
 # Each backbone class's rule table.
 TABLES = {

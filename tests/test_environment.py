@@ -10,12 +10,12 @@ import keras_hub
 import pytest
 
 import keras_hub_autodist
-from keras_hub_autodist import disk_cache
 from keras_hub_autodist import environment
 from keras_hub_autodist import plugin
-from keras_hub_autodist import progress
 from keras_hub_autodist.errors import EnvironmentVariableError
 from keras_hub_autodist.errors import PluginOffError
+from keras_hub_autodist.loading import progress
+from keras_hub_autodist.reading import disk_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOK = os.path.join(ROOT, "startup", "keras_hub_autodist_hook.py")

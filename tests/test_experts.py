@@ -5,9 +5,9 @@ import keras
 import pytest
 
 from keras_hub_autodist import MeshError
-from keras_hub_autodist import sharding
-from keras_hub_autodist.mesh import resolve_mesh_axes
-from keras_hub_autodist.weight import Weight
+from keras_hub_autodist.architectures.weight import Weight
+from keras_hub_autodist.planning import sharding
+from keras_hub_autodist.planning.mesh import resolve_mesh_axes
 
 FIELDS = {
     "vocab": "vocabulary_size",

@@ -18,7 +18,7 @@ from test_loading import backbone_preset
 
 import keras_hub_autodist
 from keras_hub_autodist import compat
-from keras_hub_autodist import loading
+from keras_hub_autodist.loading import session
 
 MESH = {"batch": 2, "model": 4}
 
@@ -49,7 +49,7 @@ def reference(path):
 
 def change_after_first_weight(monkeypatch, change):
     """Run `change()` once, right after the first weight is put."""
-    put = loading._Session.put
+    put = session._Session.put
     done = []
 
     def put_then_change(session, source, variable):
@@ -59,7 +59,7 @@ def change_after_first_weight(monkeypatch, change):
             change()
         return result
 
-    monkeypatch.setattr(loading._Session, "put", put_then_change)
+    monkeypatch.setattr(session._Session, "put", put_then_change)
     return done
 
 
@@ -175,5 +175,5 @@ def test_a_file_rewritten_in_place_while_loading_is_an_error(
         match=r"was modified while a model was loaded.*Received: size",
     ):
         keras_hub.models.Backbone.from_preset(path, device_mesh=MESH)
-    assert loading.active_sessions() == 0
+    assert session.active_sessions() == 0
     assert compat.installed_patches() == {}

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from jax.experimental import multihost_utils
 
-from keras_hub_autodist import binding
 from keras_hub_autodist import compat
-from keras_hub_autodist import gathering
 from keras_hub_autodist.errors import MultiprocessSaveError
 from keras_hub_autodist.errors import SaveTargetError
-from keras_hub_autodist.weight_stores import weight_stores_writing
+from keras_hub_autodist.saving import gathering
+from keras_hub_autodist.saving.weight_stores import weight_stores_writing
+from keras_hub_autodist.training import binding
 
 MESH = {"batch": 2, "model": 4}
 

@@ -6,7 +6,7 @@ import keras_hub
 import tiny_presets
 
 from keras_hub_autodist.architectures.gemma3 import GEMMA3
-from keras_hub_autodist.shapes import architecture_weights
+from keras_hub_autodist.planning.shapes import architecture_weights
 
 
 def test_every_vision_weight_matches_one_rule():

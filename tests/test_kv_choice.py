@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from keras_hub_autodist import policy
+from keras_hub_autodist.planning import policy
 
 GIB = 1024**3
 REPLICATE, HEAD_DIM = policy.KV_LAYOUTS

@@ -24,12 +24,13 @@ from equivalence import assert_laid_out_as_planned
 
 import keras_hub_autodist
 from keras_hub_autodist import compat
-from keras_hub_autodist import file_reads
-from keras_hub_autodist import lazy_tensors
-from keras_hub_autodist import loading
-from keras_hub_autodist import progress
-from keras_hub_autodist import transfer
-from keras_hub_autodist import verify
+from keras_hub_autodist import devices
+from keras_hub_autodist.loading import file_reads
+from keras_hub_autodist.loading import lazy_tensors
+from keras_hub_autodist.loading import progress
+from keras_hub_autodist.loading import session
+from keras_hub_autodist.loading import transfer
+from keras_hub_autodist.loading import verify
 
 
 def backbone_preset(path, config, dtype="float32", **save_kwargs):
@@ -219,10 +220,10 @@ def sample_peaks(monkeypatch):
     peaks = {}
 
     def record():
-        for device, size in loading.per_device_bytes().items():
+        for device, size in devices.per_device_bytes().items():
             peaks[device] = max(peaks.get(device, 0), size)
 
-    put, placeholder = loading._Session.put, transfer.placeholder
+    put, placeholder = session._Session.put, transfer.placeholder
 
     def recording_put(self, *args, **kwargs):
         result = put(self, *args, **kwargs)
@@ -234,7 +235,7 @@ def sample_peaks(monkeypatch):
         record()
         return result
 
-    monkeypatch.setattr(loading._Session, "put", recording_put)
+    monkeypatch.setattr(session._Session, "put", recording_put)
     monkeypatch.setattr(transfer, "placeholder", recording_placeholder)
     return peaks, record
 
@@ -244,7 +245,7 @@ def test_peak_bytes_per_device_while_loading(tmp_path, monkeypatch, shape, strat
     """No device holds more than its final share + its largest shard."""
     path = backbone_preset(tmp_path / "medium", MEDIUM_GEMMA)
     keras.utils.clear_session(free_memory=True)
-    baseline = loading.per_device_bytes()
+    baseline = devices.per_device_bytes()
     peaks, _ = sample_peaks(monkeypatch)
     mesh = mesh_of(shape)
     backbone = keras_hub.models.Backbone.from_preset(
@@ -252,7 +253,7 @@ def test_peak_bytes_per_device_while_loading(tmp_path, monkeypatch, shape, strat
     )
     _, plan = keras_hub_autodist.distribution_of(backbone)
     largest_shard = max(row.device_bytes for row in plan.rows)
-    final = loading.per_device_bytes()
+    final = devices.per_device_bytes()
     for device, peak in peaks.items():
         share = final.get(device, 0) - baseline.get(device, 0)
         assert share >= plan.max_device_bytes
@@ -267,7 +268,7 @@ def test_each_device_receives_only_its_shards_while_loading(tmp_path, monkeypatc
     shards: every device receives exactly its planned share of each weight."""
     path = backbone_preset(tmp_path / "medium", MEDIUM_GEMMA)
     received = []
-    put = loading._Session.put
+    put = session._Session.put
 
     def recording_put(session, source, variable):
         array = put(session, source, variable)
@@ -275,7 +276,7 @@ def test_each_device_receives_only_its_shards_while_loading(tmp_path, monkeypatc
         received.append((variable.path, shards))
         return array
 
-    monkeypatch.setattr(loading._Session, "put", recording_put)
+    monkeypatch.setattr(session._Session, "put", recording_put)
     backbone = keras_hub.models.Backbone.from_preset(
         path, device_mesh=mesh_of((1, 8)), strategy="tp"
     )
@@ -294,7 +295,7 @@ def test_hooks_are_removed_after_loading(presets):
         presets["keras"], device_mesh={"batch": 2, "model": 4}
     )
     assert dict(vars(keras.Variable)) == before
-    assert keras.Variable.assign is loading._original_assign
+    assert keras.Variable.assign is session._original_assign
     # Outside the plugin, weights load exactly as keras-hub loads them.
     plain = keras_hub.models.Backbone.from_preset(presets["keras"])
     assert all(v.value.sharding.num_devices == 1 for v in plain.weights)
@@ -313,8 +314,8 @@ def test_hooks_are_removed_when_loading_fails(presets, tmp_path):
         keras_hub.models.Backbone.from_preset(
             str(broken), device_mesh={"batch": 2, "model": 4}
         )
-    assert keras.Variable.assign is loading._original_assign
-    assert loading.active_sessions() == 0
+    assert keras.Variable.assign is session._original_assign
+    assert session.active_sessions() == 0
     assert compat.installed_patches() == {}
 
 
@@ -400,13 +401,13 @@ def test_safetensors_file_is_mapped_only_while_a_tensor_is_read(presets, monkeyp
     safetensor_utils = keras_hub_autodist.compat.safetensor_utils_module()
     port_weight = safetensor_utils.SafetensorLoader.port_weight
     seen = []
-    put = loading._Session.put
+    put = session._Session.put
 
     def recording_put(session, source, variable):
         seen.append(mapped(path))
         return put(session, source, variable)
 
-    monkeypatch.setattr(loading._Session, "put", recording_put)
+    monkeypatch.setattr(session._Session, "put", recording_put)
     keras_hub.models.Backbone.from_preset(
         presets["transformers"], device_mesh={"batch": 2, "model": 4}
     )

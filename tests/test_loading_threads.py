@@ -14,7 +14,7 @@ import pytest
 import tiny_presets
 
 from keras_hub_autodist import compat
-from keras_hub_autodist import loading
+from keras_hub_autodist.loading import session
 
 # Two loads meet at their first weight, then one finishes while the other is
 # still loading: the first to finish must not take the hooks from the other.
@@ -45,7 +45,7 @@ def overlapping_loads(monkeypatch, preset, meshes, fail_second=False):
     the others wait for it before going on."""
     ready = threading.Barrier(len(meshes))
     first_done = threading.Event()
-    put = loading._Session.put
+    put = session._Session.put
     seen = set()
 
     def meeting_put(session, source, variable):
@@ -59,7 +59,7 @@ def overlapping_loads(monkeypatch, preset, meshes, fail_second=False):
             raise OSError("disk vanished")
         return put(session, source, variable)
 
-    monkeypatch.setattr(loading._Session, "put", meeting_put)
+    monkeypatch.setattr(session._Session, "put", meeting_put)
     results, errors = {}, {}
 
     def load(index, mesh):
@@ -107,7 +107,7 @@ def test_loads_in_threads_each_load_keras_hubs_weights(
                 np.asarray(variable.value), reference[variable.path], variable.path
             )
     assert compat.installed_patches() == {}
-    assert keras.Variable.assign is loading._original_assign
+    assert keras.Variable.assign is session._original_assign
 
 
 def test_no_hook_outlives_loads_when_one_raises(monkeypatch, preset, reference):
@@ -131,14 +131,14 @@ def test_a_thread_without_a_load_is_left_to_keras(monkeypatch, preset):
     own: assigned whole, initialised with their initializer."""
     inside = threading.Event()
     leave = threading.Event()
-    put = loading._Session.put
+    put = session._Session.put
 
     def waiting_put(session, source, variable):
         inside.set()
         assert leave.wait(timeout=120)
         return put(session, source, variable)
 
-    monkeypatch.setattr(loading._Session, "put", waiting_put)
+    monkeypatch.setattr(session._Session, "put", waiting_put)
     loader = threading.Thread(
         target=keras_hub.models.Backbone.from_preset,
         args=(preset,),
@@ -151,7 +151,7 @@ def test_a_thread_without_a_load_is_left_to_keras(monkeypatch, preset):
         variable = keras.Variable(np.zeros((2, 3), "float32"))
         variable.assign(np.ones((2, 3), "float32"))
         np.testing.assert_array_equal(np.asarray(variable.value), np.ones((2, 3)))
-        assert loading.active_sessions() == 0
+        assert session.active_sessions() == 0
     finally:
         leave.set()
         loader.join(timeout=300)

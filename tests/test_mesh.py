@@ -5,8 +5,8 @@ import pytest
 
 from keras_hub_autodist import DeviceMeshTypeError
 from keras_hub_autodist import MeshError
-from keras_hub_autodist.mesh import build_device_mesh
-from keras_hub_autodist.mesh import resolve_mesh_axes
+from keras_hub_autodist.planning.mesh import build_device_mesh
+from keras_hub_autodist.planning.mesh import resolve_mesh_axes
 
 
 @pytest.mark.parametrize(

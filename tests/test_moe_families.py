@@ -17,8 +17,8 @@ from tiny_presets import QWEN_MOE
 from tiny_presets import moe_preset_name
 
 import keras_hub_autodist
-from keras_hub_autodist.registry import architecture_for
-from keras_hub_autodist.shapes import architecture_weights
+from keras_hub_autodist.architectures.registry import architecture_for
+from keras_hub_autodist.planning.shapes import architecture_weights
 
 COVERAGE = [
     pytest.param("mixtral", {}, id="mixtral"),

@@ -19,10 +19,10 @@ from test_loading import mesh_of
 from test_loading import sample_peaks
 
 import keras_hub_autodist
-from keras_hub_autodist import file_reads
-from keras_hub_autodist import lazy_tensors
-from keras_hub_autodist import loading
-from keras_hub_autodist import transfer
+from keras_hub_autodist import devices
+from keras_hub_autodist.loading import file_reads
+from keras_hub_autodist.loading import lazy_tensors
+from keras_hub_autodist.loading import transfer
 
 HEADER = 24  # bytes before the tensor in the file, so offsets are not 0
 
@@ -219,14 +219,14 @@ def test_peak_bytes_per_device_while_casting(tmp_path, monkeypatch, devices_kind
     final share + its largest shard, a bfloat16 copy included."""
     path = backbone_preset(tmp_path / "medium", MEDIUM_GEMMA, dtype="bfloat16")
     keras.utils.clear_session(free_memory=True)
-    baseline = loading.per_device_bytes()
+    baseline = devices.per_device_bytes()
     peaks, _ = sample_peaks(monkeypatch)
     backbone = keras_hub.models.Backbone.from_preset(
         path, dtype="float32", device_mesh=mesh_of((1, 8)), strategy="tp"
     )
     _, plan = keras_hub_autodist.distribution_of(backbone)
     largest_shard = max(row.device_bytes for row in plan.rows)
-    final = loading.per_device_bytes()
+    final = devices.per_device_bytes()
     for device, peak in peaks.items():
         share = final.get(device, 0) - baseline.get(device, 0)
         assert share >= plan.max_device_bytes

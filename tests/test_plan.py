@@ -16,11 +16,11 @@ from keras_hub_autodist import PlanError
 from keras_hub_autodist import PresetError
 from keras_hub_autodist import StrategyError
 from keras_hub_autodist import UnsupportedArchitectureError
-from keras_hub_autodist import abstract
-from keras_hub_autodist.presets import read_preset_config
-from keras_hub_autodist.registry import BUILTIN_ARCHITECTURES
-from keras_hub_autodist.registry import architecture_for
-from keras_hub_autodist.shapes import architecture_weights
+from keras_hub_autodist.architectures.registry import BUILTIN_ARCHITECTURES
+from keras_hub_autodist.architectures.registry import architecture_for
+from keras_hub_autodist.planning import abstract
+from keras_hub_autodist.planning.shapes import architecture_weights
+from keras_hub_autodist.reading.presets import read_preset_config
 
 FSDP_MESHES = [
     {"batch": 8, "model": 1},
@@ -395,7 +395,7 @@ def test_plan_says_where_device_memory_comes_from(monkeypatch):
 
 
 def test_device_memory_reported_by_the_devices():
-    from keras_hub_autodist.device_memory import device_memory_info
+    from keras_hub_autodist.planning.device_memory import device_memory_info
 
     class Device:
         client = None
@@ -464,7 +464,7 @@ def test_every_note_agrees_with_its_row(real_configs, model_size, strategy):
 
 
 def architecture_for_plan(plan):
-    from keras_hub_autodist.registry import architecture_by_name
+    from keras_hub_autodist.architectures.registry import architecture_by_name
 
     return architecture_by_name(plan.backbone_class)
 

@@ -8,7 +8,7 @@ from real_presets import REAL_PRESETS
 import keras_hub_autodist
 from keras_hub_autodist import UnsupportedArchitectureError
 from keras_hub_autodist import cli
-from keras_hub_autodist import registry
+from keras_hub_autodist.architectures import registry
 from keras_hub_autodist.architectures.gemma import GEMMA
 from keras_hub_autodist.architectures.llama import LLAMA
 

@@ -23,9 +23,9 @@ from test_checkpointing import state
 
 from keras_hub_autodist import RestoreError
 from keras_hub_autodist import ResumableCheckpoint
-from keras_hub_autodist import global_random
-from keras_hub_autodist import stopping
-from keras_hub_autodist.stopping import StopRequest
+from keras_hub_autodist.training import global_random
+from keras_hub_autodist.training import stopping
+from keras_hub_autodist.training.stopping import StopRequest
 
 EPOCHS = 2
 METRICS = ["accuracy"]

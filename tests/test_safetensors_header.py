@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from keras_hub_autodist.errors import WeightFileChangedError
 from keras_hub_autodist.errors import WeightFileError
-from keras_hub_autodist.lazy_tensors import SafetensorsFile
+from keras_hub_autodist.loading.lazy_tensors import SafetensorsFile
 
 MESH = {"batch": 2, "model": 4}
 

@@ -1,6 +1,6 @@
 """`save_to_preset` of bound models replaces the preset folder as a whole.
 
-Most tests drive `keras_hub_autodist.saving.save_atomically` with a fake
+Most tests drive `keras_hub_autodist.saving.atomic.save_atomically` with a fake
 `save` that writes files; two use a real bound tiny model.
 """
 
@@ -21,12 +21,12 @@ import keras_hub
 import numpy as np
 import pytest
 
-from keras_hub_autodist import saving
 from keras_hub_autodist.errors import SavePermissionError
 from keras_hub_autodist.errors import SaveTargetError
+from keras_hub_autodist.saving import atomic
 
 MESH = {"batch": 2, "model": 4}
-PACKAGE_DIR = os.path.dirname(saving.__file__)
+PACKAGE_DIR = os.path.dirname(os.path.dirname(atomic.__file__))
 
 OLD = {
     "config.json": "old config",
@@ -194,11 +194,11 @@ def test_sharded_save_over_an_unsharded_preset_drops_the_stale_weights(tmp_path)
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        saving.save_atomically(failing, target)
+        atomic.save_atomically(failing, target)
     assert snapshot(target) == {**OLD, **USER}
     assert os.listdir(tmp_path) == ["preset"]
 
-    result = saving.save_atomically(fake_save(NEW), target)
+    result = atomic.save_atomically(fake_save(NEW), target)
     assert result == "saved"
     assert snapshot(target) == {**NEW, **USER}
     assert os.listdir(tmp_path) == ["preset"]
@@ -213,7 +213,7 @@ def test_a_folder_that_is_no_preset_keeps_its_files(tmp_path):
     target = tmp_path / "out"
     mine = {"keep.txt": "mine", "notes.json": "{}", "assets/logo.png": "png"}
     write(target, {**mine, "model.weights.h5": "stray weights"})
-    saving.save_atomically(fake_save(NEW), target)
+    atomic.save_atomically(fake_save(NEW), target)
     assert snapshot(target) == {**NEW, **mine}
 
 
@@ -221,11 +221,11 @@ def test_new_folder_mode_follows_the_umask_and_old_mode_is_kept(tmp_path):
     """What keras-hub's `os.makedirs(preset_dir, exist_ok=True)` gives."""
     with umask(0o027):
         os.makedirs(tmp_path / "reference")
-        saving.save_atomically(fake_save(NEW), tmp_path / "new")
+        atomic.save_atomically(fake_save(NEW), tmp_path / "new")
     assert os.stat(tmp_path / "new").st_mode == os.stat(tmp_path / "reference").st_mode
     write(tmp_path / "old", OLD)
     os.chmod(tmp_path / "old", 0o2751)
-    saving.save_atomically(fake_save(NEW), tmp_path / "old")
+    atomic.save_atomically(fake_save(NEW), tmp_path / "old")
     assert os.stat(tmp_path / "old").st_mode & 0o7777 == 0o2751
 
 
@@ -236,7 +236,7 @@ def test_a_file_as_target_is_an_error(tmp_path):
         SaveTargetError,
         match=r"is not a folder.*Received: preset_dir='.*preset'",
     ):
-        saving.save_atomically(fake_save(NEW), str(target))
+        atomic.save_atomically(fake_save(NEW), str(target))
     assert target.read_text() == "not a folder"
     assert os.listdir(tmp_path) == ["preset"]
 
@@ -270,13 +270,13 @@ def test_read_only_parent_writes_in_place_like_keras_hub(tmp_path, monkeypatch):
     os.chmod(parent, 0o555)
     deny_mkdir_in(monkeypatch, parent)
     with pytest.warns(UserWarning, match=r"in place.*read_only' is not writable"):
-        assert saving.save_atomically(fake_save(NEW), target) == "saved"
+        assert atomic.save_atomically(fake_save(NEW), target) == "saved"
     assert snapshot(target) == {**NEW, **USER}
     assert os.stat(target).st_ino == inode
     assert os.listdir(parent) == ["preset"]
     # A missing folder can't be created there, by keras-hub either.
     with pytest.raises(PermissionError):
-        saving.save_atomically(fake_save(NEW), parent / "other")
+        atomic.save_atomically(fake_save(NEW), parent / "other")
     assert os.listdir(parent) == ["preset"]
 
 
@@ -294,7 +294,7 @@ def test_folders_that_cant_be_renamed_are_written_in_place(
             os.path, "ismount", lambda p: p == str(target) or real_ismount(p)
         )
     with pytest.warns(UserWarning, match=f"in place.*{reason}"):
-        saving.save_atomically(
+        atomic.save_atomically(
             fake_save(NEW), "." if reason == "working directory" else target
         )
     assert snapshot(target) == {**NEW, **USER}
@@ -320,7 +320,7 @@ def test_leftovers_of_killed_saves_are_cleaned_up(tmp_path):
     running = lock(tmp_path / ".preset.saving-11111111")
     write(tmp_path / ".preset.v2.saving-22222222", {"config.json": "other"})
     try:
-        saving.save_atomically(fake_save(NEW), target)
+        atomic.save_atomically(fake_save(NEW), target)
         assert snapshot(target) == {**NEW, **USER}
         assert sorted(os.listdir(tmp_path)) == [
             ".preset.saving-11111111",
@@ -344,7 +344,7 @@ def test_a_missing_target_is_restored_from_the_folder_moved_aside(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        saving.save_atomically(failing, target)
+        atomic.save_atomically(failing, target)
     assert snapshot(target) == OLD
     assert os.listdir(tmp_path) == ["preset"]
 
@@ -399,16 +399,16 @@ NEW_BACKBONE = {
 def save_in_mode(mode, target, files, monkeypatch):
     """`save_atomically` of `files` into `target` as each mode does it."""
     if mode == "two renames":
-        monkeypatch.setattr(saving, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     if mode == "working folder":
         monkeypatch.chdir(target)
         with pytest.warns(UserWarning, match="in place"):
-            return saving.save_atomically(fake_save(files), ".")
+            return atomic.save_atomically(fake_save(files), ".")
     if mode == "read-only parent":
         deny_mkdir_in(monkeypatch, target.parent)
         with pytest.warns(UserWarning, match="in place"):
-            return saving.save_atomically(fake_save(files), target)
-    return saving.save_atomically(fake_save(files), target)
+            return atomic.save_atomically(fake_save(files), target)
+    return atomic.save_atomically(fake_save(files), target)
 
 
 MODES = ["exchange", "two renames", "working folder", "read-only parent"]
@@ -461,7 +461,7 @@ def test_an_index_names_no_file_outside_the_shards(tmp_path):
     )
     kept = {"README.md": "notes", "sub/x.h5": "mine", ".hidden.h5": "mine"}
     write(target, {**OLD, "model.weights.json": index, **kept})
-    saving.save_atomically(fake_save(NEW_BACKBONE), target)
+    atomic.save_atomically(fake_save(NEW_BACKBONE), target)
     assert snapshot(target) == {
         **NEW_BACKBONE,
         "assets/tokenizer/vocabulary.spm": "old vocabulary",
@@ -486,7 +486,7 @@ def test_a_path_that_is_no_local_folder_is_refused(
     write(tmp_path, USER_FILES)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SaveTargetError, match=message):
-        saving.save_atomically(fake_save(NEW), preset_dir)
+        atomic.save_atomically(fake_save(NEW), preset_dir)
     assert snapshot(tmp_path) == USER_FILES
 
 
@@ -497,7 +497,7 @@ def test_a_save_that_cant_create_its_folder_names_it(tmp_path, monkeypatch):
     parent.mkdir()
     deny_mkdir_in(monkeypatch, parent)
     with pytest.raises(PermissionError) as raised:
-        saving.save_atomically(fake_save(NEW), parent / "preset")
+        atomic.save_atomically(fake_save(NEW), parent / "preset")
     assert isinstance(raised.value, SavePermissionError)
     message = str(raised.value)
     assert f"into {str(parent / 'preset')!r}" in message
@@ -521,7 +521,7 @@ def test_a_folder_where_nothing_can_be_created_is_named(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "mkdir", mkdir)
     with pytest.warns(UserWarning), pytest.raises(SavePermissionError) as raised:
-        saving.save_atomically(fake_save(NEW), target)
+        atomic.save_atomically(fake_save(NEW), target)
     assert f"into {str(target)!r}" in str(raised.value)
     assert ".autodist-" not in str(raised.value)
     assert snapshot(target) == OLD
@@ -535,7 +535,7 @@ def test_a_new_preset_that_was_never_swapped_in_is_dropped_whole(tmp_path):
     never_swapped = tmp_path / ".preset.ready-00c0ffee"
     write(never_swapped, {**NEW, "assets/tokenizer/merges.txt": "new merges"})
     (never_swapped / ".autodist-new").write_text("")
-    saving.recover(target)
+    atomic.recover(target)
     assert snapshot(target) == {**OLD, **USER}
     assert os.listdir(tmp_path) == ["preset"]
 
@@ -544,7 +544,7 @@ def test_names_of_the_format_are_keras_hubs():
     """`preset_files` (imported without Keras by the save) names the files
     keras-hub's savers write and its loaders read."""
     from keras_hub_autodist import compat
-    from keras_hub_autodist import preset_files
+    from keras_hub_autodist.saving import preset_files
 
     names = compat.preset_format_names()
     assert set(names.values()) - {"assets"} == set(preset_files.FORMAT_FILES)
@@ -564,8 +564,7 @@ CHILD = textwrap.dedent(
     package = types.ModuleType("keras_hub_autodist")
     package.__path__ = [sys.argv[1]]
     sys.modules["keras_hub_autodist"] = package
-    from keras_hub_autodist import saving
-
+    from keras_hub_autodist.saving import atomic
     target, mode, files = sys.argv[2], sys.argv[3], eval(sys.argv[4])
     parent = os.path.realpath(os.path.dirname(target))
     real_rename, real_mkdir = os.rename, os.mkdir
@@ -581,7 +580,7 @@ CHILD = textwrap.dedent(
 
     os.rename = rename
     if mode == "two renames":
-        saving._exchange = lambda a, b: False
+        atomic._exchange = lambda a, b: False
     if mode == "in place":
         os.mkdir = mkdir
 
@@ -594,7 +593,7 @@ CHILD = textwrap.dedent(
             time.sleep(0.003)
 
     print("go", flush=True)
-    saving.save_atomically(save, target)
+    atomic.save_atomically(save, target)
     """
 )
 
@@ -635,7 +634,7 @@ def assert_sigkill_leaves_old_or_new(tmp_path, mode):
       kill fell between the two renames.
     - "in place" (read-only parent): the same, or a folder without
       `config.json` if the kill fell while the files were moved in.
-    Then `saving.recover(target)`, which every save runs first, must leave the
+    Then `atomic.recover(target)`, which every save runs first, must leave the
     complete old or the complete new preset, and nothing beside or inside it.
     """
     script = tmp_path / "child.py"
@@ -668,7 +667,7 @@ def assert_sigkill_leaves_old_or_new(tmp_path, mode):
                 assert found is not None and "config.json" not in found
             else:
                 raise AssertionError(f"neither old nor new: {found}")
-        saving.recover(target)
+        atomic.recover(target)
         after = snapshot(target)
         assert after in (old, new)
         outcomes.add("new" if after == new else "old")

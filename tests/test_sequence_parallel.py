@@ -20,7 +20,7 @@ BATCH = 4
 
 
 def batch(preset, sequence_length=8):
-    info = keras_hub_autodist.presets.read_preset_config(preset)
+    info = keras_hub_autodist.reading.presets.read_preset_config(preset)
     x = tiny_presets.token_batch(
         BATCH, info.config["vocabulary_size"], sequence_length=sequence_length
     )

@@ -9,11 +9,11 @@ import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
 
+from keras_hub_autodist.architectures.weight import LOGICAL_AXES
+from keras_hub_autodist.architectures.weight import Weight
 from keras_hub_autodist.errors import UnplannedWeightError
 from keras_hub_autodist.errors import UnplannedWeightWarning
 from keras_hub_autodist.errors import option
-from keras_hub_autodist.weight import LOGICAL_AXES
-from keras_hub_autodist.weight import Weight
 
 # The config fields behind each logical axis, for fallback notes
 # ("num_key_value_heads=1 does not divide ..."): keras-hub's decoder

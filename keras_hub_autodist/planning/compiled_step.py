@@ -1,0 +1,393 @@
+"""The compiled memory check: XLA's own per-device bytes of a training step.
+
+`compiled_memory(plan, batch_size, sequence_length)` builds the task model
+(e.g. `GemmaCausalLM`) and its optimizer abstractly, with the plan's layout
+map on a real `DeviceMesh`: every variable gets a shape, a dtype and the
+sharding Keras would give it, but no value. It then compiles, ahead of
+time, the very step `train_on_batch` runs (`model.train_step`: forward,
+loss, gradients, the optimizer's `stateless_apply`, metrics), jitted as
+Keras jits it (state donated, state shardings kept), against abstract
+inputs of `(batch_size, sequence_length)` tokens, and returns XLA's
+`memory_analysis()` for one device. No weight is allocated; compiling
+needs the mesh's devices, not their memory.
+
+The closed-form estimate (`LayoutPlan.training_bytes_per_device` +
+`activation_bytes_per_device`) needs no devices at all; this check is what
+to trust when the two disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from keras_hub_autodist.errors import ModelClassError
+from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.planning.step_memory import check_sizes
+
+# `optimizer=` names and the Keras optimizers they stand for, the same names
+# `LayoutPlan.training_bytes_per_device` takes.
+OPTIMIZERS = {
+    "adam": ("Adam", {}),
+    "sgd": ("SGD", {}),
+    "sgd_momentum": ("SGD", {"momentum": 0.9}),
+}
+MIB = 1024**2
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's memory analysis of one compiled training step, per device.
+
+    Args:
+        argument_bytes: the step's inputs: weights, optimizer and metric
+            state, and the device's slice of the batch.
+        output_bytes: the step's outputs: the new state and the logs.
+        alias_bytes: output bytes that reuse donated input buffers (the
+            state is updated in place, as `train_on_batch` does).
+        temp_bytes: the temporaries live at the step's peak: gradients,
+            saved activations, gathered weights, workspace.
+        generated_code_bytes: the compiled program itself (0 on CPU).
+        peak_bytes: what a device holds at the step's peak:
+            `argument_bytes + output_bytes - alias_bytes + temp_bytes`
+            (XLA's own `peak_memory_in_bytes` where the backend reports one
+            that is larger).
+        batch_size: the global batch size compiled for.
+        sequence_length: tokens per sequence.
+        optimizer: the optimizer's name.
+        devices: the devices of the mesh.
+        platform: the devices' platform (`"cpu"`, `"gpu"`, `"tpu"`).
+
+    Example:
+    ```python
+    memory = compiled_memory(plan, 8, 2048)
+    print(memory)                  # one line per field, in MiB
+    memory.peak_bytes <= plan.device_memory_bytes
+    ```
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    peak_bytes: int
+    batch_size: int
+    sequence_length: int
+    optimizer: str
+    devices: int
+    platform: str
+
+    def summary(self) -> str:
+        """The check as a few lines of text, in MiB per device."""
+
+        def mib(n):
+            return f"{n / MIB:,.1f} MiB"
+
+        return "\n".join(
+            [
+                f"compiled training step (XLA, {self.platform}, {self.devices} "
+                f"devices), batch {self.batch_size} x {self.sequence_length} "
+                f"tokens, {self.optimizer}; per device:",
+                f"  arguments (weights, optimizer state, batch): "
+                f"{mib(self.argument_bytes)}",
+                f"  outputs: {mib(self.output_bytes)}, of which "
+                f"{mib(self.alias_bytes)} reuse donated arguments",
+                f"  temporaries (gradients, activations): {mib(self.temp_bytes)}",
+                f"  peak: {mib(self.peak_bytes)}",
+            ]
+        )
+
+    def __str__(self):
+        return self.summary()
+
+
+def default_task_class(backbone_cls: type) -> type:
+    """The keras-hub `CausalLM` whose `backbone_cls` is `backbone_cls`.
+
+    Example:
+    ```python
+    default_task_class(keras_hub.models.GemmaBackbone)  # GemmaCausalLM
+    ```
+    """
+    import keras_hub
+
+    found = []
+    pending = [keras_hub.models.CausalLM]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if getattr(cls, "backbone_cls", None) is backbone_cls:
+            found.append(cls)
+    if not found:
+        raise ModelClassError(
+            f"keras-hub has no CausalLM for {backbone_cls.__name__}; pass the "
+            "task class to compile, e.g. model_class=keras_hub.models."
+            f"GemmaCausalLM. Received: backbone class {backbone_cls.__name__}"
+        )
+    # The most general one: a subclass of a CausalLM (a variant) comes last.
+    return min(found, key=lambda cls: len(cls.__mro__))
+
+
+def _check_sizes(batch_size, sequence_length, batch_axis_size) -> None:
+    check_sizes(batch_size, sequence_length, "compiled memory check")
+    if batch_size % batch_axis_size:
+        raise PlanError(
+            f"The batch is split over a batch axis of {batch_axis_size} "
+            f"devices; pass a batch_size that is a multiple of "
+            f"{batch_axis_size}. Received: batch_size={batch_size}"
+        )
+
+
+def _optimizer(optimizer):
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        # A fresh copy: building the user's optimizer would change it.
+        return type(optimizer).from_config(optimizer.get_config()), type(
+            optimizer
+        ).__name__.lower()
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(
+            f"The compiled memory check takes an optimizer name, one of "
+            f"{sorted(OPTIMIZERS)}, or a `keras.optimizers.Optimizer`. "
+            f"Received: optimizer={optimizer!r}"
+        )
+    name, kwargs = OPTIMIZERS[optimizer]
+    return getattr(keras.optimizers, name)(**kwargs), optimizer
+
+
+def _mesh_of(plan, device_mesh):
+    """`device_mesh`, or a mesh of the planned shape over the first devices
+    (all of them for a plan that spans them, as `from_preset` builds one)."""
+    from keras_hub_autodist.planning.mesh import build_device_mesh
+    from keras_hub_autodist.planning.mesh import require_device_mesh
+
+    if device_mesh is not None:
+        return require_device_mesh(
+            device_mesh,
+            "The compiled memory check compiles for real devices: pass a "
+            "`keras.distribution.DeviceMesh` as device_mesh=, or none to use "
+            "all devices in the planned shape.",
+        )
+    import keras
+
+    axes = plan.mesh_axes
+    devices = keras.distribution.list_devices()[: axes.num_devices]
+    return build_device_mesh(dict(zip(axes.axis_names, axes.shape)), devices)
+
+
+def _backbone_config(plan, preset):
+    from keras_hub_autodist.planning.shapes import backbone_class_named
+    from keras_hub_autodist.reading.dtypes import variable_dtype
+    from keras_hub_autodist.reading.presets import read_config
+
+    source = plan.preset if preset is None else preset
+    if preset is None and plan.preset.startswith("<"):
+        raise PlanError(
+            f"This plan was made from {plan.preset}, which can't be read "
+            "again; pass what you planned as preset= (the config dict or "
+            f"the model). Received: plan.preset={plan.preset!r}"
+        )
+    info = read_config(source)
+    backbone_cls = info.backbone_cls or backbone_class_named(info.backbone_class)
+    config = dict(info.config)
+    if variable_dtype(config) != plan.dtype:
+        config["dtype"] = plan.dtype  # the plan was made with dtype=
+    return backbone_cls, config
+
+
+def _abstract_model(plan, mesh, model_class, preset, optimizer, data):
+    """The task model and its optimizer, built with deferred variables that
+    carry their layouts, and the distribution they were laid out with."""
+    import keras
+
+    from keras_hub_autodist import compat
+
+    backbone_cls, config = _backbone_config(plan, preset)
+    task_cls = model_class or default_task_class(backbone_cls)
+    if not (isinstance(task_cls, type) and issubclass(task_cls, keras.Model)):
+        raise ModelClassError(
+            "model_class is the keras-hub task class to train, e.g. "
+            f"keras_hub.models.GemmaCausalLM. Received: model_class={task_cls!r}"
+        )
+    distribution = keras.distribution.ModelParallel(
+        layout_map=plan.layout_map(mesh),
+        batch_dim_name=plan.batch_axis,
+        auto_shard_dataset=False,
+    )
+    with distribution.scope():
+        with compat.deferred_variables():
+            backbone = backbone_cls.from_config(config)
+        # A task compiles itself with a default optimizer on construction,
+        # whose scalar variables can't be deferred.
+        model = task_cls(backbone=backbone, preprocessor=None)
+        for variable in model.variables:
+            compat.set_variable_layout(
+                variable, distribution.get_variable_layout(variable)
+            )
+        model.compile(optimizer=optimizer)
+        with compat.deferred_variables():
+            compat.symbolic_build(model, data)
+    return model, distribution
+
+
+def _state_shardings(model, distribution):
+    groups = (
+        model.trainable_variables,
+        model.non_trainable_variables,
+        model.optimizer.variables,
+        model.metrics_variables,
+    )
+    return tuple(
+        [distribution.get_variable_layout(v).backend_layout for v in group]
+        for group in groups
+    ), groups
+
+
+def _abstract(variable, sharding):
+    import jax
+
+    return jax.ShapeDtypeStruct(
+        tuple(variable.shape), variable.dtype, sharding=sharding
+    )
+
+
+def compiled_memory(
+    plan,
+    batch_size: int,
+    sequence_length: int,
+    optimizer="adam",
+    *,
+    model_class: type | None = None,
+    preset=None,
+    device_mesh=None,
+) -> CompiledMemory:
+    """Compile a plan's training step ahead of time; XLA's bytes per device.
+
+    Args:
+        plan: a `LayoutPlan`.
+        batch_size: the global batch size, split over the batch axis.
+        sequence_length: tokens per sequence.
+        optimizer: `"adam"`, `"sgd"`, `"sgd_momentum"`, or a
+            `keras.optimizers.Optimizer` (a copy is built; yours is left
+            as it is).
+        model_class: the keras-hub task class to train; defaults to the
+            backbone's `CausalLM` (e.g. `GemmaCausalLM`).
+        preset: what the plan was made from, when `plan.preset` can't be
+            read again (a config dict or a model instance).
+        device_mesh: the `keras.distribution.DeviceMesh` to compile for;
+            defaults to one of the planned shape over the first devices.
+
+    Returns:
+        A `CompiledMemory`.
+
+    Example:
+    ```python
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices)
+    plan = keras_hub_autodist.plan("./gemma_2b", mesh, dtype="bfloat16")
+    memory = compiled_memory(plan, 8, 2048, "adam")
+    memory.peak_bytes, memory.temp_bytes
+    ```
+    """
+    import jax
+    import numpy as np
+
+    mesh = _mesh_of(plan, device_mesh)
+    _check_sizes(batch_size, sequence_length, plan.mesh_axes.size(plan.batch_axis))
+    keras_optimizer, optimizer_name = _optimizer(optimizer)
+    tokens = jax.ShapeDtypeStruct((batch_size, sequence_length), np.int32)
+    build_batch = ({"token_ids": tokens, "padding_mask": tokens}, tokens)
+    model, distribution = _abstract_model(
+        plan, mesh, model_class, preset, keras_optimizer, build_batch
+    )
+    with distribution.scope():
+        shardings, groups = _state_shardings(model, distribution)
+        state = tuple(
+            [_abstract(v, s) for v, s in zip(group, group_shardings)]
+            for group, group_shardings in zip(groups, shardings)
+        )
+        data_sharding = distribution.get_data_layout(tokens.shape).backend_layout
+        placed = jax.ShapeDtypeStruct(
+            tokens.shape, tokens.dtype, sharding=data_sharding
+        )
+        x = {name: placed for name in _input_names(model)}
+        step = jax.jit(
+            model.train_step, donate_argnums=0, out_shardings=(None, shardings)
+        )
+        compiled = step.lower(state, (x, placed, None)).compile()
+    devices = list(np.ravel(mesh.devices))
+    return memory_of(
+        compiled,
+        batch_size=batch_size,
+        sequence_length=sequence_length,
+        optimizer=optimizer_name,
+        devices=len(devices),
+        platform=getattr(devices[0], "platform", "cpu"),
+    )
+
+
+def _input_names(model) -> list[str]:
+    inputs = model.input
+    if not isinstance(inputs, dict):
+        raise ModelClassError(
+            "The compiled memory check feeds token inputs by name; this "
+            f"model takes {type(inputs).__name__} inputs. Received: "
+            f"model class {type(model).__name__}"
+        )
+    names = sorted(inputs)
+    unknown = [n for n in names if n not in ("token_ids", "padding_mask")]
+    if unknown:
+        raise ModelClassError(
+            "The compiled memory check feeds `token_ids` and `padding_mask` "
+            f"only; {type(model).__name__} also takes {unknown}. Received: "
+            f"inputs {names}"
+        )
+    return names
+
+
+def memory_of(compiled, **fields) -> CompiledMemory:
+    """A `CompiledMemory` from a compiled JAX function's `memory_analysis()`.
+
+    Args:
+        compiled: the result of `jax.jit(f).lower(...).compile()`.
+        **fields: `batch_size`, `sequence_length`, `optimizer`, `devices`,
+            `platform`.
+
+    Example:
+    ```python
+    memory_of(jax.jit(step).lower(state, batch).compile(), batch_size=8, ...)
+    ```
+    """
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise PlanError(
+            "This JAX backend reports no memory analysis for compiled "
+            "programs; the compiled memory check needs one (CPU, GPU and TPU "
+            f"do). Received: {compiled!r}"
+        )
+
+    def read(name):
+        return int(getattr(analysis, name, 0) or 0)
+
+    sizes = {field: read(name) for field, name in _ANALYSIS_FIELDS.items()}
+    held = (
+        sizes["argument_bytes"]
+        + sizes["output_bytes"]
+        - sizes["alias_bytes"]
+        + sizes["temp_bytes"]
+    )
+    peak = max(held, read("peak_memory_in_bytes"))
+    return CompiledMemory(**sizes, peak_bytes=peak, **fields)
+
+
+# `CompiledMemory` field ← the attribute of XLA's memory analysis it copies.
+_ANALYSIS_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+}
+
+
+__all__ = ["CompiledMemory", "compiled_memory", "default_task_class", "memory_of"]

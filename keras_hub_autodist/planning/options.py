@@ -1,0 +1,205 @@
+"""`PlanOptions`: the planning options, declared and validated in one place.
+
+`plan()`, `get_layout_map()`, `from_preset(device_mesh=...)` and the CLI take
+explicit keyword arguments and turn them into one frozen `PlanOptions`; every
+later step of the data path reads that value, never a module-level mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+from keras_hub_autodist.errors import ArgumentError
+from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.errors import StrategyError
+from keras_hub_autodist.errors import option
+from keras_hub_autodist.planning.sharding import STRATEGIES
+
+STRATEGY_CHOICES = ("auto",) + STRATEGIES
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option of the distribution API, declared once.
+
+    Args:
+        name: the keyword.
+        default: its default everywhere it is taken.
+        doc: what it does, for the documentation `from_preset` gains.
+        planning: whether it is a field of `PlanOptions` (and a keyword of
+            `plan()`).
+        from_preset: whether `from_preset(device_mesh=...)` takes it (the
+            plugin passes every other keyword on to keras-hub).
+    """
+
+    name: str
+    default: Any
+    doc: str
+    planning: bool = True
+    from_preset: bool = True
+
+
+OPTIONS = (
+    Option("strategy", "auto", '`"auto"` (default), `"tp"` or `"fsdp"`.'),
+    Option("batch_axis", None, "mesh axis of the batch, if not `batch`/`data`."),
+    Option("model_axis", None, "mesh axis of the weights, if not `model`/`tensor`."),
+    Option(
+        "dtype",
+        None,
+        "the dtype (policy) the model is loaded with; keras-hub's own keyword.",
+        from_preset=False,
+    ),
+    Option(
+        "device_memory",
+        None,
+        "bytes per device; default: asked of the devices or the environment.",
+        from_preset=False,
+    ),
+    Option(
+        "progress",
+        None,
+        "show a progress bar while loading (default: on a terminal, unless "
+        "`KERAS_HUB_AUTODIST_PROGRESS=0`).",
+        planning=False,
+    ),
+    Option(
+        "strict",
+        True,
+        "`True` (default): a weight that no layout rule matches is an error; "
+        "`False`: a warning, the weight is replicated.",
+    ),
+    Option(
+        "sequence_parallel",
+        False,
+        "shard residual-stream activations on the sequence over the model "
+        "axis (default `False`).",
+    ),
+)
+# The keywords `from_preset(device_mesh=...)` takes besides `device_mesh`.
+DISTRIBUTION_KEYWORDS = tuple(o.name for o in OPTIONS if o.from_preset)
+# The keywords of `plan()` besides the preset and the mesh, and the fields of
+# `PlanOptions` (a test ties the dataclass to this list).
+PLANNING_KEYWORDS = tuple(o.name for o in OPTIONS if o.planning)
+
+
+# The largest per-device memory a plan accepts: 1 PiB, far above any device,
+# so that a typo (1e300) is an error rather than an overflow.
+MAX_DEVICE_MEMORY_BYTES = 2**50
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """How to plan a model's layout.
+
+    Args:
+        strategy: `"auto"`, `"tp"` or `"fsdp"` (see `plan()`).
+        batch_axis: the mesh axis that splits batches, if not
+            `batch`/`data`.
+        model_axis: the mesh axis that shards weights, if not
+            `model`/`tensor`.
+        dtype: the dtype (policy) the model will be loaded with; `None`: the
+            preset's.
+        device_memory: bytes per device; `None`: asked of the devices, the
+            environment, or assumed (`device_memory.device_memory_info`).
+        sequence_parallel: shard residual-stream activations on the
+            sequence over the model axis.
+        strict: a weight that matches no rule is an error (`True`) or a
+            warning, the weight staying replicated (`False`).
+
+    Example:
+    >>> PlanOptions(strategy="fsdp").strategy
+    'fsdp'
+    """
+
+    strategy: str = "auto"
+    batch_axis: str | None = None
+    model_axis: str | None = None
+    dtype: Any = None
+    device_memory: int | None = None
+    sequence_parallel: bool = False
+    strict: bool = True
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGY_CHOICES:
+            raise StrategyError(
+                f"Unknown strategy. Use one of {list(STRATEGY_CHOICES)}. "
+                f"Received: strategy={self.strategy!r}"
+            )
+        for name in ("batch_axis", "model_axis"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise MeshError(
+                    f"{option(name)} names a mesh axis (a string) or is None. "
+                    f"Received: {name}={value!r}"
+                )
+        check_strict(self.strict)
+        if not isinstance(self.sequence_parallel, bool):
+            raise StrategyError(
+                "`sequence_parallel` is True (shard residual-stream activations "
+                "on the sequence over the model axis) or False. Received: "
+                f"sequence_parallel={self.sequence_parallel!r}"
+            )
+        if self.device_memory is not None:
+            object.__setattr__(
+                self, "device_memory", device_memory_bytes(self.device_memory)
+            )
+
+
+def check_strict(strict) -> bool:
+    """`strict=` checked: a bool.
+
+    Example:
+    >>> check_strict(False)
+    False
+    """
+    if not isinstance(strict, bool):
+        raise PlanError(
+            "`strict` is True (a weight that no layout rule matches is an "
+            "error) or False (a warning; the weight stays replicated). "
+            f"Received: strict={strict!r}"
+        )
+    return strict
+
+
+def device_memory_bytes(value) -> int:
+    """`value`, a number of bytes per device, checked and made an `int`.
+
+    Example:
+    >>> device_memory_bytes(16 * 1024**3)
+    17179869184
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PlanError(
+            "`device_memory` is a number of bytes per device, e.g. "
+            f"16 * 1024**3. Received: device_memory={value!r}"
+        )
+    if isinstance(value, numbers.Integral):
+        valid = 0 < value <= MAX_DEVICE_MEMORY_BYTES
+    else:
+        valid = math.isfinite(value) and 0 < value <= MAX_DEVICE_MEMORY_BYTES
+    if not valid:
+        raise PlanError(
+            f"{option('device_memory')} must be a positive amount of memory "
+            f"per device, at most {MAX_DEVICE_MEMORY_BYTES} bytes (1 PiB). "
+            f"Received: device_memory={repr(value)[:60]}"
+        )
+    return int(value)
+
+
+def progress_option(progress) -> bool | None:
+    """`progress=` checked: `True`, `False`, or `None` (on a terminal).
+
+    Example:
+    >>> progress_option(None) is None
+    True
+    """
+    if progress is not None and not isinstance(progress, bool):
+        raise ArgumentError(
+            "`progress` is True (show a progress bar while loading), False, "
+            f"or None (on a terminal). Received: progress={progress!r}"
+        )
+    return progress

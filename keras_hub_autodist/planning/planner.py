@@ -1,0 +1,446 @@
+"""`plan()`: the third step of the data path, from weights to a `LayoutPlan`.
+
+The planner reads the config (`presets.read_config`), gets every weight with
+its logical axes (`shapes.model_weights`), then lays the weights out on the
+mesh (`sharding.assign_mesh_axes`). Where it must choose (the
+mesh under `device_mesh="auto"`, the strategy under `strategy="auto"`, the
+key/value layout when key/value heads don't divide the model axis), it
+costs every alternative in one pass over the weights and lets `policy`
+choose; only the chosen layout becomes rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.errors import option
+from keras_hub_autodist.planning import policy
+from keras_hub_autodist.planning import sharding
+from keras_hub_autodist.planning.device_memory import device_memory_info
+from keras_hub_autodist.planning.layout_plan import LayoutPlan
+from keras_hub_autodist.planning.memory import ADAM_STATE_FACTOR
+from keras_hub_autodist.planning.mesh import MeshAxes
+from keras_hub_autodist.planning.mesh import ResolvedMesh
+from keras_hub_autodist.planning.mesh import check_device_count
+from keras_hub_autodist.planning.mesh import read_device_mesh
+from keras_hub_autodist.planning.mesh import require_device_mesh
+from keras_hub_autodist.planning.mesh import resolve_mesh_axes
+from keras_hub_autodist.planning.options import PlanOptions
+from keras_hub_autodist.planning.shapes import ModelWeights
+from keras_hub_autodist.planning.shapes import model_weights
+from keras_hub_autodist.reading.dtypes import itemsize
+from keras_hub_autodist.reading.presets import read_config
+
+if TYPE_CHECKING:
+    import keras
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    """One way to lay a model out: a mesh, a strategy, a key/value layout."""
+
+    mesh_axes: MeshAxes
+    strategy: str
+    kv_fallback: str = "replicate"
+
+
+def plan(
+    preset,
+    device_mesh,
+    *,
+    strategy: str = "auto",
+    batch_axis: str | None = None,
+    model_axis: str | None = None,
+    dtype=None,
+    device_memory: int | None = None,
+    sequence_parallel: bool = False,
+    strict: bool = True,
+    num_devices: int | None = None,
+) -> LayoutPlan:
+    """Plan the layout of a preset's weights on a device mesh.
+
+    Reads only the preset's `config.json`; no weight is allocated and no
+    device is needed when the mesh is given as a mapping. A local folder
+    (or config dict) of a built-in family planned for a mapping imports
+    neither Keras, keras-hub nor JAX once its abstract build is cached.
+
+    Args:
+        preset: what to plan: a preset, i.e. a local folder (Keras or
+            Hugging Face format; a string or a `pathlib.Path`), `hf://…`,
+            `kaggle://…` or a built-in preset name; a config dict, i.e. a
+            Keras preset's `config.json` (with `registered_name`), a Hugging
+            Face `config.json` (with `model_type`) or
+            `{"class_name": "GemmaBackbone", "config": backbone.get_config()}`
+            (`class_name` may be the class itself); or a keras-hub backbone
+            or task instance (its backbone's class and `get_config()`).
+            `plan.preset` then reads e.g. `"<GemmaBackbone instance>"` or
+            `"<config dict>"`.
+        device_mesh: a `keras.distribution.DeviceMesh`, a mapping of axis
+            name to size such as `{"batch": 2, "model": 4}`, or `"auto"`
+            (all of JAX's devices, split as `policy.choose_mesh` decides).
+        strategy: `"tp"` (weights sharded over the model axes, replicated over
+            the batch axis), `"fsdp"` (also sharded over the batch axis) or
+            `"auto"` (`"tp"` when weights, gradients and Adam state take at
+            most 80% of a device's memory or the batch axis has size 1,
+            else `"fsdp"`).
+        batch_axis: the mesh axis that splits batches, if not `batch`/`data`.
+        model_axis: the mesh axis that shards weights, if not
+            `model`/`tensor`.
+        dtype: the dtype (policy) the model will be loaded with; defaults to
+            the preset's.
+        device_memory: per-device bytes; defaults to
+            `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB`, what the devices report,
+            or 16 GiB (`plan.memory_note()` says which).
+        sequence_parallel: also shard the activations tensor parallelism
+            replicates (the residual stream: norms, residual adds, dropout)
+            on their sequence dimension over the model axis, Megatron-style;
+            `plan.layout_map()` then holds `<layer>/output` keys. Needs a
+            model axis of more than one device to change anything.
+        strict: every variable of the model must match exactly one rule of
+            its family's table: with `True` a variable that matches none
+            raises `UnplannedWeightError`; with `False` it warns
+            (`UnplannedWeightWarning`) and is planned replicated.
+        num_devices: with `device_mesh="auto"`, choose the mesh for this
+            many devices without asking JAX (the CLI's `--devices`).
+
+    Returns:
+        A `LayoutPlan`; `plan.fits` tells whether training fits.
+
+    Example:
+    ```python
+    plan = keras_hub_autodist.plan("./gemma_2b", {"batch": 16, "model": 16})
+    print(plan.max_device_bytes, plan.strategy, plan.fits)
+    plan = keras_hub_autodist.plan(backbone, {"batch": 2, "model": 4})
+    ```
+    """
+    options = PlanOptions(
+        strategy=strategy,
+        batch_axis=batch_axis,
+        model_axis=model_axis,
+        dtype=dtype,
+        device_memory=device_memory,
+        sequence_parallel=sequence_parallel,
+        strict=strict,
+    )
+    weights = model_weights(read_config(preset), options)
+    mesh = resolve_mesh(device_mesh, weights, options, num_devices=num_devices)
+    return plan_model(weights, mesh, options)
+
+
+def get_layout_map(preset, device_mesh, **options) -> keras.distribution.LayoutMap:
+    """A config-aware `LayoutMap` for users who keep their own scope.
+
+    The drop-in for `GemmaBackbone.get_layout_map(mesh)`: it reads the
+    preset's config, so MQA/GQA models, untied embeddings and LoRA kernels
+    are laid out correctly.
+
+    Args:
+        preset: as for `plan()`: a preset (string or path), a config dict,
+            or a backbone or task instance.
+        device_mesh: a `keras.distribution.DeviceMesh`.
+        **options: `strategy`, `batch_axis`, `model_axis`, `dtype`,
+            `device_memory`, `sequence_parallel`, `strict`, as for `plan()`.
+
+    Example:
+    ```python
+    layout_map = keras_hub_autodist.get_layout_map("./gemma_2b", mesh)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch")
+    with distribution.scope():
+        model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
+    ```
+    """
+    require_device_mesh(
+        device_mesh,
+        "`get_layout_map` builds a LayoutMap, which needs a real "
+        "`keras.distribution.DeviceMesh`; use `plan()` to plan for a mesh "
+        "given by axis sizes.",
+    )
+    return plan(preset, device_mesh, **options).layout_map(device_mesh)
+
+
+def resolve_mesh(
+    device_mesh,
+    model: ModelWeights,
+    options: PlanOptions,
+    *,
+    devices=None,
+    num_devices: int | None = None,
+) -> ResolvedMesh:
+    """`device_mesh=` resolved once, into the mesh every later step takes.
+
+    A `DeviceMesh` spans its own devices; a mapping spans `devices` (none
+    when planning without devices); `"auto"` is chosen here
+    (`policy.choose_mesh`, each candidate's `"tp"` plan costed in one pass
+    over the weights) for `num_devices`, else for `devices`, else for all
+    of JAX's devices. The memory per device is asked of those devices
+    unless `options.device_memory` gives it (`device_memory.device_memory_info`).
+
+    Args:
+        device_mesh: a `keras.distribution.DeviceMesh`, a mapping of axis
+            name to size, or `"auto"`.
+        model: the weights from `shapes.model_weights`.
+        options: the plan's options (`batch_axis`, `model_axis`,
+            `device_memory`).
+        devices: the devices a mapping or `"auto"` lays out.
+        num_devices: with `"auto"`, plan for this many devices without
+            asking JAX.
+
+    Example:
+    ```python
+    options = PlanOptions()
+    weights = model_weights(read_config("./gemma_2b"), options)
+    resolve_mesh({"batch": 2, "model": 4}, weights, options).axes.shape
+    ```
+    """
+    argument = read_device_mesh(device_mesh)
+    if num_devices is not None and not argument.auto:
+        raise MeshError(
+            f"{option('num_devices')} goes with "
+            f"{option('device_mesh', repr('auto'))}; a mesh given by axis "
+            "sizes has as many devices as their product. Received: "
+            f"num_devices={num_devices!r}, device_mesh={device_mesh!r}"
+        )
+    reason = ""
+    if argument.auto:
+        count = _device_count(num_devices)
+        if count is None:
+            if devices is None:
+                import jax
+
+                devices = jax.devices()
+            count = len(devices)
+        capacity, source = device_memory_info(devices or (), options.device_memory)
+        shape, reason = _auto_mesh(model, count, capacity, source)
+        argument = read_device_mesh(shape)
+    else:
+        if argument.devices is not None:
+            devices = argument.devices
+        capacity, source = None, None
+    # The mesh is checked before its devices are asked for their memory.
+    axes = resolve_mesh_axes(
+        argument, batch_axis=options.batch_axis, model_axis=options.model_axis
+    )
+    if capacity is None:
+        capacity, source = device_memory_info(devices or (), options.device_memory)
+    return ResolvedMesh(
+        axes,
+        None if devices is None else tuple(devices),
+        capacity,
+        source,
+        reason,
+        argument.device_mesh,
+    )
+
+
+def _device_count(num_devices) -> int | None:
+    if num_devices is None:
+        return None
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int):
+        raise MeshError(
+            "The number of devices is a positive integer. Received: "
+            f"num_devices={num_devices!r}"
+        )
+    if num_devices < 1:
+        raise MeshError(
+            f"The number of devices is a positive integer; pass "
+            f"{option('num_devices')}. Received: num_devices={num_devices!r}"
+        )
+    return check_device_count(num_devices, received=f"num_devices={num_devices!r}")
+
+
+def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
+    """Lay out `model`'s weights on `mesh`.
+
+    Args:
+        model: the weights from `shapes.model_weights`.
+        mesh: the mesh from `resolve_mesh`.
+        options: the plan's options.
+
+    Returns:
+        A `LayoutPlan`.
+
+    Example:
+    ```python
+    options = PlanOptions()
+    weights = model_weights(read_config("./gemma_2b"), options)
+    plan_model(weights, resolve_mesh({"batch": 2, "model": 4}, weights,
+               options), options)
+    ```
+    """
+    mesh_axes = mesh.axes
+    capacity = mesh.device_memory_bytes
+    strategies = (
+        sharding.STRATEGIES if options.strategy == "auto" else (options.strategy,)
+    )
+    alternatives = [
+        Alternative(mesh_axes, strategy, kv_fallback)
+        for strategy in strategies
+        for kv_fallback in _kv_fallbacks(model, mesh_axes)
+    ]
+    held = dict(zip(alternatives, _held_bytes(model, alternatives)))
+    kv = {
+        strategy: _choose_kv(model, mesh_axes, strategy, held, capacity)
+        for strategy in strategies
+    }
+    if options.strategy == "auto":
+        tp_need = ADAM_STATE_FACTOR * held[Alternative(mesh_axes, "tp", kv["tp"][0])]
+        strategy, strategy_reason = policy.choose_strategy(
+            tp_need,
+            capacity,
+            mesh.device_memory_source,
+            mesh_axes.size(mesh_axes.batch_axis),
+        )
+    else:
+        strategy, strategy_reason = options.strategy, "requested"
+    kv_fallback, kv_policy = kv[strategy]
+    return LayoutPlan(
+        preset=model.preset,
+        backbone_class=model.backbone_class,
+        architecture=model.architecture,
+        mesh_axes=mesh_axes,
+        strategy=strategy,
+        strategy_reason=strategy_reason,
+        dtype=model.dtype,
+        rows=_rows(model, Alternative(mesh_axes, strategy, kv_fallback), kv_policy),
+        device_memory_bytes=capacity,
+        device_memory_source=mesh.device_memory_source,
+        mesh_reason=mesh.reason,
+        config_fields=model.config_fields,
+        sequence_parallel=options.sequence_parallel,
+        sequence_parallel_outputs=model.sequence_parallel_outputs,
+    )
+
+
+def _auto_mesh(model, num_devices, capacity, source) -> tuple[dict[str, int], str]:
+    """The mesh `device_mesh="auto"` picks: every candidate's `"tp"` plan
+    costed in one pass over the weights, then `policy.choose_mesh`."""
+    candidates = [resolve_mesh_axes(m) for m in policy.mesh_candidates(num_devices)]
+    alternatives = [
+        Alternative(mesh_axes, "tp", kv_fallback)
+        for mesh_axes in candidates
+        for kv_fallback in _kv_fallbacks(model, mesh_axes)
+    ]
+    held = dict(zip(alternatives, _held_bytes(model, alternatives)))
+    needs = []
+    for mesh_axes in candidates:
+        kv_fallback, _ = _choose_kv(model, mesh_axes, "tp", held, capacity)
+        needs.append(
+            ADAM_STATE_FACTOR * held[Alternative(mesh_axes, "tp", kv_fallback)]
+        )
+    return policy.choose_mesh(needs, num_devices, capacity, source)
+
+
+def _held_bytes(model: ModelWeights, alternatives: list[Alternative]) -> list[int]:
+    """Per-device parameter bytes of each alternative, in one pass over the
+    weights. A layer's weights repeat in every block, so each distinct
+    (shape, logical axes) is laid out once per alternative."""
+    size_of = itemsize(model.dtype)
+    held = [0] * len(alternatives)
+    shards_of: dict[tuple, int] = {}
+    for weight in model.weights:
+        size = math.prod(weight.shape) * size_of
+        for index, alternative in enumerate(alternatives):
+            key = (weight.shape, weight.logical_axes, index)
+            if key not in shards_of:
+                spec, _ = _assign(model, weight, alternative)
+                shards_of[key] = _shards(spec, alternative.mesh_axes)
+            held[index] += size // shards_of[key]
+    return held
+
+
+def _rows(model: ModelWeights, alternative: Alternative, kv_policy: str):
+    rows = []
+    for weight in model.weights:
+        spec, fallbacks = _assign(model, weight, alternative, kv_policy)
+        rows.append(
+            dataclasses.replace(
+                weight,
+                dtype=model.dtype,
+                spec=spec,
+                fallbacks=tuple(fallbacks),
+                shards=_shards(spec, alternative.mesh_axes),
+            )
+        )
+    return rows
+
+
+def _assign(model, weight, alternative: Alternative, kv_policy: str = ""):
+    return sharding.assign_mesh_axes(
+        weight,
+        alternative.mesh_axes,
+        alternative.strategy,
+        model.config_fields,
+        kv_fallback=alternative.kv_fallback,
+        kv_policy=kv_policy,
+    )
+
+
+def _shards(spec, mesh_axes: MeshAxes) -> int:
+    return math.prod(mesh_axes.size(axis) for axis in spec if axis)
+
+
+def _first_with(model: ModelWeights, logical: str):
+    return next((w for w in model.weights if logical in w.logical_axes), None)
+
+
+def _kv_fallbacks(model: ModelWeights, mesh_axes: MeshAxes) -> tuple[str, ...]:
+    """The key/value layouts worth costing: both when key/value heads don't
+    divide the model axis, else replication only."""
+    model_size = mesh_axes.size(mesh_axes.model_axis)
+    kv = _first_with(model, "kv_heads")
+    if model_size == 1 or kv is None:
+        return ("replicate",)
+    if kv.shape[kv.logical_axes.index("kv_heads")] % model_size == 0:
+        return ("replicate",)
+    return tuple(layout.kv_fallback for layout in policy.KV_LAYOUTS)
+
+
+def _choose_kv(model, mesh_axes, strategy, held, capacity) -> tuple[str, str]:
+    """The key/value layout and why, from the alternatives' costs.
+
+    When the query heads don't divide the model axis either, K/V follow the
+    query's layout: sharded on head_dim when the query is, else replicated.
+    Otherwise `policy.choose_kv_layout` takes the one moving the fewest bytes
+    among those whose weights, gradients and Adam state fit `capacity` and
+    whose parameters meet the per-device target
+    (`policy.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
+    `policy.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp").
+    """
+    fallbacks = _kv_fallbacks(model, mesh_axes)
+    if len(fallbacks) == 1:
+        return fallbacks[0], ""
+    model_axis = mesh_axes.model_axis
+    model_size = mesh_axes.size(model_axis)
+    query = _first_with(model, "heads")
+    if (
+        query is not None
+        and query.shape[query.logical_axes.index("heads")] % model_size
+    ):
+        spec, _ = _assign(model, query, Alternative(mesh_axes, strategy, "head_dim"))
+        if spec[query.logical_axes.index("head_dim")] == model_axis:
+            return "head_dim", "query heads are sharded on head_dim, so are K/V"
+        # The query is replicated over the model axis; so are K/V, and their
+        # own notes say why.
+        return "replicate", ""
+    if strategy == "fsdp":
+        target, shards = policy.FSDP_DEVICE_BYTES_TARGET, mesh_axes.num_devices
+    else:
+        target, shards = policy.TP_DEVICE_BYTES_TARGET, model_size
+    ideal = sum(math.prod(w.shape) for w in model.weights) * itemsize(model.dtype)
+    ideal /= shards
+    candidates = []
+    for layout in policy.KV_LAYOUTS:
+        bytes_held = held[Alternative(mesh_axes, strategy, layout.kv_fallback)]
+        candidates.append(
+            policy.KVCandidate(
+                layout, ADAM_STATE_FACTOR * bytes_held, bytes_held / ideal
+            )
+        )
+    chosen, reason = policy.choose_kv_layout(
+        candidates, capacity=capacity, target=target, strategy=strategy, axis=model_axis
+    )
+    return chosen.kv_fallback, reason

@@ -1,0 +1,245 @@
+"""A model bound to its distribution: its methods run inside its scope.
+
+Keras and keras-hub read the *global* distribution when a method runs, so a
+model loaded inside a `ModelParallel` scope and used outside it loses data
+parallelism or meets "incompatible devices" errors. A bound model enters its
+own distribution's scope around each method that creates variables or feeds
+batches, and leaves the global distribution as it found it.
+
+Around `compile`, a restore (`load_weights`) and every jitted step it makes,
+a bound model also places its optimizer and metric variables on its mesh
+(`placement.py`); `load_weights` restores the whole training state or raises
+(`checkpointing.py`); batches are checked and padded by `batches.py`. With
+several processes, its save methods run in every process and process 0
+writes (`gathering.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+from typing import NamedTuple
+
+import keras
+
+from keras_hub_autodist import compat
+from keras_hub_autodist.errors import NotBoundError
+from keras_hub_autodist.planning.layout_plan import LayoutPlan
+from keras_hub_autodist.saving.atomic import save_atomically
+from keras_hub_autodist.saving.gathering import save_from_every_process
+from keras_hub_autodist.saving.gathering import several_processes
+from keras_hub_autodist.training.batches import check_batch
+from keras_hub_autodist.training.batches import generate_padded
+from keras_hub_autodist.training.batches import padding_preprocess
+from keras_hub_autodist.training.batches import predict_unpadded
+from keras_hub_autodist.training.batches import rows_multiple
+from keras_hub_autodist.training.batches import sample_count
+from keras_hub_autodist.training.checkpointing import note_compiled
+from keras_hub_autodist.training.checkpointing import restore
+from keras_hub_autodist.training.placement import place_state
+
+_BINDING_ATTR = "_keras_hub_autodist_binding"
+# Marks a method this module already wrapped.
+_WRAPPED_ATTR = "__keras_hub_autodist_scoped__"
+
+
+class Binding(NamedTuple):
+    """What `distribution_of(model)` returns.
+
+    Args:
+        distribution: the `keras.distribution.ModelParallel` of the model.
+        plan: the `LayoutPlan` its weights were laid out with.
+    """
+
+    distribution: keras.distribution.Distribution
+    plan: LayoutPlan
+
+
+def distribution_of(model) -> Binding:
+    """The distribution and plan a model was loaded with.
+
+    Args:
+        model: a model returned by `from_preset(..., device_mesh=...)`.
+
+    Example:
+    ```python
+    lm = keras_hub.models.GemmaCausalLM.from_preset(path, device_mesh=mesh)
+    distribution, plan = keras_hub_autodist.distribution_of(lm)
+    ```
+    """
+    binding = getattr(model, _BINDING_ATTR, None)
+    if binding is None:
+        raise NotBoundError(
+            "This model is not bound to a distribution: load it with "
+            "`from_preset(..., device_mesh=mesh)`. Received: model of type "
+            f"{type(model).__name__}"
+        )
+    return binding
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """What a wrapped method of a bound model needs: the model, its
+    distribution, and the rows a batch must be a multiple of (batches are
+    padded in `preprocess_samples` when `padded`)."""
+
+    model: Any
+    distribution: keras.distribution.Distribution
+    multiple: int
+    padded: bool
+
+
+def _feeding(name, method, bound, args, kwargs):
+    """A method that feeds batches: each checked against the batch axis
+    (unless keras-hub's preprocessing pads them), run in the scope."""
+    if not bound.padded:
+        check_batch(bound.distribution, name, args, kwargs)
+    with bound.distribution.scope():
+        return method(*args, **kwargs)
+
+
+def _in_scope(name, method, bound, args, kwargs):
+    with bound.distribution.scope():
+        return method(*args, **kwargs)
+
+
+def _compiling(name, method, bound, args, kwargs):
+    """`compile`, then the new optimizer's and metrics' variables placed."""
+    with bound.distribution.scope():
+        result = method(*args, **kwargs)
+        place_state(bound.model, bound.distribution)
+        note_compiled(bound.model)
+        return result
+
+
+def _predicting(name, method, bound, args, kwargs):
+    """`predict`: padded rows dropped from the outputs."""
+    if not bound.padded:
+        return _feeding(name, method, bound, args, kwargs)
+    with bound.distribution.scope():
+        return predict_unpadded(method, bound.multiple, *args, **kwargs)
+
+
+def _predicting_on_batch(name, method, bound, args, kwargs):
+    """`predict_on_batch`: padded rows dropped from the outputs."""
+    if not bound.padded:
+        return _feeding(name, method, bound, args, kwargs)
+    rows = sample_count(args[0] if args else kwargs.get("x"))
+    with bound.distribution.scope():
+        outputs = method(*args, **kwargs)
+    return keras.tree.map_structure(lambda output: output[:rows], outputs)
+
+
+def _generating(name, method, bound, args, kwargs):
+    """`generate` on prompts: padded to the batch axis, padding dropped."""
+    if not args and kwargs.get("inputs") is None:
+        return _in_scope(name, method, bound, args, kwargs)
+    inputs = args[0] if args else kwargs.pop("inputs")
+    with bound.distribution.scope():
+        return generate_padded(method, bound.distribution, inputs, *args[1:], **kwargs)
+
+
+def _restoring(name, method, bound, args, kwargs):
+    """`load_weights`: the whole training state, or `RestoreError`."""
+    with bound.distribution.scope():
+        return restore(method, bound.model, bound.distribution, *args, **kwargs)
+
+
+def _saving(path_argument: str, whole_folder: bool):
+    """A save method whose path is `path_argument`: a preset folder swapped
+    in whole (`whole_folder`), and, with several processes, run in every process
+    with process 0 writing."""
+
+    def save(name, method, bound, args, kwargs):
+        if not args and path_argument not in kwargs:
+            return _in_scope(name, method, bound, args, kwargs)
+        if not args:
+            args = (kwargs.pop(path_argument),)
+        with bound.distribution.scope():
+            if several_processes():
+                return save_from_every_process(
+                    method, *args, whole_folder=whole_folder, **kwargs
+                )
+            if whole_folder:
+                return save_atomically(method, *args, **kwargs)
+            return method(*args, **kwargs)
+
+    return save
+
+
+def _placing(name, method, bound, args, kwargs):
+    """A maker of jitted steps: every variable placed on the mesh first,
+    outside the scope (the step takes the state's shardings)."""
+    place_state(bound.model, bound.distribution)
+    return method(*args, **kwargs)
+
+
+# Each method a bound model wraps, and how it runs.
+BOUND_METHODS = {
+    "compile": _compiling,
+    "fit": _feeding,
+    "evaluate": _feeding,
+    "train_on_batch": _feeding,
+    "test_on_batch": _feeding,
+    "predict": _predicting,
+    "predict_on_batch": _predicting_on_batch,
+    "generate": _generating,
+    "enable_lora": _in_scope,
+    "quantize": _in_scope,
+    "load_weights": _restoring,
+    "save_to_preset": _saving("preset_dir", whole_folder=True),
+    "save_weights": _saving("filepath", whole_folder=False),
+    "save": _saving("filepath", whole_folder=False),
+    "make_train_function": _placing,
+    "make_test_function": _placing,
+    "make_predict_function": _placing,
+}
+
+
+def _wrapped(name, method, runs, bound: _Bound):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        return runs(name, method, bound, args, kwargs)
+
+    setattr(call, _WRAPPED_ATTR, True)
+    return call
+
+
+def bind(model, distribution, plan: LayoutPlan):
+    """Bind `model` (and its backbone) to `distribution`; return the model.
+
+    Args:
+        model: a keras-hub `Backbone` or `Task`.
+        distribution: the `ModelParallel` its weights were created under.
+        plan: the `LayoutPlan` behind that distribution.
+    """
+    binding = Binding(distribution, plan)
+    targets = [model]
+    backbone = getattr(model, "backbone", None)
+    if backbone is not None and backbone is not model:
+        targets.append(backbone)
+    multiple = rows_multiple(distribution)
+    for target in targets:
+        object.__setattr__(target, _BINDING_ATTR, binding)
+        # keras-hub's Tasks send every batch (fit, validation, evaluate,
+        # predict, *_on_batch) through `preprocess_samples`: batches that don't
+        # divide the batch axis are padded there (see `pad_batch`).
+        preprocess = getattr(target, "preprocess_samples", None)
+        padded = preprocess is not None and multiple > 1
+        if padded and not getattr(preprocess, _WRAPPED_ATTR, False):
+            compat.patch_instance(
+                "bound_model_methods",
+                target,
+                "preprocess_samples",
+                padding_preprocess(preprocess, target, multiple),
+            )
+        bound = _Bound(target, distribution, multiple, padded)
+        for name, runs in BOUND_METHODS.items():
+            method = getattr(target, name, None)
+            if method is None or getattr(method, _WRAPPED_ATTR, False):
+                continue
+            compat.patch_instance(
+                "bound_model_methods", target, name, _wrapped(name, method, runs, bound)
+            )
+    return model
