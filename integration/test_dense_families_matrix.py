@@ -1,6 +1,6 @@
-"""The dense families on every mesh and strategy, from Hugging Face
-checkpoints, and with LoRA (tests/test_dense_families.py checks their rule
-tables and trains one case).
+"""The dense families on every mesh (every pair of family, mesh, strategy and
+optimizer values trained), from Hugging Face checkpoints, and with LoRA
+(tests/test_dense_families.py checks their rule tables and trains one case).
 
 Each family's tiny preset is a CausalLM without a tokenizer
 (`preprocessor=None`), loaded with its own class (see
@@ -15,11 +15,13 @@ import keras_hub
 import numpy as np
 import pytest
 import tiny_presets
+from equivalence import assert_covers_every_pair
 from equivalence import assert_laid_out_as_planned
 from equivalence import assert_lora_kernels_follow_their_kernels
 from equivalence import assert_same_training
 from equivalence import batch_for
 from equivalence import mesh_id
+from equivalence import pairwise_cases
 
 import keras_hub_autodist
 from keras_hub_autodist.architectures.registry import architecture_for
@@ -55,22 +57,25 @@ def test_abstract_build_sees_the_built_variables(name):
 
 
 # The case tests/test_dense_families.py trains.
-DEFAULT_SESSION_CASE = ("qwen2", "batch2-model4", "tp")
+DEFAULT_SESSION_CASE = ("qwen2", "batch2-model4", "tp", "sgd")
 TRAINING_CASES = [
-    pytest.param(name, mesh, strategy, id=f"{name}-{mesh_id(mesh)}-{strategy}")
-    for name in FAMILIES
-    for mesh in MESHES
-    for strategy in ("tp", "fsdp")
-    if (name, mesh_id(mesh), strategy) != DEFAULT_SESSION_CASE
+    pytest.param(*case, id=f"{case[0]}-{mesh_id(case[1])}-{case[2]}-{case[3]}")
+    for case in pairwise_cases(FAMILIES, MESHES, skip=[DEFAULT_SESSION_CASE])
 ]
 
 
-@pytest.mark.parametrize("name, mesh, strategy", TRAINING_CASES)
-def test_sgd_training_matches_single_device(tiny_presets_dir, name, mesh, strategy):
+def test_the_cases_cover_every_pair():
+    assert_covers_every_pair(FAMILIES, MESHES)
+
+
+@pytest.mark.parametrize("name, mesh, strategy, optimizer", TRAINING_CASES)
+def test_training_matches_single_device(
+    tiny_presets_dir, name, mesh, strategy, optimizer
+):
     preset = tiny_presets_dir[name]
     assert_same_training(
         preset,
-        "sgd",
+        optimizer,
         task=task_of(name),
         batch=family_batch(name, preset),
         device_mesh=mesh,
@@ -119,19 +124,6 @@ def test_gemma4_per_layer_inputs_sgd_step_matches_single_device(
         atol=PER_LAYER_INPUTS_ATOL,
         device_mesh=mesh,
         strategy=strategy,
-    )
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_adam_losses_match_single_device(tiny_presets_dir, name):
-    preset = tiny_presets_dir[name]
-    assert_same_training(
-        preset,
-        "adam",
-        task=task_of(name),
-        batch=family_batch(name, preset),
-        device_mesh={"batch": 2, "model": 4},
-        strategy="fsdp",
     )
 
 

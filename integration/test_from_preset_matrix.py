@@ -1,6 +1,6 @@
-"""`from_preset(..., device_mesh=...)` against one device, on every tiny preset,
-mesh, strategy and optimizer (tests/test_from_preset.py runs one case per
-mesh)."""
+"""`from_preset(..., device_mesh=...)` against one device: every tiny preset on
+every mesh, with every pair of strategy and optimizer values covered
+(tests/test_from_preset.py runs one case per mesh)."""
 
 import keras
 import keras_hub
@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 import tiny_presets
 from equivalence import MESHES
+from equivalence import assert_covers_every_pair
 from equivalence import assert_same_generate
 from equivalence import assert_same_training
 from equivalence import batch_for
 from equivalence import greedy_tokens
 from equivalence import mesh_id
+from equivalence import pairwise_cases
+from test_from_preset import ROTATION
 from test_from_preset import assert_batch_is_sharded_inside_train_step
 
 import keras_hub_autodist
@@ -20,41 +23,23 @@ import keras_hub_autodist
 pytestmark = pytest.mark.slow
 
 PRESETS = sorted(tiny_presets.CAUSAL_LMS)
-# Each preset on one more mesh than in the default session's rotation.
-MORE_MESHES = [
-    pytest.param(
-        PRESETS[i],
-        MESHES[(i + 3) % len(MESHES)],
-        ("fsdp", "tp")[i % 2],
-        id=f"{PRESETS[i]}-{mesh_id(MESHES[(i + 3) % len(MESHES)])}-"
-        f"{('fsdp', 'tp')[i % 2]}",
-    )
-    for i in range(len(PRESETS))
+# The runs tests/test_from_preset.py makes.
+DEFAULT_SESSION_CASES = [
+    (name, mesh_id(mesh), strategy, "sgd")
+    for name, mesh, strategy in (case.values for case in ROTATION)
+]
+CASES = [
+    pytest.param(*case, id=f"{case[0]}-{mesh_id(case[1])}-{case[2]}-{case[3]}")
+    for case in pairwise_cases(PRESETS, MESHES, skip=DEFAULT_SESSION_CASES)
 ]
 
 
-@pytest.mark.parametrize("name, mesh, strategy", MORE_MESHES)
-def test_sgd_training_on_another_mesh_matches_single_device(
-    tiny_presets_dir, name, mesh, strategy
-):
-    assert_same_training(
-        tiny_presets_dir[name], "sgd", device_mesh=mesh, strategy=strategy
-    )
+def test_the_cases_cover_every_pair():
+    assert_covers_every_pair(PRESETS, MESHES)
 
 
-@pytest.mark.parametrize("name", [name for name in PRESETS if name != "gemma_mqa"])
-def test_adam_losses_match_single_device(tiny_presets_dir, name):
-    mesh = MESHES[PRESETS.index(name) % len(MESHES)]
-    assert_same_training(
-        tiny_presets_dir[name], "adam", device_mesh=mesh, strategy="fsdp"
-    )
-
-
-@pytest.mark.parametrize("strategy", ["tp", "fsdp"])
-@pytest.mark.parametrize("mesh", MESHES, ids=mesh_id)
-@pytest.mark.parametrize("name", PRESETS)
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_full_matrix_matches_single_device(
+@pytest.mark.parametrize("name, mesh, strategy, optimizer", CASES)
+def test_training_matches_single_device(
     tiny_presets_dir, name, mesh, strategy, optimizer
 ):
     assert_same_training(

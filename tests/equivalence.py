@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -44,6 +45,49 @@ MESHES = (
 def mesh_id(mesh: dict) -> str:
     """A test id for a mesh: `{"batch": 2, "model": 4}` -> `batch2-model4`."""
     return "-".join(f"{k}{v}" for k, v in mesh.items())
+
+
+STRATEGIES = ("tp", "fsdp")
+OPTIMIZERS = ("sgd", "adam")
+
+
+def pairwise_cases(names, meshes, skip=()) -> list[tuple]:
+    """`(name, mesh, strategy, optimizer)` runs: every name on every mesh once,
+    the strategy and optimizer turning so that every pair of values of any
+    two of the four factors is trained (a pairwise design: one run per name
+    and mesh instead of four), less the cases in `skip` (runs the default
+    session already makes, as `(name, mesh_id, strategy, optimizer)`).
+
+    A failure tied to one value, or to two values together, shows in some
+    run; what only three values together would break is not looked for.
+    `assert_covers_every_pair` checks the cover.
+
+    Example:
+    ```python
+    for name, mesh, strategy, optimizer in pairwise_cases(PRESETS, MESHES):
+        assert_same_training(preset, optimizer, device_mesh=mesh, strategy=strategy)
+    ```
+    """
+    cases = []
+    for i, name in enumerate(names):
+        for j, mesh in enumerate(meshes):
+            strategy = STRATEGIES[(i + j) % 2]
+            optimizer = OPTIMIZERS[(i + j // 2) % 2]
+            if (name, mesh_id(mesh), strategy, optimizer) not in set(skip):
+                cases.append((name, mesh, strategy, optimizer))
+    return cases
+
+
+def assert_covers_every_pair(names, meshes) -> None:
+    """`pairwise_cases(names, meshes)` trains every pair of values."""
+    cases = [
+        (name, mesh_id(mesh), strategy, optimizer)
+        for name, mesh, strategy, optimizer in pairwise_cases(names, meshes)
+    ]
+    values = (list(names), [mesh_id(m) for m in meshes], STRATEGIES, OPTIMIZERS)
+    for a, b in itertools.combinations(range(4), 2):
+        covered = {(case[a], case[b]) for case in cases}
+        assert covered == set(itertools.product(values[a], values[b])), (a, b)
 
 
 def optimizer_for(name: str) -> keras.optimizers.Optimizer:

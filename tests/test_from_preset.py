@@ -26,7 +26,7 @@ PRESETS = sorted(tiny_presets.CAUSAL_LMS)
 
 # Every mesh (each axis order and the 3D one) once, with a rotating preset
 # and strategy, so that each preset, mesh and strategy is covered here; the
-# integration session runs the full cross product.
+# integration session covers every pair of values (a pairwise design).
 ROTATION = [
     pytest.param(
         PRESETS[i % len(PRESETS)],
