@@ -28,6 +28,7 @@ from keras_hub_autodist.errors import ArgumentError  # noqa: E402
 from keras_hub_autodist.errors import AutodistError  # noqa: E402
 from keras_hub_autodist.errors import BackendError  # noqa: E402
 from keras_hub_autodist.errors import BatchSizeError  # noqa: E402
+from keras_hub_autodist.errors import CheckpointOptionError  # noqa: E402
 from keras_hub_autodist.errors import ConfigError  # noqa: E402
 from keras_hub_autodist.errors import DemoError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
@@ -70,7 +71,7 @@ _LAZY = {
     "distribution_of": "keras_hub_autodist.binding",
     "LoadStats": "keras_hub_autodist.loading",
     "load_stats": "keras_hub_autodist.loading",
-    "ResumableCheckpoint": "keras_hub_autodist.checkpointing",
+    "ResumableCheckpoint": "keras_hub_autodist.resumable",
 }
 
 __all__ = [
@@ -80,6 +81,7 @@ __all__ = [
     "BackendError",
     "BatchSizeError",
     "Binding",
+    "CheckpointOptionError",
     "ConfigError",
     "deactivate",
     "DemoError",

@@ -9,9 +9,10 @@ batches, and leaves the global distribution as it found it.
 Around `compile`, a restore (`load_weights`) and every jitted step it makes,
 a bound model also places its optimizer and metric variables on its mesh
 (`placement.py`); `load_weights` restores the whole training state or raises
-(`checkpointing.py`); batches are checked and padded by `batches.py`. With
+(`restore.py`); batches are checked and padded by `batches.py`. With
 several processes, its save methods run in every process and process 0
-writes (`gathering.py`).
+writes (`gathering.py`); `save_weights` and `save` write the model's
+fingerprint into their file (`weights_files.py`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ from keras_hub_autodist.batches import padding_preprocess
 from keras_hub_autodist.batches import predict_unpadded
 from keras_hub_autodist.batches import rows_multiple
 from keras_hub_autodist.batches import sample_count
-from keras_hub_autodist.checkpointing import note_compiled
-from keras_hub_autodist.checkpointing import restore
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.gathering import save_from_every_process
 from keras_hub_autodist.gathering import several_processes
 from keras_hub_autodist.placement import place_state
 from keras_hub_autodist.plan import LayoutPlan
+from keras_hub_autodist.restore import note_compiled
+from keras_hub_autodist.restore import restore
 from keras_hub_autodist.saving import save_atomically
+from keras_hub_autodist.weights_files import fingerprinted
 
 # Methods run inside the model's distribution scope.
 BOUND_METHODS = (
@@ -110,8 +112,19 @@ def _placing(method, model, distribution):
     return call
 
 
+def _recording_fingerprint(name, method, model):
+    """`save_weights` and `save` write the model's fingerprint into their
+    file; the saves `save_to_preset` makes write none."""
+    if name in ("save_weights", "save"):
+        return fingerprinted(method, model)
+    if name == "save_to_preset":
+        return fingerprinted(method, model, write=False)
+    return method
+
+
 def _scoped(name, method, model, distribution, padded=False):
     multiple = rows_multiple(distribution)
+    method = _recording_fingerprint(name, method, model)
 
     @functools.wraps(method)
     def call(*args, **kwargs):

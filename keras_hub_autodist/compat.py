@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 
 # (module, attribute) pairs this module relies on; `check_touchpoints()`
 # imports each against the installed versions.
@@ -50,6 +51,8 @@ TOUCHPOINTS = (
     ("keras.src.saving.saving_lib", "H5IOStore.make"),
     # ... and the optimizer's writer, which fetches each value itself.
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"),
+    # Checking a weights file against a model: the walk Keras' writers make.
+    ("keras.src.saving.saving_lib", "_save_state"),
 )
 
 
@@ -396,3 +399,118 @@ def _save_optimizer_variables(optimizer, store):
     instead of its NumPy value."""
     for index, variable in enumerate(optimizer.variables):
         store[str(index)] = variable
+
+
+# --- Weights files: what Keras writes, and a fingerprint written with it ------
+
+# Keras' weights files (`.weights.h5`, the `model.weights.h5` of a `.keras`)
+# hold each saveable's variables in a group `<path>/vars`, one dataset per
+# variable, named by its index; `BaseOptimizer.save_own_variables` writes
+# `optimizer/vars/<i>` for its i-th variable.
+OPTIMIZER_H5_GROUP = "optimizer/vars"
+# Held while Keras' weight stores are swapped (`h5_dataset_written_with`).
+_SAVE_HOOK_LOCK = threading.RLock()
+
+
+def weights_file_datasets(model) -> dict[str, object]:
+    """The datasets Keras' `save_weights` writes for `model`, but the
+    optimizer's (`OPTIMIZER_H5_GROUP`): HDF5 path -> the variable (or, for a
+    layer that merges LoRA kernels into its kernel, the array) it holds.
+
+    Found by Keras' own walk (`saving_lib._save_state`) into a store that
+    keeps what it is handed and writes nothing.
+
+    Example:
+    ```python
+    shapes = {key: v.shape for key, v in weights_file_datasets(model).items()}
+    ```
+    """
+    from keras.src.saving import saving_lib
+
+    def recording_store(base):
+        class RecordingStore(base):
+            def __init__(self):
+                self.mode = "w"
+                self.archive = None
+                self.io_file = None
+                self.entries = {}
+                self._group = "vars"
+
+            def __bool__(self):
+                return True
+
+            def make(self, path, metadata=None):
+                self._group = f"{path}/vars" if path else "vars"
+                return self
+
+            def __setitem__(self, key, value):
+                self.entries[f"{self._group}/{key}"] = value
+
+            def close(self):
+                pass
+
+        return RecordingStore()
+
+    optimizer = getattr(model, "optimizer", None)
+    skipped = {id(optimizer)} if optimizer is not None else set()
+    # `_save_state` checks the store's class against `saving_lib`'s, which a
+    # save in another thread may be swapping.
+    with _SAVE_HOOK_LOCK:
+        store = recording_store(saving_lib.H5IOStore)
+        saving_lib._save_state(
+            model,
+            weights_store=store,
+            assets_store=None,
+            inner_path="",
+            visited_saveables=skipped,
+        )
+    return store.entries
+
+
+@contextlib.contextmanager
+def h5_dataset_written_with(name: str, text: str):
+    """A scope in which the HDF5 weights file that Keras' `save_weights` or
+    `save` opens for writing on this thread gets a root dataset `name`
+    holding `text`, written with the file (a `.weights.h5`, the first shard
+    of a `.weights.json`, the `model.weights.h5` inside a `.keras`).
+
+    Keras' loaders read only the groups they know, so they ignore it. The
+    stores are swapped in `saving_lib` for the duration of the scope, under a
+    lock (scopes in several threads run one after the other); stores opened
+    by other threads meanwhile are left as they are.
+
+    Example:
+    ```python
+    with h5_dataset_written_with("notes", "{}"):
+        model.save_weights("model.weights.h5")
+    ```
+    """
+    from keras.src.saving import saving_lib
+
+    owner = threading.get_ident()
+
+    def marking(base):
+        class MarkingStore(base):
+            def __init__(self, *args, **kwargs):
+                base.__init__(self, *args, **kwargs)
+                h5_file = getattr(self, "h5_file", None)
+                if (
+                    getattr(self, "mode", None) == "w"
+                    and h5_file is not None
+                    and threading.get_ident() == owner
+                    and name not in h5_file
+                ):
+                    h5_file.create_dataset(name, data=text)
+
+        MarkingStore.__name__ = MarkingStore.__qualname__ = base.__name__
+        return MarkingStore
+
+    with _SAVE_HOOK_LOCK:
+        originals = {n: getattr(saving_lib, n) for n in _WEIGHT_STORE_NAMES}
+        try:
+            for store_name, base in originals.items():
+                setattr(saving_lib, store_name, marking(base))
+            yield
+        finally:
+            for store_name, base in originals.items():
+                setattr(saving_lib, store_name, base)
