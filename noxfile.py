@@ -7,6 +7,7 @@ Run with `nox` (the uv backend makes sessions start in seconds):
 """
 
 import os
+import pathlib
 
 import nox
 
@@ -18,6 +19,17 @@ TEST_ENV = {
     "KERAS_BACKEND": "jax",
     "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
     "TF_CPP_MIN_LOG_LEVEL": "3",
+}
+# JAX's persistent compilation cache, shared by every session of one checkout
+# (CI's fresh clone starts it empty): the sessions compile the same tiny
+# models again and again, and a compiled step is read back instead. Every
+# entry is kept, however small or quick to compile.
+COMPILATION_CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": str(
+        pathlib.Path(__file__).resolve().parent / ".nox" / "jax-compilation-cache"
+    ),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
 }
 
 
@@ -34,6 +46,7 @@ def _pytest(session, *args):
         *session.posargs,
         env={
             **TEST_ENV,
+            **COMPILATION_CACHE,
             **{k: v for k, v in os.environ.items() if k.startswith("KERAS_HUB")},
         },
     )

@@ -152,7 +152,7 @@ def child_train(path, variant, batch, seq, steps, warmup, generate):
         mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)
         plan = keras_hub_autodist.plan(path, mesh, dtype="bfloat16")
         start = time.perf_counter()
-        compiled = plan.compiled_memory(batch, seq, "adam")
+        compiled = keras_hub_autodist.compiled_memory(plan, batch, seq, "adam")
         row["compiled_check_s"] = time.perf_counter() - start
         row["compiled_peak_bytes"] = compiled.peak_bytes
         row["compiled"] = {

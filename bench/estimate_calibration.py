@@ -77,7 +77,9 @@ def measure(name, model, shape, dtype, batch, seq):
     devices = keras.distribution.list_devices()[: shape[0] * shape[1]]
     mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
     plan = keras_hub_autodist.plan(preset, mesh, strategy="tp", dtype=dtype)
-    compiled = plan.compiled_memory(batch, seq, "adam", preset=preset)
+    compiled = keras_hub_autodist.compiled_memory(
+        plan, batch, seq, "adam", preset=preset
+    )
     closed = plan.training_bytes_per_device("adam") + plan.activation_bytes_per_device(
         batch, seq
     )

@@ -10,6 +10,7 @@ from bench.static_maps import static_device_bytes
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.presets import read_preset_config
 from keras_hub_autodist.registry import architecture_for
+from keras_hub_autodist.shapes import architecture_weights
 
 SHARED = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "presets"
 DEVICES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -30,8 +31,8 @@ def run():
     ):  # the 70B-class configs have their own section (bench/planning.py)
         info = read_preset_config(str(preset))
         try:
-            weights = architecture_for(info.backbone_cls).weights(
-                info.config, info.backbone_cls
+            weights = architecture_weights(
+                architecture_for(info.backbone_cls), info.config, info.backbone_cls
             )
         except UnsupportedArchitectureError:
             # A config of a family with no architecture: listed as such.

@@ -15,7 +15,8 @@ import keras_hub_autodist
 from keras_hub_autodist import MeshError
 from keras_hub_autodist import PlanError
 from keras_hub_autodist import step_memory
-from keras_hub_autodist.compiled_memory import CompiledMemory
+from keras_hub_autodist.compiled_step import CompiledMemory
+from keras_hub_autodist.compiled_step import compiled_memory
 
 pytestmark = pytest.mark.slow
 
@@ -32,18 +33,18 @@ def test_matches_the_step_compiled_with_real_weights_fsdp(tiny_presets_dir):
 def test_one_device_mesh_and_a_config_dict(tiny_presets_dir):
     config = {"class_name": "GemmaBackbone", "config": dict(_gemma_config())}
     plan = keras_hub_autodist.plan(config, _mesh((1, 1)), dtype="bfloat16")
-    memory = plan.compiled_memory(2, SEQ, preset=config)
+    memory = compiled_memory(plan, 2, SEQ, preset=config)
     assert memory.devices == 1
     assert 3 * plan.max_device_bytes <= memory.argument_bytes
     with pytest.raises(PlanError, match=r"pass what you planned as preset="):
-        plan.compiled_memory(2, SEQ)
+        compiled_memory(plan, 2, SEQ)
 
 
 def test_leaves_the_users_optimizer_unbuilt(tiny_presets_dir):
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
     optimizer = keras.optimizers.Adam(1e-3)
     count = len(optimizer.variables)
-    memory = plan.compiled_memory(BATCH, SEQ, optimizer)
+    memory = compiled_memory(plan, BATCH, SEQ, optimizer)
     assert not optimizer.built and len(optimizer.variables) == count
     assert memory.optimizer == "adam"
 
@@ -63,7 +64,7 @@ def test_cpu_estimate_within_15_percent_of_the_compiled_step(shape):
         ),
     }
     plan = keras_hub_autodist.plan(config, _mesh(shape), strategy="tp")
-    compiled = plan.compiled_memory(8, 128, preset=config)
+    compiled = compiled_memory(plan, 8, 128, preset=config)
     estimate = step_memory.step_estimate(plan, 8, 128, platform="cpu")
     assert 0.85 < estimate.total_bytes / compiled.peak_bytes < 1.15
 
@@ -73,7 +74,7 @@ def test_compiles_for_the_planned_shape_over_all_devices(tiny_presets_dir):
         tiny_presets_dir["gemma_mqa"], {"batch": 2, "model": 4}
     )
     with pytest.raises(MeshError, match=r"Received: device_mesh=\{'batch'"):
-        plan.compiled_memory(BATCH, SEQ, device_mesh={"batch": 2, "model": 4})
-    given = plan.compiled_memory(BATCH, SEQ, device_mesh=_mesh((2, 4)))
+        compiled_memory(plan, BATCH, SEQ, device_mesh={"batch": 2, "model": 4})
+    given = compiled_memory(plan, BATCH, SEQ, device_mesh=_mesh((2, 4)))
     assert isinstance(given, CompiledMemory) and given.devices == 8
-    assert plan.compiled_memory(BATCH, SEQ) == given
+    assert compiled_memory(plan, BATCH, SEQ) == given

@@ -23,6 +23,7 @@ from equivalence import mesh_id
 
 import keras_hub_autodist
 from keras_hub_autodist.registry import architecture_for
+from keras_hub_autodist.shapes import architecture_weights
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,7 @@ def family_batch(name, preset):
 def test_abstract_build_sees_the_built_variables(name):
     cls, _, config = tiny_presets.DENSE_VARIANTS[name]
     backbone = cls(**config)
-    specs = architecture_for(cls).weights(config, cls)
+    specs = architecture_weights(architecture_for(cls), config, cls)
     assert [s.path for s in specs] == [v.path for v in backbone.weights]
     assert [s.shape for s in specs] == [tuple(v.shape) for v in backbone.weights]
 

@@ -5,7 +5,8 @@ parent kills it at 10 random points (after a random number of batches, at a
 random moment within the next one, so some kills land in a save), starts it
 again each time, and lets the last run finish. The final weights must equal
 those of an uninterrupted run: bit-exact when every run uses the same mesh,
-within the equivalence tolerance when the runs alternate between two meshes.
+within a hundredth of one optimizer step when the runs alternate between two
+meshes.
 """
 
 import os
@@ -23,6 +24,11 @@ KILLS = 10
 TIMEOUT = 600
 MESH = (2, 4)
 OTHER_MESH = (4, 2)
+# Runs that alternate meshes reduce in another order, and Adam's normalised
+# steps amplify that rounding (seen up to 1.1e-5 on a weight); a weight or slot
+# not restored is off by about one step, lr = 1e-2. A hundredth of a step
+# tells the two apart.
+ANOTHER_MESH_ATOL = 1e-4
 
 
 def start(preset, checkpoints, out, mesh, log):
@@ -98,7 +104,9 @@ def uninterrupted(tiny_presets_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "meshes, atol", [((MESH,), 0.0), ((MESH, OTHER_MESH), 1e-5)], ids=["same", "two"]
+    "meshes, atol",
+    [((MESH,), 0.0), ((MESH, OTHER_MESH), ANOTHER_MESH_ATOL)],
+    ids=["same", "two"],
 )
 def test_killed_training_resumes_exactly(
     tiny_presets_dir, tmp_path, uninterrupted, meshes, atol

@@ -50,12 +50,8 @@ from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
 from keras_hub_autodist.errors import WeightFileChangedError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
+from keras_hub_autodist.layout_plan import LayoutPlan  # noqa: E402
 from keras_hub_autodist.on_import import when_imported  # noqa: E402
-
-# `plan` is imported eagerly (it is light): the function must shadow the
-# submodule of the same name, which a lazy import would not do.
-from keras_hub_autodist.plan import LayoutPlan  # noqa: E402
-from keras_hub_autodist.plan import PlanRow  # noqa: E402
 from keras_hub_autodist.planner import get_layout_map  # noqa: E402
 from keras_hub_autodist.planner import plan  # noqa: E402
 from keras_hub_autodist.weight import Weight  # noqa: E402
@@ -72,6 +68,8 @@ _LAZY = {
     "LoadStats": "keras_hub_autodist.loading",
     "load_stats": "keras_hub_autodist.loading",
     "ResumableCheckpoint": "keras_hub_autodist.resumable",
+    "compiled_memory": "keras_hub_autodist.compiled_step",
+    "CompiledMemory": "keras_hub_autodist.compiled_step",
 }
 
 __all__ = [
@@ -82,6 +80,8 @@ __all__ = [
     "BatchSizeError",
     "Binding",
     "CheckpointOptionError",
+    "compiled_memory",
+    "CompiledMemory",
     "ConfigError",
     "deactivate",
     "DemoError",
@@ -101,7 +101,6 @@ __all__ = [
     "plan",
     "PlanError",
     "PlanInputError",
-    "PlanRow",
     "PluginOffError",
     "PresetError",
     "RestoreError",
@@ -118,7 +117,21 @@ __all__ = [
 ]
 
 
+# Former names, kept for one release.
+_DEPRECATED = {"PlanRow": "Weight"}
+
+
 def __getattr__(name):
+    if name in _DEPRECATED:
+        import warnings
+
+        warnings.warn(
+            f"`keras_hub_autodist.{name}` is deprecated; use "
+            f"`keras_hub_autodist.{_DEPRECATED[name]}`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_DEPRECATED[name]]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,34 +7,20 @@ variable's initializer, so no array exists. The variables' paths and shapes
 are read, and the model is dropped.
 
 Results are cached per backbone class and config: in memory, so re-planning
-the same preset on another mesh is immediate, and on disk (a small JSON file
-per config under `~/.cache/keras_hub_autodist/abstract`, keyed by the
-keras and keras-hub versions), so a later process, the CLI's included, plans
-the same config without importing keras-hub. keras-hub's conversions of
-Hugging Face configs that have no keras-free conversion here (Mixtral, Qwen,
-...) are kept the same way (`store`/`read_stored`). `$KERAS_HUB_AUTODIST_CACHE`
-names another folder, or `off` turns the disk cache off.
-
-Each file on disk is an entry that records what it answers: its format, kind,
-key (the backbone class and config, or the Hugging Face config converted),
-the keras and keras-hub versions, and a digest of its value. An entry is
-served only when all of them match the request, so a file of an older format,
-copied from another config, or edited by hand is built again, and the build
-rewrites it. Entries are created with the permissions the umask allows, so a
-cache folder shared by several users serves them all.
+the same preset on another mesh is immediate, and on disk (`disk_cache.py`),
+so a later process, the CLI's included, plans the same config without
+importing keras-hub.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import inspect
 import json
-import os
-import pathlib
-import secrets
 from collections.abc import Mapping
-from importlib import metadata
 
+from keras_hub_autodist.disk_cache import read_stored
+from keras_hub_autodist.disk_cache import store
 from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.weight import Weight
 
@@ -90,46 +76,6 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[Weight, ...]:
     return found
 
 
-CACHE_ENV = "KERAS_HUB_AUTODIST_CACHE"
-_OFF = ("0", "off", "false", "no", "none")
-
-
-def cache_folder() -> pathlib.Path | None:
-    """Where abstract builds are kept on disk, or `None` when turned off.
-
-    Example:
-    >>> import os
-    >>> os.environ[CACHE_ENV] = "off"
-    >>> cache_folder() is None
-    True
-    >>> del os.environ[CACHE_ENV]
-    """
-    value = os.environ.get(CACHE_ENV, "").strip()
-    if value.lower() in _OFF:
-        return None
-    if value:
-        return pathlib.Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".cache"
-    )
-    return pathlib.Path(base) / "keras_hub_autodist" / "abstract"
-
-
-def _version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "?"
-
-
-def _disk_file(kind: str, text: str) -> pathlib.Path | None:
-    folder = cache_folder()
-    if folder is None:
-        return None
-    key = f"{_version('keras')}|{_version('keras-hub')}|{kind}|{text}"
-    return folder / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()}.json"
-
-
 def _disk_key(class_name: str, config_text: str) -> str:
     return f"{class_name}|{config_text}"
 
@@ -139,113 +85,6 @@ def _variables_key(class_name: str, config: Mapping) -> str | None:
     config is not plain JSON (cached in memory only)."""
     text, plain = _config_key(config)
     return _disk_key(class_name, text) if plain else None
-
-
-# The layout of an entry; an entry of another format is built again.
-ENTRY_FORMAT = 2
-
-
-def _entry(kind: str, text: str, value) -> dict:
-    """The entry that keeps `value` under `(kind, text)`."""
-    return {
-        "format": ENTRY_FORMAT,
-        "kind": kind,
-        "key": text,
-        "versions": {name: _version(name) for name in ("keras", "keras-hub")},
-        "digest": _digest(value),
-        "value": value,
-    }
-
-
-def _digest(value) -> str:
-    """A fingerprint of a JSON value, to tell an entry edited after writing."""
-    text = json.dumps(value, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _entry_text(kind: str, text: str, value) -> str:
-    return json.dumps(_entry(kind, text, value), sort_keys=True)
-
-
-def _served_value(entry, kind: str, text: str):
-    """The value of `entry` if it answers `(kind, text)`, else `None`."""
-    if not isinstance(entry, dict) or "value" not in entry:
-        return None  # an older format, or not an entry at all
-    expected = _entry(kind, text, entry["value"])
-    recorded = {name: entry.get(name) for name in expected}
-    return entry["value"] if recorded == expected else None
-
-
-def read_stored(kind: str, text: str):
-    """The JSON value stored under `(kind, text)` by an earlier process, or
-    `None`. Imports neither Keras nor keras-hub.
-
-    An entry that does not record this kind, key and the installed keras and
-    keras-hub versions, or whose value does not match its digest, is not
-    served: the caller builds the value again and `store` rewrites it.
-
-    Example:
-    >>> store("conversion", '{"model_type": "x"}', {"class": "XBackbone"})
-    >>> read_stored("conversion", '{"model_type": "x"}')
-    {'class': 'XBackbone'}
-    >>> read_stored("conversion", '{"model_type": "y"}') is None
-    True
-    """
-    path = _disk_file(kind, text)
-    if path is None:
-        return None
-    try:
-        entry = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # absent, or unreadable: computed again
-    return _served_value(entry, kind, text)
-
-
-def store(kind: str, text: str, value) -> None:
-    """Keep the JSON `value` under `(kind, text)` for later processes.
-
-    The entry is replaced atomically, unless the file already holds exactly
-    this entry; a corrupt, stale or foreign file is so healed by the next
-    build. The file gets the permissions the umask allows (`0o644` under the
-    common `0o022`). Silently skipped when the cache folder is not writable.
-
-    Example:
-    >>> store("conversion", '{"model_type": "x"}', {"class": "XBackbone"})
-    """
-    path = _disk_file(kind, text)
-    if path is None:
-        return
-    try:
-        payload = _entry_text(kind, text, value)
-    except (TypeError, ValueError):
-        return  # not plain JSON: memory serves this process
-    try:
-        if path.read_text(encoding="utf-8") == payload:
-            return
-    except (OSError, ValueError):
-        pass  # absent or unreadable: written below
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, payload)
-    except OSError:
-        pass  # a read-only home: memory serves this process
-
-
-def _write_atomically(path: pathlib.Path, payload: str) -> None:
-    """Write `payload` to a fresh file beside `path`, then move it over `path`.
-
-    The fresh file is created with mode `0o666`, which the operating system
-    narrows by the umask, as it does for any file a program creates.
-    """
-    partial = path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            file.write(payload)
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
 
 
 def stored_variables(class_name: str, config: Mapping) -> tuple[Weight, ...] | None:
@@ -303,6 +142,13 @@ def _cached_variables(backbone_cls, key, frozen) -> tuple[Weight, ...]:
         with deferred_variables():
             backbone = backbone_cls.from_config(config)
     except (TypeError, ValueError, KeyError) as error:
+        missing = _missing_arguments(backbone_cls, config)
+        if missing:
+            raise ConfigError(
+                f"The preset's config has no `{missing[0]}`, which "
+                f"{backbone_cls.__name__} needs (it has no default). Add it to "
+                f"the preset's config.json. Received: config keys {sorted(config)}"
+            ) from error
         raise ConfigError(
             f"keras-hub could not build {backbone_cls.__name__} from the "
             f"preset's config: {type(error).__name__}: {error}. Fix the "
@@ -316,6 +162,23 @@ def _cached_variables(backbone_cls, key, frozen) -> tuple[Weight, ...]:
     )
     del backbone
     return found
+
+
+def _missing_arguments(backbone_cls: type, config: Mapping) -> list[str]:
+    """The constructor arguments of `backbone_cls` without a default that
+    `config` lacks."""
+    try:
+        parameters = inspect.signature(backbone_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        name
+        for name, parameter in list(parameters.items())[1:]
+        if parameter.kind in kinds
+        and parameter.default is inspect.Parameter.empty
+        and name not in config
+    ]
 
 
 def clear_cache() -> None:

@@ -208,7 +208,7 @@ def padding_preprocess(preprocess_samples, model, multiple: int):
         data = preprocess_samples(x, y, sample_weight)
         return pad_batch(data, multiple, scale=_scales_padded_rows(model))
 
-    call.__keras_hub_autodist_scoped__ = True
+    call.__keras_hub_autodist_scoped__ = True  # binding._WRAPPED_ATTR
     return call
 
 

@@ -17,11 +17,14 @@ fingerprint into their file (`weights_files.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 from typing import NamedTuple
 
 import keras
 
+from keras_hub_autodist import compat
 from keras_hub_autodist.batches import check_batch
 from keras_hub_autodist.batches import generate_padded
 from keras_hub_autodist.batches import padding_preprocess
@@ -31,41 +34,16 @@ from keras_hub_autodist.batches import sample_count
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.gathering import save_from_every_process
 from keras_hub_autodist.gathering import several_processes
+from keras_hub_autodist.layout_plan import LayoutPlan
 from keras_hub_autodist.placement import place_state
-from keras_hub_autodist.plan import LayoutPlan
 from keras_hub_autodist.restore import note_compiled
 from keras_hub_autodist.restore import restore
 from keras_hub_autodist.saving import save_atomically
-from keras_hub_autodist.weights_files import fingerprinted
+from keras_hub_autodist.weights_files import recording_fingerprint
 
-# Methods run inside the model's distribution scope.
-BOUND_METHODS = (
-    "compile",
-    "fit",
-    "evaluate",
-    "predict",
-    "generate",
-    "train_on_batch",
-    "test_on_batch",
-    "predict_on_batch",
-    "enable_lora",
-    "quantize",
-    "save_to_preset",
-    "load_weights",
-    "save_weights",
-    "save",
-)
-# Methods that make a jitted step from the state's shardings: every variable
-# is placed on the mesh first (see `placement.py`).
-STEP_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
-# Save methods -> the name of their path argument. With several processes,
-# they run in every process and process 0 writes (see `gathering.py`).
-SAVE_PATH_ARGUMENTS = {
-    "save_to_preset": "preset_dir",
-    "save_weights": "filepath",
-    "save": "filepath",
-}
 _BINDING_ATTR = "_keras_hub_autodist_binding"
+# Marks a method this module already wrapped.
+_WRAPPED_ATTR = "__keras_hub_autodist_scoped__"
 
 
 class Binding(NamedTuple):
@@ -102,68 +80,135 @@ def distribution_of(model) -> Binding:
     return binding
 
 
-def _placing(method, model, distribution):
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        place_state(model, distribution)
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """What a wrapped method of a bound model needs: the model, its
+    distribution, and the rows a batch must be a multiple of (batches are
+    padded in `preprocess_samples` when `padded`)."""
+
+    model: Any
+    distribution: keras.distribution.Distribution
+    multiple: int
+    padded: bool
+
+
+def _feeding(name, method, bound, args, kwargs):
+    """A method that feeds batches: each checked against the batch axis
+    (unless keras-hub's preprocessing pads them), run in the scope."""
+    if not bound.padded:
+        check_batch(bound.distribution, name, args, kwargs)
+    with bound.distribution.scope():
         return method(*args, **kwargs)
 
-    call.__keras_hub_autodist_scoped__ = True
-    return call
+
+def _in_scope(name, method, bound, args, kwargs):
+    with bound.distribution.scope():
+        return method(*args, **kwargs)
 
 
-def _recording_fingerprint(name, method, model):
-    """`save_weights` and `save` write the model's fingerprint into their
-    file; the saves `save_to_preset` makes write none."""
-    if name in ("save_weights", "save"):
-        return fingerprinted(method, model)
-    if name == "save_to_preset":
-        return fingerprinted(method, model, write=False)
-    return method
+def _compiling(name, method, bound, args, kwargs):
+    """`compile`, then the new optimizer's and metrics' variables placed."""
+    with bound.distribution.scope():
+        result = method(*args, **kwargs)
+        place_state(bound.model, bound.distribution)
+        note_compiled(bound.model)
+        return result
 
 
-def _scoped(name, method, model, distribution, padded=False):
-    multiple = rows_multiple(distribution)
-    method = _recording_fingerprint(name, method, model)
+def _predicting(name, method, bound, args, kwargs):
+    """`predict`: padded rows dropped from the outputs."""
+    if not bound.padded:
+        return _feeding(name, method, bound, args, kwargs)
+    with bound.distribution.scope():
+        return predict_unpadded(method, bound.multiple, *args, **kwargs)
 
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        feeds = name in ("fit", "evaluate", "predict") or name.endswith("_on_batch")
-        if feeds and not padded:
-            check_batch(distribution, name, args, kwargs)
-        with distribution.scope():
-            if name == "compile":
-                result = method(*args, **kwargs)
-                place_state(model, distribution)
-                note_compiled(model)
-                return result
-            if name == "load_weights":
-                return restore(method, model, distribution, *args, **kwargs)
-            if name == "generate" and (args or kwargs.get("inputs") is not None):
-                inputs = args[0] if args else kwargs.pop("inputs")
-                return generate_padded(
-                    method, distribution, inputs, *args[1:], **kwargs
+
+def _predicting_on_batch(name, method, bound, args, kwargs):
+    """`predict_on_batch`: padded rows dropped from the outputs."""
+    if not bound.padded:
+        return _feeding(name, method, bound, args, kwargs)
+    rows = sample_count(args[0] if args else kwargs.get("x"))
+    with bound.distribution.scope():
+        outputs = method(*args, **kwargs)
+    return keras.tree.map_structure(lambda output: output[:rows], outputs)
+
+
+def _generating(name, method, bound, args, kwargs):
+    """`generate` on prompts: padded to the batch axis, padding dropped."""
+    if not args and kwargs.get("inputs") is None:
+        return _in_scope(name, method, bound, args, kwargs)
+    inputs = args[0] if args else kwargs.pop("inputs")
+    with bound.distribution.scope():
+        return generate_padded(method, bound.distribution, inputs, *args[1:], **kwargs)
+
+
+def _restoring(name, method, bound, args, kwargs):
+    """`load_weights`: the whole training state, or `RestoreError`."""
+    with bound.distribution.scope():
+        return restore(method, bound.model, bound.distribution, *args, **kwargs)
+
+
+def _saving(path_argument: str, whole_folder: bool):
+    """A save method whose path is `path_argument`: a preset folder swapped
+    in whole (`whole_folder`), and, with several processes, run in every process
+    with process 0 writing. A weights file (`save_weights`, `save`) records
+    the model's fingerprint; a preset, and the saves it makes, record none."""
+
+    def save(name, method, bound, args, kwargs):
+        if not args and path_argument not in kwargs:
+            return _in_scope(name, method, bound, args, kwargs)
+        if not args:
+            args = (kwargs.pop(path_argument),)
+        with (
+            recording_fingerprint(bound.model, preset=whole_folder),
+            bound.distribution.scope(),
+        ):
+            if several_processes():
+                return save_from_every_process(
+                    method, *args, whole_folder=whole_folder, **kwargs
                 )
-            if padded and name == "predict":
-                return predict_unpadded(method, multiple, *args, **kwargs)
-            if padded and name == "predict_on_batch":
-                rows = sample_count(args[0] if args else kwargs.get("x"))
-                outputs = method(*args, **kwargs)
-                return keras.tree.map_structure(lambda o: o[:rows], outputs)
-            path_argument = SAVE_PATH_ARGUMENTS.get(name)
-            if path_argument and (args or path_argument in kwargs):
-                if not args:
-                    args = (kwargs.pop(path_argument),)
-                if several_processes():
-                    preset = name == "save_to_preset"
-                    return save_from_every_process(
-                        method, *args, preset=preset, **kwargs
-                    )
-                if name == "save_to_preset":
-                    return save_atomically(method, *args, **kwargs)
+            if whole_folder:
+                return save_atomically(method, *args, **kwargs)
             return method(*args, **kwargs)
 
-    call.__keras_hub_autodist_scoped__ = True
+    return save
+
+
+def _placing(name, method, bound, args, kwargs):
+    """A maker of jitted steps: every variable placed on the mesh first,
+    outside the scope (the step takes the state's shardings)."""
+    place_state(bound.model, bound.distribution)
+    return method(*args, **kwargs)
+
+
+# Each method a bound model wraps, and how it runs.
+BOUND_METHODS = {
+    "compile": _compiling,
+    "fit": _feeding,
+    "evaluate": _feeding,
+    "train_on_batch": _feeding,
+    "test_on_batch": _feeding,
+    "predict": _predicting,
+    "predict_on_batch": _predicting_on_batch,
+    "generate": _generating,
+    "enable_lora": _in_scope,
+    "quantize": _in_scope,
+    "load_weights": _restoring,
+    "save_to_preset": _saving("preset_dir", whole_folder=True),
+    "save_weights": _saving("filepath", whole_folder=False),
+    "save": _saving("filepath", whole_folder=False),
+    "make_train_function": _placing,
+    "make_test_function": _placing,
+    "make_predict_function": _placing,
+}
+
+
+def _wrapped(name, method, runs, bound: _Bound):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        return runs(name, method, bound, args, kwargs)
+
+    setattr(call, _WRAPPED_ATTR, True)
     return call
 
 
@@ -188,21 +233,19 @@ def bind(model, distribution, plan: LayoutPlan):
         # divide the batch axis are padded there (see `pad_batch`).
         preprocess = getattr(target, "preprocess_samples", None)
         padded = preprocess is not None and multiple > 1
-        if padded and not getattr(preprocess, "__keras_hub_autodist_scoped__", 0):
-            object.__setattr__(
+        if padded and not getattr(preprocess, _WRAPPED_ATTR, False):
+            compat.patch_instance(
+                "bound_model_methods",
                 target,
                 "preprocess_samples",
                 padding_preprocess(preprocess, target, multiple),
             )
-        for name in BOUND_METHODS + STEP_MAKERS:
+        bound = _Bound(target, distribution, multiple, padded)
+        for name, runs in BOUND_METHODS.items():
             method = getattr(target, name, None)
-            if method is None or getattr(
-                method, "__keras_hub_autodist_scoped__", False
-            ):
+            if method is None or getattr(method, _WRAPPED_ATTR, False):
                 continue
-            if name in STEP_MAKERS:
-                wrapped = _placing(method, target, distribution)
-            else:
-                wrapped = _scoped(name, method, target, distribution, padded)
-            object.__setattr__(target, name, wrapped)
+            compat.patch_instance(
+                "bound_model_methods", target, name, _wrapped(name, method, runs, bound)
+            )
     return model

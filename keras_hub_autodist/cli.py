@@ -25,9 +25,11 @@ import re
 import sys
 from collections.abc import Sequence
 
+from keras_hub_autodist.device_memory import GIB
+from keras_hub_autodist.options import STRATEGY_CHOICES
+
 PROG = "keras-hub-autodist"
 EXIT_USAGE = 2
-STRATEGIES = ["auto", "tp", "fsdp"]
 OPTIMIZERS = ["adam", "sgd", "sgd_momentum"]
 # Errors of bad input that are printed as one line rather than a traceback,
 # besides the package's own `AutodistError`s.
@@ -87,13 +89,13 @@ def parse_gib(text: str) -> int:
             "--device-memory takes a positive number of GiB per device, "
             f"e.g. 16 or 15.75. Received: {text!r}"
         )
-    if gib > MAX_DEVICE_MEMORY_GIB or int(gib * 1024**3) < 1:
+    if gib > MAX_DEVICE_MEMORY_GIB or int(gib * GIB) < 1:
         raise argparse.ArgumentTypeError(
             "--device-memory takes the memory of one device in GiB, from one "
             f"byte to {MAX_DEVICE_MEMORY_GIB} GiB (1 PiB), e.g. 16 or 15.75. "
             f"Received: {text!r}"
         )
-    return int(gib * 1024**3)
+    return int(gib * GIB)
 
 
 def parse_devices(text: str) -> int:
@@ -192,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --mesh auto: plan for N devices without asking JAX",
     )
-    plan.add_argument("--strategy", default="auto", choices=STRATEGIES)
+    plan.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES)
     plan.add_argument("--batch-axis", default=None, help="if not batch/data")
     plan.add_argument("--model-axis", default=None, help="if not model/tensor")
     plan.add_argument("--dtype", default=None, help="e.g. bfloat16")
@@ -242,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--mesh", type=parse_mesh, default=None, help="e.g. batch=2,model=4"
     )
-    demo.add_argument("--strategy", default="auto", choices=STRATEGIES)
+    demo.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES)
     demo.add_argument(
         "--steps", type=parse_steps, default=3, help="epochs of fine-tuning"
     )
@@ -250,33 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args) -> int:
-    from keras_hub_autodist.options import PlanOptions
-    from keras_hub_autodist.planner import plan_model
-    from keras_hub_autodist.presets import read_config
-    from keras_hub_autodist.shapes import model_weights
+    from keras_hub_autodist.planner import plan
 
-    if args.devices is not None and args.mesh != "auto":
-        from keras_hub_autodist.errors import MeshError
-
-        raise MeshError(
-            "`--devices` goes with `--mesh auto`; a mesh given by axis "
-            "sizes has as many devices as their product. Received: "
-            f"--devices {args.devices} with --mesh "
-            + ",".join(f"{k}={v}" for k, v in args.mesh.items())
-        )
-    options = PlanOptions(
+    result = plan(
+        args.preset,
+        args.mesh,
         strategy=args.strategy,
         batch_axis=args.batch_axis,
         model_axis=args.model_axis,
         dtype=args.dtype,
         device_memory=args.device_memory,
-        # Built-in families plan local configs from their keras-free shape
-        # hints (tests check them against the model); others build
-        # abstractly.
-        shape_source="config",
+        num_devices=args.devices,
     )
-    model = model_weights(read_config(args.preset), options)
-    result = plan_model(model, args.mesh, options, num_devices=args.devices)
     print(result)
     if args.batch is not None:
         print(_step_memory(result, args))
@@ -299,10 +286,9 @@ def _check_step_flags(args) -> None:
 
 def _step_memory(result, args) -> str:
     """The closed-form estimate of the step, and the compiled check."""
-    from keras_hub_autodist.mesh import build_device_mesh
     from keras_hub_autodist.step_memory import step_estimate
 
-    gib = 1024**3
+    gib = GIB
     estimate = step_estimate(result, args.batch, args.seq, args.optimizer)
     lines = [
         f"training step, batch {args.batch} x {args.seq} tokens, "
@@ -315,14 +301,9 @@ def _step_memory(result, args) -> str:
         f"{result.device_memory_bytes / gib:.1f} GiB"
     ]
     if args.compiled:
-        import keras
+        from keras_hub_autodist.compiled_step import compiled_memory
 
-        names, sizes = result.mesh_axes.axis_names, result.mesh_axes.shape
-        devices = keras.distribution.list_devices()[: math.prod(sizes)]
-        mesh = build_device_mesh(dict(zip(names, sizes)), devices)
-        memory = result.compiled_memory(
-            args.batch, args.seq, args.optimizer, device_mesh=mesh
-        )
+        memory = compiled_memory(result, args.batch, args.seq, args.optimizer)
         lines.append(str(memory))
         lines.append(
             f"estimate / compiled peak: {estimate.total_bytes / memory.peak_bytes:.2f}"
@@ -331,8 +312,8 @@ def _step_memory(result, args) -> str:
 
 
 def _use_virtual_devices_without_accelerator() -> None:
-    from keras_hub_autodist.demo import has_accelerator
-    from keras_hub_autodist.demo import use_virtual_cpu_devices
+    from keras_hub_autodist.devices import has_accelerator
+    from keras_hub_autodist.devices import use_virtual_cpu_devices
 
     if not has_accelerator():
         use_virtual_cpu_devices(8)
@@ -341,8 +322,8 @@ def _use_virtual_devices_without_accelerator() -> None:
 def _use_virtual_devices_for(mesh) -> None:
     """Without an accelerator, as many virtual CPU devices as the mesh has
     (8 for `--mesh auto`), before JAX starts."""
-    from keras_hub_autodist.demo import has_accelerator
-    from keras_hub_autodist.demo import use_virtual_cpu_devices
+    from keras_hub_autodist.devices import has_accelerator
+    from keras_hub_autodist.devices import use_virtual_cpu_devices
 
     if not has_accelerator():
         use_virtual_cpu_devices(8 if mesh == "auto" else math.prod(mesh.values()))
@@ -373,6 +354,7 @@ FLAGS = {
     "dtype": "--dtype",
     "device_memory": "--device-memory",
     "devices": "--devices",
+    "num_devices": "--devices",
     "device_mesh": "--mesh",
 }
 _KEYWORD = re.compile(r"`([a-z_]+)=([^`]*)`")
@@ -393,7 +375,7 @@ def as_flags(message: str) -> str:
             return match.group(0)
         if not value:
             return f"`{FLAGS[name]}`"
-        if name == "device_mesh":
+        if name == "device_mesh" and value.strip("'\"") != "auto":
             sizes = re.findall(r"'(\w+)': (\d+)", value)
             value = ",".join(f"{axis}={size}" for axis, size in sizes)
         return f"`{FLAGS[name]} {value.strip(chr(39))}`"

@@ -4,7 +4,10 @@ Nothing else in `keras_hub_autodist` imports `keras.src` or `keras_hub.src`
 or reads a private attribute of a Keras or keras-hub object: it goes through
 a function or name here. `TOUCHPOINTS` lists them all, and
 `tests/test_compat.py` checks each one against the installed Keras and
-keras-hub, so an upgrade shows exactly what broke.
+keras-hub, so an upgrade shows exactly what broke. Every attribute of Keras
+or keras-hub that the package replaces is registered in `PATCHES` (what,
+by whom, for how long, whether every thread sees it) and installed by the
+functions at the end of this module, which alone set such attributes.
 
 The needs that have no public API:
 
@@ -24,9 +27,17 @@ The needs that have no public API:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import threading
 
+# keras-hub's constants naming the files of its preset format.
+PRESET_FORMAT_NAMES = tuple(
+    "CONFIG_FILE TOKENIZER_CONFIG_FILE AUDIO_CONVERTER_CONFIG_FILE "
+    "IMAGE_CONVERTER_CONFIG_FILE VIDEO_CONVERTER_CONFIG_FILE TASK_CONFIG_FILE "
+    "PREPROCESSOR_CONFIG_FILE METADATA_FILE MODEL_WEIGHTS_FILE TASK_WEIGHTS_FILE "
+    "SHARDED_MODEL_WEIGHTS_CONFIG_FILE ASSET_DIR".split()
+)
 # (module, attribute) pairs this module relies on; `check_touchpoints()`
 # imports each against the installed versions.
 TOUCHPOINTS = (
@@ -51,6 +62,8 @@ TOUCHPOINTS = (
     ("keras.src.saving.saving_lib", "H5IOStore.make"),
     # ... and the optimizer's writer, which fetches each value itself.
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"),
+    # The names of a preset's files (`preset_format_names`).
+    *(("keras_hub.src.utils.preset_utils", name) for name in PRESET_FORMAT_NAMES),
     # Checking a weights file against a model: the walk Keras' writers make.
     ("keras.src.saving.saving_lib", "_save_state"),
 )
@@ -79,6 +92,12 @@ def check_touchpoints() -> list[str]:
             found = getattr(found, name, None)
         if found is None:
             missing.append(f"{module_name}.{attribute}: no such attribute")
+    for patch in PATCHES:
+        if patch.process_wide:
+            try:
+                _resolve(patch.target)
+            except (ImportError, AttributeError) as error:
+                missing.append(f"{patch.target}: {error}")
     return missing
 
 
@@ -90,6 +109,29 @@ def h5_io_store():
     from keras.src.saving.saving_lib import H5IOStore
 
     return H5IOStore
+
+
+def save_state(model, make_store, skipped: set):
+    """Walk `model`'s saveables as Keras' writers do
+    (`saving_lib._save_state`), into `make_store(H5IOStore)`; return that
+    store. `skipped`: the `id()`s of objects not to walk into.
+
+    Keras checks the store against `saving_lib`'s store classes, which
+    `patched` may be swapping in another thread: it is made and walked
+    under the patch lock.
+    """
+    from keras.src.saving import saving_lib
+
+    with _patch_lock:
+        store = make_store(saving_lib.H5IOStore)
+        saving_lib._save_state(
+            model,
+            weights_store=store,
+            assets_store=None,
+            inner_path="",
+            visited_saveables=skipped,
+        )
+    return store
 
 
 def h5_dataset(store, key):
@@ -149,6 +191,16 @@ def transformers_preset_loader(label: str, config: dict):
     from keras_hub.src.utils.transformers import preset_loader as loaders
 
     return loaders.TransformersPresetLoader(label, config)
+
+
+def preset_format_names() -> dict[str, str]:
+    """keras-hub's names of the files of its preset format (the
+    `preset_utils` constants in `PRESET_FORMAT_NAMES`): what its savers write
+    and its loaders read. `preset_files.py` keeps a copy, for saves that run
+    without keras-hub; tests/test_saving.py compares the two."""
+    from keras_hub.src.utils import preset_utils
+
+    return {name: getattr(preset_utils, name) for name in PRESET_FORMAT_NAMES}
 
 
 def safetensor_utils_module():
@@ -300,217 +352,248 @@ def set_global_seed_generator(generator) -> None:
     global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, generator)
 
 
-# --- Saving from several processes: Keras' HDF5 weight stores ------------------
+# --- Patches: every change this package makes to Keras and keras-hub ----------
 
-# The names under which `keras.src.saving.saving_lib` creates its weight
-# stores (`save_weights_only`, `save_model`) and checks them (`_save_state`).
-_WEIGHT_STORE_NAMES = ("H5IOStore", "ShardedH5IOStore")
-
-
-def _converting_store(base, convert, opened):
-    """A subclass of the weight store `base` that writes `convert(value)`."""
-
-    class ConvertingStore(base):
-        def __init__(self, *args, **kwargs):
-            opened(lambda: base.__init__(self, *args, **kwargs))
-
-        def __setitem__(self, key, value):
-            base.__setitem__(self, key, convert(value))
-
-    ConvertingStore.__name__ = ConvertingStore.__qualname__ = base.__name__
-    return ConvertingStore
+WHILE_LOADING = "while a sharded load runs in some thread"
+WHILE_SAVING = (
+    "while a save from several processes, or a bound model's `save_weights` "
+    "or `save`, runs in some thread"
+)
+WHILE_ACTIVE = "from `activate()` (or the startup hook's guard) to `deactivate()`"
+MODEL_LIFETIME = "for the life of the bound model"
+WHILE_SKIPPING = (
+    "from the start of a `ResumableCheckpoint`'s `fit` to its first trained batch"
+)
 
 
-def _discarding_store(base, convert, opened):
-    """A stand-in for the weight store `base` that opens no file: it passes
-    every value to `convert` and keeps nothing."""
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One place where this package replaces Keras or keras-hub behaviour.
 
-    class DiscardingStore(base):
-        def __init__(self, path_or_io, *args, mode="r", **kwargs):
-            self.path_or_io = path_or_io
-            self.mode = mode
-            self.archive = None
-            self.io_file = None
-            opened(lambda: None)
+    A process-wide patch replaces an attribute of a class or module, which
+    every thread sees: its replacement acts only for the thread (or context)
+    that asked for it and defers to the original everywhere else. An
+    instance patch replaces an attribute of one object.
 
-        def __bool__(self):
-            return True
+    Args:
+        name: the key the installers below take.
+        holder: the dotted path of the class or module a process-wide patch
+            changes; `None` for an instance patch.
+        attribute: the attribute it replaces.
+        owner: the module that supplies the replacement.
+        lasts: how long it stays in place.
+    """
 
-        def make(self, path, metadata=None):
-            return self
+    name: str
+    holder: str | None
+    attribute: str
+    owner: str
+    lasts: str
 
-        def __setitem__(self, key, value):
-            convert(value)
+    @property
+    def process_wide(self) -> bool:
+        return self.holder is not None
 
-        def close(self):
-            pass
+    @property
+    def target(self) -> str:
+        return f"{self.holder or '<object>'}.{self.attribute}"
 
-    DiscardingStore.__name__ = DiscardingStore.__qualname__ = base.__name__
-    return DiscardingStore
+
+_SAVING_LIB = "keras.src.saving.saving_lib"
+_H5_STORE = f"{_SAVING_LIB}.H5IOStore"
+_SAFETENSORS = "keras_hub.src.utils.transformers.safetensor_utils"
+_LOADER = f"{_SAFETENSORS}.SafetensorLoader"
+_VARIABLE, _INITIALIZE = "keras.Variable", VARIABLE_INITIALIZE_METHOD
+_BACKBONE, _TASK = "keras_hub.models.Backbone", "keras_hub.models.Task"
+_LOADING = "keras_hub_autodist.loading"
+_STORES = "keras_hub_autodist.weight_stores"
+_PLUGIN = "keras_hub_autodist.plugin"
+PATCHES = (
+    Patch("variable_assign", _VARIABLE, "assign", _LOADING, WHILE_LOADING),
+    Patch("variable_initializer", _VARIABLE, _INITIALIZE, _LOADING, WHILE_LOADING),
+    Patch("h5_store_read", _H5_STORE, "__getitem__", _LOADING, WHILE_LOADING),
+    Patch("safetensors_open", _SAFETENSORS, "safetensors", _LOADING, WHILE_LOADING),
+    Patch("safetensors_port_weight", _LOADER, "port_weight", _LOADING, WHILE_LOADING),
+    Patch("h5_store_class", _SAVING_LIB, "H5IOStore", _STORES, WHILE_SAVING),
+    Patch(
+        "sharded_h5_store_class", _SAVING_LIB, "ShardedH5IOStore", _STORES, WHILE_SAVING
+    ),
+    Patch(
+        "optimizer_save_variables",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer",
+        "save_own_variables",
+        _STORES,
+        WHILE_SAVING,
+    ),
+    Patch("backbone_from_preset", _BACKBONE, "from_preset", _PLUGIN, WHILE_ACTIVE),
+    Patch("task_from_preset", _TASK, "from_preset", _PLUGIN, WHILE_ACTIVE),
+    Patch(
+        "bound_model_methods",
+        None,
+        "<each of binding.BOUND_METHODS>",
+        "keras_hub_autodist.binding",
+        MODEL_LIFETIME,
+    ),
+    Patch(
+        "skipped_batches",
+        None,
+        "train_function",
+        "keras_hub_autodist.resumable",
+        WHILE_SKIPPING,
+    ),
+)
+_PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
+_MISSING = object()
+# Process-wide patches in place: name -> [contexts holding it, previous value].
+_installed: dict[str, list] = {}
+_patch_lock = threading.RLock()
+
+
+def _registered(name: str, process_wide: bool) -> Patch:
+    patch = _PATCHES_BY_NAME.get(name)
+    if patch is None or patch.process_wide != process_wide:
+        kind = "process-wide" if process_wide else "instance"
+        known = [p.name for p in PATCHES if p.process_wide == process_wide]
+        raise KeyError(
+            f"{name!r} is not a registered {kind} patch: add it to "
+            f"`compat.PATCHES`. Known: {known}"
+        )
+    return patch
+
+
+def _own_attribute(holder, attribute):
+    if isinstance(holder, type):
+        return vars(holder).get(attribute, _MISSING)
+    return getattr(holder, attribute, _MISSING)
+
+
+def _resolve(path: str):
+    """The object a dotted path names, as Keras and keras-hub define it: an
+    attribute that one of our patches replaces resolves to the original."""
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+            break
+        except ImportError:
+            continue
+    else:
+        raise ImportError(f"No module of {path!r} can be imported")
+    prefix = ".".join(parts[:split])
+    for part in parts[split:]:
+        prefix = f"{prefix}.{part}"
+        with _patch_lock:
+            replaced = next(
+                (
+                    _installed[patch.name][1]
+                    for patch in PATCHES
+                    if patch.name in _installed and patch.target == prefix
+                ),
+                _MISSING,
+            )
+        found = getattr(found, part) if replaced is _MISSING else replaced
+    return found
 
 
 @contextlib.contextmanager
-def weight_stores_writing(convert, opened, write: bool = True):
-    """A scope where Keras' HDF5 weight writers pass each value through
-    `convert` (Keras' `H5IOStore` and `ShardedH5IOStore`, as `save_weights`,
-    `save` and keras-hub's `save_to_preset` create them).
+def patched(replacements: dict):
+    """Install process-wide patches (`PATCHES`) for the context's duration.
 
-    With `write=True`, each store writes `convert(value)` (a NumPy array, or
-    the value for Keras to convert as usual). With `write=False`, each store
-    opens no file and writes nothing: it calls `convert(value)` for every
-    value Keras would write, in the same order, and drops the result.
-    `opened(open_file)` is called when a store is created, with a function
-    that opens its file.
+    Thread-safe and reference counted: the first context to enter installs a
+    patch, the last to leave removes it, so overlapping contexts in several
+    threads share one installation and none removes a patch from under
+    another. Every patch is removed when the context exits, by an exception
+    too.
 
-    Keras' optimizers fetch each of their values to NumPy before handing it
-    to the store (`BaseOptimizer.save_own_variables`), which fails for an
-    array spanning other processes: within the scope they hand the store the
-    variable itself, as layers do.
-
-    The stores and the optimizer's method are swapped in Keras' modules for
-    the duration of the scope, so the scope covers every thread of the
-    process.
+    Args:
+        replacements: patch name -> a function of the attribute being
+            replaced that returns its replacement (called when installed).
 
     Example:
     ```python
-    with weight_stores_writing(np.asarray, lambda open_file: open_file()):
-        model.save_weights("model.weights.h5")
+    with patched({"variable_assign": lambda original: my_assign}):
+        model = keras_hub.models.Backbone.from_preset(preset)
     ```
     """
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-    from keras.src.saving import saving_lib
+    patches = [_registered(name, process_wide=True) for name in replacements]
+    done = []
 
-    originals = {name: getattr(saving_lib, name) for name in _WEIGHT_STORE_NAMES}
-    optimizer_saver = BaseOptimizer.__dict__["save_own_variables"]
-    make = _converting_store if write else _discarding_store
+    def release():
+        with _patch_lock:
+            for patch in reversed(done):
+                entry = _installed[patch.name]
+                entry[0] -= 1
+                if not entry[0]:
+                    del _installed[patch.name]
+                    _restore(patch, entry[1])
+
+    with _patch_lock:
+        try:
+            for patch in patches:
+                entry = _installed.get(patch.name)
+                if entry is None:
+                    holder = _resolve(patch.holder)
+                    previous = _own_attribute(holder, patch.attribute)
+                    original = getattr(holder, patch.attribute)
+                    replacement = replacements[patch.name](original)
+                    setattr(holder, patch.attribute, replacement)
+                    entry = _installed[patch.name] = [0, previous]
+                entry[0] += 1
+                done.append(patch)
+        except BaseException:
+            release()
+            raise
     try:
-        for name, base in originals.items():
-            setattr(saving_lib, name, make(base, convert, opened))
-        BaseOptimizer.save_own_variables = _save_optimizer_variables
         yield
     finally:
-        BaseOptimizer.save_own_variables = optimizer_saver
-        for name, base in originals.items():
-            setattr(saving_lib, name, base)
+        release()
 
 
-def _save_optimizer_variables(optimizer, store):
-    """`BaseOptimizer.save_own_variables`, handing the store each variable
-    instead of its NumPy value."""
-    for index, variable in enumerate(optimizer.variables):
-        store[str(index)] = variable
+def _restore(patch, previous):
+    holder = _resolve(patch.holder)
+    if previous is _MISSING:
+        delattr(holder, patch.attribute)
+    else:
+        setattr(holder, patch.attribute, previous)
 
 
-# --- Weights files: what Keras writes, and a fingerprint written with it ------
-
-# Keras' weights files (`.weights.h5`, the `model.weights.h5` of a `.keras`)
-# hold each saveable's variables in a group `<path>/vars`, one dataset per
-# variable, named by its index; `BaseOptimizer.save_own_variables` writes
-# `optimizer/vars/<i>` for its i-th variable.
-OPTIMIZER_H5_GROUP = "optimizer/vars"
-# Held while Keras' weight stores are swapped (`h5_dataset_written_with`).
-_SAVE_HOOK_LOCK = threading.RLock()
-
-
-def weights_file_datasets(model) -> dict[str, object]:
-    """The datasets Keras' `save_weights` writes for `model`, but the
-    optimizer's (`OPTIMIZER_H5_GROUP`): HDF5 path -> the variable (or, for a
-    layer that merges LoRA kernels into its kernel, the array) it holds.
-
-    Found by Keras' own walk (`saving_lib._save_state`) into a store that
-    keeps what it is handed and writes nothing.
+def installed_patches() -> dict[str, int]:
+    """The process-wide patches in place, with how many contexts hold each.
 
     Example:
-    ```python
-    shapes = {key: v.shape for key, v in weights_file_datasets(model).items()}
-    ```
+    >>> installed_patches()
+    {}
     """
-    from keras.src.saving import saving_lib
+    with _patch_lock:
+        return {name: entry[0] for name, entry in _installed.items()}
 
-    def recording_store(base):
-        class RecordingStore(base):
-            def __init__(self):
-                self.mode = "w"
-                self.archive = None
-                self.io_file = None
-                self.entries = {}
-                self._group = "vars"
 
-            def __bool__(self):
-                return True
+def set_patch(name: str, value) -> None:
+    """Set a lasting process-wide patch (`plugin.activate`), or put the
+    original back (`plugin.deactivate`)."""
+    patch = _registered(name, process_wide=True)
+    with _patch_lock:
+        setattr(_resolve(patch.holder), patch.attribute, value)
 
-            def make(self, path, metadata=None):
-                self._group = f"{path}/vars" if path else "vars"
-                return self
 
-            def __setitem__(self, key, value):
-                self.entries[f"{self._group}/{key}"] = value
-
-            def close(self):
-                pass
-
-        return RecordingStore()
-
-    optimizer = getattr(model, "optimizer", None)
-    skipped = {id(optimizer)} if optimizer is not None else set()
-    # `_save_state` checks the store's class against `saving_lib`'s, which a
-    # save in another thread may be swapping.
-    with _SAVE_HOOK_LOCK:
-        store = recording_store(saving_lib.H5IOStore)
-        saving_lib._save_state(
-            model,
-            weights_store=store,
-            assets_store=None,
-            inner_path="",
-            visited_saveables=skipped,
-        )
-    return store.entries
+def patch_instance(name: str, obj, attribute: str, value) -> None:
+    """Give one object a lasting attribute that replaces its class's, out of
+    Keras' attribute tracking (`object.__setattr__`)."""
+    _registered(name, process_wide=False)
+    object.__setattr__(obj, attribute, value)
 
 
 @contextlib.contextmanager
-def h5_dataset_written_with(name: str, text: str):
-    """A scope in which the HDF5 weights file that Keras' `save_weights` or
-    `save` opens for writing on this thread gets a root dataset `name`
-    holding `text`, written with the file (a `.weights.h5`, the first shard
-    of a `.weights.json`, the `model.weights.h5` inside a `.keras`).
-
-    Keras' loaders read only the groups they know, so they ignore it. The
-    stores are swapped in `saving_lib` for the duration of the scope, under a
-    lock (scopes in several threads run one after the other); stores opened
-    by other threads meanwhile are left as they are.
-
-    Example:
-    ```python
-    with h5_dataset_written_with("notes", "{}"):
-        model.save_weights("model.weights.h5")
-    ```
-    """
-    from keras.src.saving import saving_lib
-
-    owner = threading.get_ident()
-
-    def marking(base):
-        class MarkingStore(base):
-            def __init__(self, *args, **kwargs):
-                base.__init__(self, *args, **kwargs)
-                h5_file = getattr(self, "h5_file", None)
-                if (
-                    getattr(self, "mode", None) == "w"
-                    and h5_file is not None
-                    and threading.get_ident() == owner
-                    and name not in h5_file
-                ):
-                    h5_file.create_dataset(name, data=text)
-
-        MarkingStore.__name__ = MarkingStore.__qualname__ = base.__name__
-        return MarkingStore
-
-    with _SAVE_HOOK_LOCK:
-        originals = {n: getattr(saving_lib, n) for n in _WEIGHT_STORE_NAMES}
-        try:
-            for store_name, base in originals.items():
-                setattr(saving_lib, store_name, marking(base))
-            yield
-        finally:
-            for store_name, base in originals.items():
-                setattr(saving_lib, store_name, base)
+def instance_patched(name: str, obj, attribute: str, value):
+    """`obj.attribute = value` for the context's duration; the previous
+    value is put back on exit, by an exception too."""
+    _registered(name, process_wide=False)
+    previous = vars(obj).get(attribute, _MISSING)
+    object.__setattr__(obj, attribute, value)
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            object.__delattr__(obj, attribute)
+        else:
+            object.__setattr__(obj, attribute, previous)

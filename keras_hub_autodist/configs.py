@@ -6,14 +6,14 @@ module reads the forms that need neither Keras nor keras-hub (importing them
 takes seconds):
 
 - a local folder's `config.json`: a Keras preset's as is, a Hugging Face
-  one converted with the field table `HF_CONVERSIONS`, which mirrors
-  keras-hub's converters (a test compares the two on every config the tests
-  carry);
+  one as keras-hub's converter converted it in an earlier process (kept on
+  disk by `store_conversion`, `disk_cache.py`);
 - a config dict (the contents of a `config.json`, or a backbone's
   `get_config()` with its class).
 
-Anything else (handles, built-in names, other model types) is read through
-keras-hub's own loaders in `presets.py`.
+Anything else (handles, built-in names, Hugging Face configs not converted
+yet) is read through keras-hub's own loaders and converters in
+`presets.py`, so there is one conversion of each config: keras-hub's.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
 from collections.abc import Mapping
 
+from keras_hub_autodist import disk_cache
 from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import PresetError
@@ -102,179 +102,7 @@ def missing_hf_field(field, raw: Mapping, preset) -> ConfigError:
     )
 
 
-# --- The fast path: local folders, without Keras or keras-hub. -------------
-
-_REQUIRED = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class HFConversion:
-    """How keras-hub converts one Hugging Face `model_type` to a backbone.
-
-    Args:
-        backbone_class: the keras-hub backbone class name the converter
-            builds (`backbone_cls` of its `convert_*.py` module).
-        fields: `(keras field, Hugging Face field, default)` triples;
-            `default` is `REQUIRED` when keras-hub reads the field with `[]`.
-        constants: keras fields the converter always sets.
-        derived: keras field → function of the Hugging Face config.
-    """
-
-    backbone_class: str
-    fields: tuple[tuple[str, str, object], ...]
-    constants: Mapping = dataclasses.field(default_factory=dict)
-    derived: Mapping[str, Callable[[Mapping], object]] = dataclasses.field(
-        default_factory=dict
-    )
-
-
-REQUIRED = _REQUIRED
-
-_LLAMA_FAMILY_FIELDS = (
-    ("vocabulary_size", "vocab_size", REQUIRED),
-    ("num_layers", "num_hidden_layers", REQUIRED),
-    ("num_query_heads", "num_attention_heads", REQUIRED),
-    ("hidden_dim", "hidden_size", REQUIRED),
-    ("intermediate_dim", "intermediate_size", REQUIRED),
-    ("num_key_value_heads", "num_key_value_heads", REQUIRED),
-)
-_GEMMA_FIELDS = (
-    ("vocabulary_size", "vocab_size", REQUIRED),
-    ("num_layers", "num_hidden_layers", REQUIRED),
-    ("num_query_heads", "num_attention_heads", REQUIRED),
-    ("num_key_value_heads", "num_key_value_heads", REQUIRED),
-    ("hidden_dim", "hidden_size", REQUIRED),
-    ("head_dim", "head_dim", REQUIRED),
-)
-
-
-def _rope_theta(hf: Mapping):
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta")
-    return hf["rope_theta"] if theta is None else theta
-
-
-def _gated_intermediate(hf: Mapping):
-    # keras-hub's Gemma counts both gated projections in intermediate_dim.
-    # Anything but an int is passed on as is, for validation to name it.
-    size = hf["intermediate_size"]
-    return size * 2 if isinstance(size, int) and size > 0 else size
-
-
-# The Keras config keras-hub's converters (keras_hub/src/utils/transformers/
-# convert_{gemma,gemma3,llama3,mistral}.py) produce, restricted to the fields
-# that shape the weights plus their plain renames. Kept as data; the test
-# `test_fast_reader_agrees_with_keras_hub` catches drift.
-HF_CONVERSIONS: dict[str, HFConversion] = {
-    "gemma": HFConversion(
-        "GemmaBackbone",
-        _GEMMA_FIELDS,
-        derived={"intermediate_dim": _gated_intermediate},
-    ),
-    "gemma2": HFConversion(
-        "GemmaBackbone",
-        _GEMMA_FIELDS
-        + (
-            ("final_logit_soft_cap", "final_logit_softcapping", REQUIRED),
-            ("attention_logit_soft_cap", "attn_logit_softcapping", REQUIRED),
-            ("sliding_window_size", "sliding_window", REQUIRED),
-        ),
-        constants={
-            "use_post_ffw_norm": True,
-            "use_post_attention_norm": True,
-            "use_sliding_window_attention": True,
-        },
-        derived={
-            "intermediate_dim": _gated_intermediate,
-            "query_head_dim_normalize": lambda hf: (
-                hf["head_dim"] == hf["query_pre_attn_scalar"]
-            ),
-        },
-    ),
-    "gemma3_text": HFConversion(
-        "Gemma3Backbone",
-        (
-            ("vocabulary_size", "vocab_size", 262144),
-            ("num_layers", "num_hidden_layers", REQUIRED),
-            ("num_query_heads", "num_attention_heads", 8),
-            ("num_key_value_heads", "num_key_value_heads", 4),
-            ("hidden_dim", "hidden_size", REQUIRED),
-            ("intermediate_dim", "intermediate_size", REQUIRED),
-            ("head_dim", "head_dim", REQUIRED),
-            ("use_post_ffw_norm", "use_post_ffw_norm", True),
-            ("use_post_attention_norm", "use_post_attention_norm", True),
-            ("attention_logit_soft_cap", "attn_logit_softcapping", None),
-            ("final_logit_soft_cap", "final_logit_softcapping", None),
-            ("layer_norm_epsilon", "rms_norm_eps", 1e-6),
-            ("use_bidirectional_attention", "use_bidirectional_attention", False),
-            ("is_embedding_model", "use_bidirectional_attention", False),
-            ("use_query_key_norm", "use_query_key_norm", True),
-        ),
-        constants={"image_size": None, "vision_encoder": None},
-    ),
-    "llama": HFConversion(
-        "Llama3Backbone",
-        _LLAMA_FAMILY_FIELDS
-        + (("tie_word_embeddings", "tie_word_embeddings", REQUIRED),),
-        derived={"rope_max_wavelength": _rope_theta},
-    ),
-    "mistral": HFConversion(
-        "MistralBackbone",
-        _LLAMA_FAMILY_FIELDS
-        + (
-            ("layer_norm_epsilon", "rms_norm_eps", REQUIRED),
-            ("sliding_window", "sliding_window", None),
-            ("head_dim", "head_dim", None),
-        ),
-        derived={"rope_max_wavelength": _rope_theta},
-    ),
-}
-
-
-def convert_hf_config(raw: Mapping, preset: str = "") -> tuple[str, dict]:
-    """The backbone class name and Keras config of a Hugging Face config.
-
-    Only for the model types in `HF_CONVERSIONS`; no Keras or keras-hub is
-    imported.
-
-    Args:
-        raw: the Hugging Face `config.json`, as a dict.
-        preset: the preset, for messages.
-
-    Returns:
-        `(backbone class name, config)`.
-
-    Example:
-    >>> convert_hf_config({"model_type": "llama", "vocab_size": 8,
-    ...     "num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 4,
-    ...     "intermediate_size": 8, "num_key_value_heads": 1,
-    ...     "tie_word_embeddings": False, "rope_theta": 1e4})[1]["hidden_dim"]
-    4
-    """
-    model_type = raw.get("model_type")
-    conversion = HF_CONVERSIONS.get(model_type)
-    if conversion is None:
-        raise UnsupportedArchitectureError(
-            f"No fast conversion for Hugging Face model_type={model_type!r}; "
-            f"known: {sorted(HF_CONVERSIONS)}. Received: preset={preset!r}"
-        )
-    config = {}
-    try:
-        for keras_name, hf_name, default in conversion.fields:
-            if default is REQUIRED:
-                config[keras_name] = raw[hf_name]
-            else:
-                config[keras_name] = raw.get(hf_name, default)
-        config.update(conversion.constants)
-        for keras_name, derive in conversion.derived.items():
-            config[keras_name] = derive(raw)
-    except KeyError as error:
-        raise missing_hf_field(error.args[0], raw, preset) from error
-    except TypeError as error:
-        raise ConfigError(
-            f"A field of the Hugging Face `{CONFIG_FILE}` has the wrong type "
-            f"({error}). Fix the file. Received: preset={preset!r}"
-        ) from error
-    return conversion.backbone_class, config
+# --- Local folders, read without Keras or keras-hub. ------------------------
 
 
 def is_local_folder(preset) -> bool:
@@ -303,9 +131,9 @@ def read_local_config(preset: str) -> PresetConfig | None:
     """Read a local preset folder's config without Keras or keras-hub.
 
     Covers Keras presets of `keras_hub>` backbones and Hugging Face
-    checkpoints whose `model_type` is in `HF_CONVERSIONS`. Returns `None`
-    for anything else (handles, built-in names, other formats), which
-    `read_preset_config` reads through keras-hub. The result has
+    checkpoints whose config keras-hub converted in an earlier process.
+    Returns `None` for anything else (handles, built-in names, configs not
+    converted yet), which `read_preset_config` reads through keras-hub. The result has
     `backbone_cls=None` and the class name in `backbone_class`.
 
     Args:
@@ -345,11 +173,8 @@ def read_local_config(preset: str) -> PresetConfig | None:
         return PresetConfig(preset, None, keras_config(raw, preset), "keras", name)
     if "model_type" in raw:
         reject_vision_towers(raw, preset)
-        if raw["model_type"] not in HF_CONVERSIONS or "vision_config" in raw:
-            # keras-hub's converter reads it, unless an earlier process did.
-            return _stored_conversion(raw, preset)
-        name, config = convert_hf_config(raw, preset)
-        return PresetConfig(preset, None, config, "transformers", name)
+        # keras-hub's converter reads it, unless an earlier process did.
+        return _stored_conversion(raw, preset)
     return None
 
 
@@ -386,18 +211,14 @@ def _conversion_key(raw: Mapping) -> str | None:
 def store_conversion(raw: Mapping, class_name: str, config: Mapping) -> None:
     """Keep keras-hub's conversion of a Hugging Face config on disk (when it
     is plain JSON), so later processes read it without keras-hub."""
-    from keras_hub_autodist import abstract
-
     key = _conversion_key(raw)
     if key is not None:
-        abstract.store("conversion", key, {"class": class_name, "config": config})
+        disk_cache.store("conversion", key, {"class": class_name, "config": config})
 
 
 def _stored_conversion(raw: Mapping, preset) -> PresetConfig | None:
-    from keras_hub_autodist import abstract
-
     key = _conversion_key(raw)
-    stored = abstract.read_stored("conversion", key) if key is not None else None
+    stored = disk_cache.read_stored("conversion", key) if key is not None else None
     if not isinstance(stored, Mapping) or not isinstance(stored.get("config"), dict):
         return None
     return PresetConfig(
@@ -468,7 +289,8 @@ def read_local_config_dict(raw: Mapping) -> PresetConfig | None:
 
     The dict forms are those of `config_dict_kind`. Returns `None` when
     keras-hub is needed (a registered name outside keras-hub, a Hugging Face
-    `model_type` not in `HF_CONVERSIONS`); `read_config_dict` reads those.
+    config keras-hub has not converted before); `read_config_dict` reads
+    those.
 
     Args:
         raw: the config dict; it is not modified.
@@ -498,7 +320,4 @@ def read_local_config_dict(raw: Mapping) -> PresetConfig | None:
             )
         return PresetConfig(label, None, config, "keras", class_name)
     reject_vision_towers(raw, label)
-    if raw["model_type"] not in HF_CONVERSIONS or "vision_config" in raw:
-        return None
-    name, config = convert_hf_config(raw, label)
-    return PresetConfig(label, None, config, "transformers", name)
+    return _stored_conversion(raw, label)

@@ -93,6 +93,11 @@ class SaveTargetError(AutodistError, ValueError):
     """`save_to_preset` was given a path that can't hold a preset folder."""
 
 
+class SavePermissionError(SaveTargetError, PermissionError):
+    """`save_to_preset` may not create or replace files where it was asked to
+    save (a `PermissionError` too, as keras-hub's own save raises)."""
+
+
 class PluginOffError(AutodistError, TypeError):
     """`device_mesh=` was passed while keras-hub-autodist is not active."""
 
@@ -148,6 +153,17 @@ class DemoError(AutodistError, ValueError):
 class WeightFileChangedError(AutodistError, RuntimeError):
     """A weight file was modified in place, or replaced and reopened, while a
     model loaded from it; the load would mix two versions of the file."""
+
+
+class WeightFileError(AutodistError, ValueError):
+    """A weight file's header breaks the rules of its format (offsets that
+    overlap or leave gaps, an unknown dtype, a length past the end of the
+    file...); its format's own reader refuses it too."""
+
+
+class EnvironmentVariableError(AutodistError, ValueError):
+    """An environment variable of keras-hub-autodist holds a value it does
+    not accept."""
 
 
 class MultiprocessSaveError(AutodistError, RuntimeError):

@@ -13,7 +13,7 @@ others. A bound model's save methods run here instead, in every process:
 - Process 0 writes the files, at the path it was given (a preset folder is
   still swapped in whole, as `saving.save_atomically` does).
 - The other processes write no weights anywhere: their weight stores open no
-  file (`compat.weight_stores_writing(write=False)`). What Keras and
+  file (`weight_stores.weight_stores_writing(write=False)`). What Keras and
   keras-hub write besides the weights (configs, tokenizer assets, the
   `.keras` archive's config) goes into a temporary folder, deleted at once.
 - Before each weight file is opened and at the end, the processes agree that
@@ -42,10 +42,10 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_hub_autodist import compat
 from keras_hub_autodist.errors import MultiprocessSaveError
 from keras_hub_autodist.errors import SaveTargetError
 from keras_hub_autodist.saving import save_atomically
+from keras_hub_autodist.weight_stores import weight_stores_writing
 
 # The process that writes the files.
 WRITER = 0
@@ -157,7 +157,7 @@ def save_from_every_process(
     save: Callable[..., Any],
     target: str | os.PathLike,
     *args,
-    preset: bool = False,
+    whole_folder: bool = False,
     **kwargs,
 ) -> Any:
     """Run `save(target, *args, **kwargs)` in every process; process 0 writes.
@@ -172,8 +172,8 @@ def save_from_every_process(
             this).
         target: the path it saves to; one shared path for all processes.
         *args: passed to `save` after the path.
-        preset: whether `target` is a preset folder (`save_to_preset`): then
-            process 0 swaps it in whole (`saving.save_atomically`).
+        whole_folder: whether `target` is a preset folder (`save_to_preset`):
+            then process 0 swaps it in whole (`saving.save_atomically`).
         **kwargs: passed to `save`.
 
     Returns:
@@ -198,16 +198,18 @@ def save_from_every_process(
     agreement = _Agreement()
     running = _RUNNING.set(agreement)
     try:
-        with compat.weight_stores_writing(
+        with weight_stores_writing(
             functools.partial(host_array, keep=writer), agreement.opened, writer
         ):
-            if writer and preset:
+            if writer and whole_folder:
                 result = save_atomically(save, target, *args, **kwargs)
             elif writer:
                 result = save(target, *args, **kwargs)
             else:
                 with tempfile.TemporaryDirectory(prefix="autodist-save-") as scratch:
-                    result = save(_stand_in(path, scratch, preset), *args, **kwargs)
+                    result = save(
+                        _stand_in(path, scratch, whole_folder), *args, **kwargs
+                    )
     except BaseException:
         if not (agreement.gathering or agreement.settled):
             agreement.confirm(False)

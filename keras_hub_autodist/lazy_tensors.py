@@ -16,15 +16,15 @@ with SafetensorsFile("model.safetensors") as file:
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 
 import ml_dtypes
 import numpy as np
 
+from keras_hub_autodist.errors import WeightFileError
 from keras_hub_autodist.file_reads import ContiguousTensor
 from keras_hub_autodist.file_reads import HeldFile
+from keras_hub_autodist.safetensors_header import read_header
 
 # The dtypes of the safetensors format, as numpy reads them.
 SAFETENSORS_DTYPES = {
@@ -40,6 +40,7 @@ SAFETENSORS_DTYPES = {
     "F16": np.dtype("<f2"),
     "F32": np.dtype("<f4"),
     "F64": np.dtype("<f8"),
+    "C64": np.dtype("<c8"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
@@ -138,8 +139,9 @@ class SafetensorsFile:
     until the file is closed. keras-hub's `SafetensorLoader` keeps each file
     open for the whole load, so host RSS grew by the whole checkpoint. While
     `sharded_loading` is active, keras-hub's loader gets one of these
-    instead: the header is parsed once and each tensor is read with
-    `os.preadv` into its own buffer; nothing is mapped.
+    instead: the header is parsed once, and checked as strictly as
+    safetensors' own reader checks it (`safetensors_header.py`), and each
+    tensor is read with `os.preadv` into its own buffer; nothing is mapped.
 
     Args:
         path: the `*.safetensors` file.
@@ -163,11 +165,15 @@ class SafetensorsFile:
         self.path = str(path)
         self._owned = file is None
         self.file = HeldFile(self.path) if file is None else file
-        (length,) = struct.unpack("<Q", self.file.read_bytes(0, 8))
-        header = json.loads(self.file.read_bytes(8, length))
-        self._metadata = header.pop("__metadata__", None)
-        self._start = 8 + length
-        self._tensors = header
+        try:
+            # Checked as safetensors' own reader checks it (WeightFileError).
+            header = read_header(self.file)
+        except BaseException:
+            self.close()
+            raise
+        self._metadata = header.metadata
+        self._start = header.data_start
+        self._tensors = header.tensors
         # Set by the loading session: the tensor `get_tensor` returns (lazy
         # or read) and the executor reads run on.
         self.get_lazy = None
@@ -198,21 +204,16 @@ class SafetensorsFile:
         entry = self._tensors.get(name)
         if entry is None:
             raise KeyError(name)
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        dtype = SAFETENSORS_DTYPES.get(entry.dtype)
         if dtype is None:
-            raise ValueError(
-                f"{self.path}: tensor {name!r} has a dtype numpy can't hold. "
-                f"Received: dtype={entry['dtype']!r}"
+            raise WeightFileError(
+                f"{self.path}: tensor {name!r} has a dtype numpy can't hold, so "
+                "it can't be loaded as a Keras weight; convert the checkpoint "
+                f"to another dtype. Received: dtype={entry.dtype!r}"
             )
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(
-                f"{self.path}: the header's offsets of tensor {name!r} do not "
-                f"match its shape and dtype. Received: data_offsets={[begin, end]}"
-                f", shape={list(shape)}, dtype={entry['dtype']!r}"
-            )
-        return ContiguousTensor(self.file, self._start + begin, shape, dtype)
+        return ContiguousTensor(
+            self.file, self._start + entry.begin, entry.shape, dtype
+        )
 
     def get_tensor(self, name: str):
         """Tensor `name`, read whole (or a `LazySafetensor` when the loading

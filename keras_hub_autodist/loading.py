@@ -31,9 +31,11 @@ out of memory while it loads (keras-team/keras#21634). Inside
   so a file replaced or deleted meanwhile still loads as the version first
   opened, and one modified in place raises `WeightFileChangedError`.
 
-Outside the context, Keras behaves exactly as without this package: the hooks
-are installed on entry and removed on exit, and act only in the thread that
-entered.
+Outside the context, Keras behaves exactly as without this package. The hooks
+are process-wide patches (`compat.PATCHES`), installed when the first load of
+the process starts and removed when the last one ends, by an exception too;
+each acts only in a thread running a load of its own, so loads in several
+threads at once each load their own weights.
 
 Example:
 ```python
@@ -166,7 +168,6 @@ class _Session:
     def __init__(
         self, *, skip_initializers: bool, progress: Progress, check_variable=None
     ):
-        self.thread = threading.get_ident()
         self.skip_initializers = skip_initializers
         self.check_variable = check_variable
         self.progress = progress
@@ -174,6 +175,8 @@ class _Session:
         self.pending = {}  # id(variable) -> (weakref to variable, initializer)
         self.placeholders = set()  # ids of variables holding a placeholder
         self.files = {}  # path -> HeldFile, one per weight file for the load
+        # id(variable) -> the error its last read raised, while not retried.
+        self.failures = {}
         self._executor = None
         # The last weight put on the devices: its array, and the array in
         # the file's dtype it was cast from (freed once the cast is done).
@@ -315,25 +318,41 @@ class _Session:
         )
 
 
-_sessions: list[_Session] = []
+# The loads running in each thread, innermost last.
+_threads = threading.local()
+
+
+def _thread_sessions() -> list[_Session]:
+    sessions = getattr(_threads, "sessions", None)
+    if sessions is None:
+        sessions = _threads.sessions = []
+    return sessions
 
 
 def _active_session() -> _Session | None:
-    if not _sessions:
-        return None
-    session = _sessions[-1]
-    return session if session.thread == threading.get_ident() else None
+    """The innermost load running in this thread, if any."""
+    sessions = _thread_sessions()
+    return sessions[-1] if sessions else None
 
 
-# The hooks go on the class Keras instantiates (`keras.Variable`, the JAX
-# backend's variable) and on Keras' HDF5 weight store, for the duration of
-# a load only.
+def active_sessions() -> int:
+    """How many sharded loads run in this thread (0 outside any).
+
+    Example:
+    >>> active_sessions()
+    0
+    """
+    return len(_thread_sessions())
+
+
+# The hooks replace methods of the class Keras instantiates (`keras.Variable`,
+# the JAX backend's variable) and of Keras' HDF5 weight store, and keras-hub's
+# safetensors entry points, while any load runs (`compat.PATCHES`). Every
+# thread sees them; they act only in a thread with a load of its own.
 _VARIABLE = keras.Variable
 _original_assign = _VARIABLE.assign
 _original_initialize = getattr(_VARIABLE, compat.VARIABLE_INITIALIZE_METHOD)
-_H5_IO_STORE = compat.h5_io_store()
-_original_getitem = _H5_IO_STORE.__getitem__
-_MISSING = object()
+_original_getitem = compat.h5_io_store().__getitem__
 
 
 def _assign(variable, value):
@@ -353,7 +372,15 @@ def _assign(variable, value):
         session.placeholders.discard(id(variable))
         compat.variable_array(variable).delete()
         compat.set_variable_array(variable, None)
-    compat.set_variable_array(variable, session.put(value, variable))
+    try:
+        array = session.put(value, variable)
+    except Exception as error:
+        # Keras catches it and may retry the layer; if the load fails, it is
+        # reported instead of Keras' "objects could not be loaded".
+        session.failures[id(variable)] = error
+        raise
+    session.failures.pop(id(variable), None)
+    compat.set_variable_array(variable, array)
     transfer.release_host_memory()
     session.pending.pop(id(variable), None)
     session.count(variable)
@@ -425,30 +452,14 @@ def _getitem(store, key):
     return LazyH5Dataset(dataset, dtype, session.held_h5_file(dataset))
 
 
-@contextlib.contextmanager
-def _hooks_installed():
-    hooks = [
-        (_VARIABLE, "assign", _assign),
-        (_VARIABLE, compat.VARIABLE_INITIALIZE_METHOD, _initialize_with_initializer),
-        (_H5_IO_STORE, "__getitem__", _getitem),
-    ]
-    safetensor_utils = compat.safetensor_utils_module()
-    module = getattr(safetensor_utils, "safetensors", None)
-    if module is not None and not isinstance(module, _SafetensorsModule):
-        hooks.append((safetensor_utils, "safetensors", _SafetensorsModule(module)))
-        loader = safetensor_utils.SafetensorLoader
-        hooks.append((loader, "port_weight", _port_weight_hook(loader.port_weight)))
-    saved = [(cls, name, vars(cls).get(name, _MISSING)) for cls, name, _ in hooks]
-    for cls, name, hook in hooks:
-        setattr(cls, name, hook)
-    try:
-        yield
-    finally:
-        for cls, name, previous in saved:
-            if previous is _MISSING:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, previous)
+# Patch name -> its replacement, made from the attribute it replaces.
+_HOOKS = {
+    "variable_assign": lambda original: _assign,
+    "variable_initializer": lambda original: _initialize_with_initializer,
+    "h5_store_read": lambda original: _getitem,
+    "safetensors_open": _SafetensorsModule,
+    "safetensors_port_weight": _port_weight_hook,
+}
 
 
 def _initialize_pending(session: _Session) -> None:
@@ -510,15 +521,21 @@ def sharded_loading(
         skip_initializers=load_weights, progress=bar, check_variable=check_variable
     )
     start = time.perf_counter()
-    _sessions.append(session)
+    sessions = _thread_sessions()
+    sessions.append(session)
     completed = False
     try:
-        with _hooks_installed():
-            yield session.stats
+        with compat.patched(_HOOKS):
+            try:
+                yield session.stats
+            except Exception:
+                if session.failures:
+                    raise next(iter(session.failures.values())) from None
+                raise
         _initialize_pending(session)
         completed = True
     finally:
-        _sessions.remove(session)
+        sessions.remove(session)
         try:
             session.close(check=completed)
         finally:

@@ -1,7 +1,6 @@
-"""Memory: what each device has, and what a plan needs of it.
+"""Memory: what a plan needs of each device (what each device has is
+`device_memory.py`).
 
-- `device_memory_info`: the per-device memory planning assumes, and where it
-  comes from (given, the environment, reported by the devices, assumed).
 - `training_bytes_per_device`: weights, gradients and optimizer state.
 - `activation_bytes_per_device`: the activations a training step saves for
   its backward pass, in closed form.
@@ -12,36 +11,15 @@ methods.
 
 from __future__ import annotations
 
-import math
-import os
 from typing import TYPE_CHECKING
 
 from keras_hub_autodist import step_memory
 from keras_hub_autodist.dtypes import itemsize
-from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
-from keras_hub_autodist.options import device_memory_bytes
 
 if TYPE_CHECKING:
-    from keras_hub_autodist.plan import LayoutPlan
+    from keras_hub_autodist.plan_record import PlanRecord
 
-GIB = 1024**3
-GB = 1000**3
-# The per-device memory in GiB, like the CLI's `--device-memory`.
-DEVICE_MEMORY_ENV = "KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB"
-# The same in gigabytes (10^9 bytes), as its name says.
-DEVICE_MEMORY_GB_ENV = "KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB"
-# Per-device memory assumed when the backend reports none (CPU, or planning
-# for a mesh given as a mapping): 16 GiB, as on a T4 or a TPU v3 core.
-DEFAULT_DEVICE_MEMORY_BYTES = 16 * GIB
-# Where the per-device memory of a plan comes from
-# (`LayoutPlan.device_memory_source`).
-MEMORY_GIVEN, MEMORY_ENV, MEMORY_REPORTED, MEMORY_ASSUMED = (
-    "given",
-    "env",
-    "reported",
-    "assumed",
-)
 # Bytes per parameter byte while training: the weight, its gradient and the
 # optimizer's state, all in the variable dtype.
 OPTIMIZER_STATE_FACTORS = {"adam": 4, "sgd": 2, "sgd_momentum": 3}
@@ -62,60 +40,7 @@ SAVED_ACTIVATIONS = {
 }
 
 
-def device_memory_info(devices=(), override=None) -> tuple[int, str]:
-    """Per-device memory for planning, and where it comes from.
-
-    In order: `override` (`"given"`); `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB`
-    (GiB) or `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB` (10^9 bytes) (`"env"`):
-    what you state wins over what the devices report; the smallest
-    `bytes_limit` that `devices` report (`"reported"`); else
-    `DEFAULT_DEVICE_MEMORY_BYTES`, 16 GiB (`"assumed"`).
-
-    Args:
-        devices: JAX devices to ask (only this process's devices answer).
-        override: bytes to use as-is.
-
-    Example:
-    >>> device_memory_info([], 8 * 1024**3)
-    (8589934592, 'given')
-    """
-    if override is not None:
-        return device_memory_bytes(override), MEMORY_GIVEN
-    for name, unit in ((DEVICE_MEMORY_ENV, GIB), (DEVICE_MEMORY_GB_ENV, GB)):
-        from_env = os.environ.get(name)
-        if from_env:
-            return _from_environment(name, from_env, unit), MEMORY_ENV
-    limits = []
-    for device in devices:
-        try:
-            # Only this process's devices can report (multi-host meshes).
-            if device not in device.client.local_devices():
-                continue
-            stats = device.memory_stats()
-        except Exception:  # backends without memory statistics
-            stats = None
-        if stats and stats.get("bytes_limit"):
-            limits.append(stats["bytes_limit"])
-    if limits:
-        return min(limits), MEMORY_REPORTED
-    return DEFAULT_DEVICE_MEMORY_BYTES, MEMORY_ASSUMED
-
-
-def _from_environment(name: str, text: str, unit: int) -> int:
-    units = "GiB" if unit == GIB else "GB (10^9 bytes)"
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value) or value <= 0 or value * unit > 2**50:
-        raise MeshError(
-            f"${name} must be a number of {units} above 0 and at most a "
-            f"PiB, e.g. 16. Received: {name}={text!r}"
-        )
-    return int(value * unit)
-
-
-def training_bytes_per_device(plan: LayoutPlan, optimizer: str = "adam") -> int:
+def training_bytes_per_device(plan: PlanRecord, optimizer: str = "adam") -> int:
     """Estimated per-device bytes of weights + gradients + optimizer state.
 
     Activations are not included.
@@ -133,8 +58,13 @@ def training_bytes_per_device(plan: LayoutPlan, optimizer: str = "adam") -> int:
     return OPTIMIZER_STATE_FACTORS[optimizer] * plan.max_device_bytes
 
 
+def fits(plan: PlanRecord) -> bool:
+    """Whether weights, gradients and Adam state fit each device."""
+    return training_bytes_per_device(plan, "adam") <= plan.device_memory_bytes
+
+
 def activation_bytes_per_device(
-    plan: LayoutPlan, batch_size: int, sequence_length: int
+    plan: PlanRecord, batch_size: int, sequence_length: int
 ) -> int:
     """Estimated per-device bytes of the activations a training step
     saves for its backward pass.

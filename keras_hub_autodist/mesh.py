@@ -22,6 +22,7 @@ import math
 import operator
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from keras_hub_autodist.errors import DeviceMeshTypeError
 from keras_hub_autodist.errors import MeshError
@@ -196,65 +197,135 @@ def _check_devices_exist(names, shape, devices) -> None:
         )
 
 
-def mesh_shape(device_mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Return `(axis_names, shape)` of a `DeviceMesh` or a mapping.
+@dataclasses.dataclass(frozen=True)
+class MeshArgument:
+    """A `device_mesh=` argument, read and checked once.
 
-    Axis sizes may be any integers (`np.int64` included); they are returned
-    as `int`s, and the mapping passed is left as it is. A `DeviceMesh` that
-    lists a device more than once, or something that is not a device, is a
-    `MeshError`, as is a mesh of more than `MAX_DEVICES` devices.
+    Args:
+        axis_names: the axis names, in mesh order (empty for `"auto"`).
+        shape: the axis sizes, as `int`s (empty for `"auto"`).
+        device_mesh: the `keras.distribution.DeviceMesh` given, if one was.
+        auto: whether `"auto"` was given: the planner chooses the mesh.
+
+    Example:
+    >>> read_device_mesh({"batch": 2, "model": 4}).shape
+    (2, 4)
+    """
+
+    axis_names: tuple[str, ...] = ()
+    shape: tuple[int, ...] = ()
+    device_mesh: Any = None
+    auto: bool = False
+
+    @property
+    def devices(self) -> tuple | None:
+        """The devices of the `DeviceMesh` given, in mesh order; else None."""
+        if self.device_mesh is None:
+            return None
+        devices = self.device_mesh.devices
+        return tuple(devices.ravel() if hasattr(devices, "ravel") else devices)
+
+
+def read_device_mesh(device_mesh, *, auto_allowed: bool = True) -> MeshArgument:
+    """Read a `device_mesh=` argument: a `DeviceMesh`, a mapping or `"auto"`.
+
+    The one place that tells the forms apart. Axis sizes may be any
+    integers (`np.int64` included) and are returned as `int`s; the mapping
+    passed is left as it is. A `DeviceMesh` that lists a device more than
+    once, or something that is not a device, is a `MeshError`, as is a mesh
+    of more than `MAX_DEVICES` devices.
+
+    Args:
+        device_mesh: the argument.
+        auto_allowed: whether `"auto"` is accepted here.
 
     Example:
     >>> import numpy as np
-    >>> mesh_shape({"batch": np.int64(2), "model": 4})
-    (('batch', 'model'), (2, 4))
+    >>> read_device_mesh({"batch": np.int64(2), "model": 4}).axis_names
+    ('batch', 'model')
+    >>> read_device_mesh("auto").auto
+    True
     """
+    if isinstance(device_mesh, str) and auto_allowed:
+        if device_mesh != "auto":
+            raise MeshError(
+                "`device_mesh` takes a DeviceMesh, a mapping such as "
+                "{'batch': 2, 'model': 4}, or 'auto'. Received: "
+                f"device_mesh={device_mesh!r}"
+            )
+        return MeshArgument(auto=True)
     if is_device_mesh(device_mesh):
         names = tuple(device_mesh.axis_names)
         shape = tuple(device_mesh.shape)
-        devices = getattr(device_mesh, "devices", None)
-        if devices is not None:
-            flat = devices.ravel() if hasattr(devices, "ravel") else devices
-            flat = list(flat)
-            _check_distinct_devices(names, shape, flat)
-            _check_devices_exist(names, shape, flat)
-        return names, shape
+        argument = MeshArgument(names, shape, device_mesh)
+        if argument.devices is not None:
+            _check_distinct_devices(names, shape, argument.devices)
+            _check_devices_exist(names, shape, argument.devices)
+        return argument
     if isinstance(device_mesh, Mapping):
-        if not device_mesh:
-            raise MeshError(
-                "`device_mesh` is an empty mapping. Give at least a batch "
-                "axis, e.g. device_mesh={'batch': 2, 'model': 4}. "
-                f"Received: device_mesh={device_mesh!r}"
-            )
-        names, sizes = [], []
-        for name, size in device_mesh.items():
-            integer = _axis_size(size)
-            if not isinstance(name, str) or (
-                integer is None and not isinstance(size, bool)
-            ):
-                raise MeshError(
-                    "A `device_mesh` mapping goes from axis name (str) to "
-                    "axis size (an integer), e.g. {'batch': 2, 'model': 4}. "
-                    f"Received: device_mesh={dict(device_mesh)!r}"
-                )
-            if integer is None or integer < 1:
-                raise MeshError(
-                    f"Mesh axis sizes must be positive integers. Received: "
-                    f"{name}={size!r} in device_mesh={dict(device_mesh)!r}"
-                )
-            names.append(name)
-            sizes.append(integer)
-        check_device_count(
-            math.prod(sizes), received=f"device_mesh={dict(device_mesh)!r}"
-        )
-        return tuple(names), tuple(sizes)
+        return MeshArgument(*_mapping_shape(device_mesh))
     raise DeviceMeshTypeError(
         "`device_mesh` must be a `keras.distribution.DeviceMesh`, a "
-        "mapping of axis name to size such as {'batch': 2, 'model': 4}, or "
-        "'auto' where a function accepts it. "
-        f"Received: device_mesh={device_mesh!r} of type "
+        "mapping of axis name to size such as {'batch': 2, 'model': 4}"
+        + (", or 'auto'" if auto_allowed else "")
+        + f". Received: device_mesh={device_mesh!r} of type "
         f"{type(device_mesh).__name__}"
     )
+
+
+def _mapping_shape(device_mesh: Mapping) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    if not device_mesh:
+        raise MeshError(
+            "`device_mesh` is an empty mapping. Give at least a batch "
+            "axis, e.g. device_mesh={'batch': 2, 'model': 4}. "
+            f"Received: device_mesh={device_mesh!r}"
+        )
+    names, sizes = [], []
+    for name, size in device_mesh.items():
+        integer = _axis_size(size)
+        if not isinstance(name, str) or (
+            integer is None and not isinstance(size, bool)
+        ):
+            raise MeshError(
+                "A `device_mesh` mapping goes from axis name (str) to "
+                "axis size (an integer), e.g. {'batch': 2, 'model': 4}. "
+                f"Received: device_mesh={dict(device_mesh)!r}"
+            )
+        if integer is None or integer < 1:
+            raise MeshError(
+                f"Mesh axis sizes must be positive integers. Received: "
+                f"{name}={size!r} in device_mesh={dict(device_mesh)!r}"
+            )
+        names.append(name)
+        sizes.append(integer)
+    check_device_count(math.prod(sizes), received=f"device_mesh={dict(device_mesh)!r}")
+    return tuple(names), tuple(sizes)
+
+
+def mesh_shape(device_mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Return `(axis_names, shape)` of a `DeviceMesh` or a mapping
+    (`read_device_mesh` without `"auto"`).
+
+    Example:
+    >>> mesh_shape({"batch": 2, "model": 4})
+    (('batch', 'model'), (2, 4))
+    """
+    argument = read_device_mesh(device_mesh, auto_allowed=False)
+    return argument.axis_names, argument.shape
+
+
+def require_device_mesh(device_mesh, why: str):
+    """`device_mesh` if it is a `keras.distribution.DeviceMesh`, else a
+    `MeshError` that starts with `why` (what needs one, and what to do).
+
+    Example:
+    ```python
+    require_device_mesh(mesh, "`layout_map()` needs a DeviceMesh.")
+    ```
+    """
+    if not is_device_mesh(device_mesh):
+        raise MeshError(f"{why} Received: device_mesh={device_mesh!r}")
+    return device_mesh
 
 
 def _pick(names, requested, defaults, role, keyword):
@@ -301,7 +372,10 @@ def resolve_mesh_axes(
     >>> resolve_mesh_axes({"batch": 2, "expert": 2, "model": 2}).expert_axis
     'expert'
     """
-    names, shape = mesh_shape(device_mesh)
+    if isinstance(device_mesh, MeshArgument):
+        names, shape = device_mesh.axis_names, device_mesh.shape
+    else:
+        names, shape = mesh_shape(device_mesh)
     received = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
     batch = _pick(names, batch_axis, BATCH_AXIS_NAMES, "batch", "batch_axis")
     if batch is None:
@@ -351,6 +425,44 @@ def resolve_mesh_axes(
     return MeshAxes(names, shape, batch, model, hidden, expert)
 
 
+@dataclasses.dataclass(frozen=True)
+class ResolvedMesh:
+    """The mesh a model is planned (and loaded) on: `device_mesh=` resolved
+    once, at the entry, and taken by every later step.
+
+    Args:
+        axes: the axis names, sizes and roles.
+        devices: the devices it spans, in mesh order; `None` when planning
+            without devices (a mapping given to `plan()`).
+        device_memory_bytes: the memory per device planned with.
+        device_memory_source: where it comes from (`device_memory.MEMORY_*`).
+        reason: why `device_mesh="auto"` chose this mesh; `""` otherwise.
+        device_mesh: the `keras.distribution.DeviceMesh` given, if any.
+    """
+
+    axes: MeshAxes
+    devices: tuple | None
+    device_memory_bytes: int
+    device_memory_source: str
+    reason: str = ""
+    device_mesh: Any = dataclasses.field(default=None, compare=False)
+
+    def build(self):
+        """The `keras.distribution.DeviceMesh`: the one given, or one of
+        this shape over `devices`."""
+        if self.device_mesh is not None:
+            return self.device_mesh
+        if self.devices is None:
+            raise MeshError(
+                "This mesh was planned without devices; pass them, e.g. "
+                "plan for `keras.distribution.list_devices()`. Received: "
+                f"mesh axes ({self.axes.describe()})"
+            )
+        return build_device_mesh(
+            dict(zip(self.axes.axis_names, self.axes.shape)), list(self.devices)
+        )
+
+
 def build_device_mesh(device_mesh, devices=None):
     """Turn a mapping into a `DeviceMesh` over `devices` (default: all).
 
@@ -368,9 +480,10 @@ def build_device_mesh(device_mesh, devices=None):
     """
     import keras
 
-    names, shape = mesh_shape(device_mesh)
-    if is_device_mesh(device_mesh):
-        return device_mesh
+    argument = read_device_mesh(device_mesh, auto_allowed=False)
+    if argument.device_mesh is not None:
+        return argument.device_mesh
+    names, shape = argument.axis_names, argument.shape
     available = keras.distribution.list_devices() if devices is None else devices
     _check_distinct_devices(names, shape, available)
     if math.prod(shape) != len(available):

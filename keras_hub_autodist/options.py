@@ -17,24 +17,75 @@ from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
-from keras_hub_autodist.rules import STRATEGIES
+from keras_hub_autodist.sharding import STRATEGIES
 
 STRATEGY_CHOICES = ("auto",) + STRATEGIES
-# Where planning takes weight shapes from: the model, built abstractly
-# ("model"), or the families' keras-free shape hints where they have them
-# ("config": the CLI's fast path, which must not import keras-hub; tests
-# check every hint against the abstract build).
-SHAPE_SOURCES = ("model", "config")
-# The keywords `from_preset(device_mesh=...)` takes besides `device_mesh`
-# (the plugin passes every other keyword on to keras-hub).
-DISTRIBUTION_KEYWORDS = (
-    "strategy",
-    "batch_axis",
-    "model_axis",
-    "progress",
-    "strict",
-    "sequence_parallel",
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option of the distribution API, declared once.
+
+    Args:
+        name: the keyword.
+        default: its default everywhere it is taken.
+        doc: what it does, for the documentation `from_preset` gains.
+        planning: whether it is a field of `PlanOptions` (and a keyword of
+            `plan()`).
+        from_preset: whether `from_preset(device_mesh=...)` takes it (the
+            plugin passes every other keyword on to keras-hub).
+    """
+
+    name: str
+    default: Any
+    doc: str
+    planning: bool = True
+    from_preset: bool = True
+
+
+OPTIONS = (
+    Option("strategy", "auto", '`"auto"` (default), `"tp"` or `"fsdp"`.'),
+    Option("batch_axis", None, "mesh axis of the batch, if not `batch`/`data`."),
+    Option("model_axis", None, "mesh axis of the weights, if not `model`/`tensor`."),
+    Option(
+        "dtype",
+        None,
+        "the dtype (policy) the model is loaded with; keras-hub's own keyword.",
+        from_preset=False,
+    ),
+    Option(
+        "device_memory",
+        None,
+        "bytes per device; default: asked of the devices or the environment.",
+        from_preset=False,
+    ),
+    Option(
+        "progress",
+        None,
+        "show a progress bar while loading (default: on a terminal, unless "
+        "`KERAS_HUB_AUTODIST_PROGRESS=0`).",
+        planning=False,
+    ),
+    Option(
+        "strict",
+        True,
+        "`True` (default): a weight that no layout rule matches is an error; "
+        "`False`: a warning, the weight is replicated.",
+    ),
+    Option(
+        "sequence_parallel",
+        False,
+        "shard residual-stream activations on the sequence over the model "
+        "axis (default `False`).",
+    ),
 )
+# The keywords `from_preset(device_mesh=...)` takes besides `device_mesh`.
+DISTRIBUTION_KEYWORDS = tuple(o.name for o in OPTIONS if o.from_preset)
+# The keywords of `plan()` besides the preset and the mesh, and the fields of
+# `PlanOptions` (a test ties the dataclass to this list).
+PLANNING_KEYWORDS = tuple(o.name for o in OPTIONS if o.planning)
+
+
 # The largest per-device memory a plan accepts: 1 PiB, far above any device,
 # so that a typo (1e300) is an error rather than an overflow.
 MAX_DEVICE_MEMORY_BYTES = 2**50
@@ -53,13 +104,11 @@ class PlanOptions:
         dtype: the dtype (policy) the model will be loaded with; `None`: the
             preset's.
         device_memory: bytes per device; `None`: asked of the devices, the
-            environment, or assumed (`memory.device_memory_info`).
+            environment, or assumed (`device_memory.device_memory_info`).
         sequence_parallel: shard residual-stream activations on the
             sequence over the model axis.
         strict: a weight that matches no rule is an error (`True`) or a
             warning, the weight staying replicated (`False`).
-        shape_source: `"model"` (the abstract build) or `"config"` (the
-            families' keras-free shape hints where they exist).
 
     Example:
     >>> PlanOptions(strategy="fsdp").strategy
@@ -73,7 +122,6 @@ class PlanOptions:
     device_memory: int | None = None
     sequence_parallel: bool = False
     strict: bool = True
-    shape_source: str = "model"
 
     def __post_init__(self):
         if self.strategy not in STRATEGY_CHOICES:
@@ -88,27 +136,33 @@ class PlanOptions:
                     f"{option(name)} names a mesh axis (a string) or is None. "
                     f"Received: {name}={value!r}"
                 )
-        if not isinstance(self.strict, bool):
-            raise PlanError(
-                "`strict` is True (a weight that no layout rule matches is an "
-                "error) or False (a warning; the weight stays replicated). "
-                f"Received: strict={self.strict!r}"
-            )
+        check_strict(self.strict)
         if not isinstance(self.sequence_parallel, bool):
             raise StrategyError(
                 "`sequence_parallel` is True (shard residual-stream activations "
                 "on the sequence over the model axis) or False. Received: "
                 f"sequence_parallel={self.sequence_parallel!r}"
             )
-        if self.shape_source not in SHAPE_SOURCES:
-            raise PlanError(
-                f"`shape_source` is one of {list(SHAPE_SOURCES)}. Received: "
-                f"shape_source={self.shape_source!r}"
-            )
         if self.device_memory is not None:
             object.__setattr__(
                 self, "device_memory", device_memory_bytes(self.device_memory)
             )
+
+
+def check_strict(strict) -> bool:
+    """`strict=` checked: a bool.
+
+    Example:
+    >>> check_strict(False)
+    False
+    """
+    if not isinstance(strict, bool):
+        raise PlanError(
+            "`strict` is True (a weight that no layout rule matches is an "
+            "error) or False (a warning; the weight stays replicated). "
+            f"Received: strict={strict!r}"
+        )
+    return strict
 
 
 def device_memory_bytes(value) -> int:

@@ -6,8 +6,8 @@
    build from (only `config.json` is read).
 2. `shapes.model_weights`: every weight's path, shape and logical axes, from
    the model built abstractly (nothing allocated).
-3. `planner.plan_model`: the `LayoutPlan` for the mesh (the mesh itself when
-   `device_mesh="auto"`), as values.
+3. `planner.resolve_mesh`: `device_mesh=` resolved once (chosen, when
+   `"auto"`), then `planner.plan_model`: the `LayoutPlan` on it, as values.
 4. `loading.sharded_loading`: keras-hub's own `from_preset` runs inside the
    plan's `ModelParallel` scope, and each weight goes straight into its
    shards.
@@ -33,15 +33,17 @@ from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.loading import attach_load_stats
 from keras_hub_autodist.loading import sharded_loading
-from keras_hub_autodist.mesh import build_device_mesh
 from keras_hub_autodist.options import PlanOptions
 from keras_hub_autodist.options import progress_option
 from keras_hub_autodist.planner import plan_model
+from keras_hub_autodist.planner import resolve_mesh
 from keras_hub_autodist.presets import cached_kaggle_snapshot
 from keras_hub_autodist.presets import is_network_error
 from keras_hub_autodist.presets import read_preset_config
+from keras_hub_autodist.progress import progress_enabled
 from keras_hub_autodist.shapes import model_weights
 from keras_hub_autodist.verify import verify_layouts
+from keras_hub_autodist.weight_check import WeightCheck
 
 # The attribute of the plugin's `from_preset` wrapper that holds keras-hub's
 # own method (shared with the startup hook's guard).
@@ -101,8 +103,9 @@ def from_preset(
         strategy: `"auto"`, `"tp"` or `"fsdp"` (see `plan()`).
         batch_axis: the mesh axis that splits batches.
         model_axis: the mesh axis that shards weights.
-        progress: show a progress bar while loading; by default on a
-            terminal, unless `$KERAS_HUB_AUTODIST_PROGRESS=0`.
+        progress: show a progress bar while loading; by default what
+            `$KERAS_HUB_AUTODIST_PROGRESS` says (`1`/`0`, `on`/`off`...), else
+            on a terminal only.
         strict: every weight of the built model must match exactly one rule
             of the plan: with `True` a weight that matches none raises
             `UnplannedWeightError`; with `False` it warns
@@ -134,22 +137,21 @@ def from_preset(
         sequence_parallel=sequence_parallel,
         strict=strict,
     )
-    progress = progress_option(progress)
+    # The progress switch, `$KERAS_HUB_AUTODIST_PROGRESS` included, is read
+    # before planning: a bad value fails before any work.
+    progress = progress_enabled(progress_option(progress))
     require_jax_backend()
     load_from_preset = original_from_preset(cls)
     planning_started = time.perf_counter()
     # 1-2. The config, and every weight of the model it builds.
     preset_config = read_preset_config(preset)
     weights = model_weights(preset_config, options)
-    # 3. The plan, for a mesh of real devices.
-    if isinstance(device_mesh, str):
-        layout_plan = plan_model(weights, device_mesh, options)
-        mesh = build_device_mesh(
-            dict(zip(layout_plan.mesh_axes.axis_names, layout_plan.mesh_axes.shape))
-        )
-    else:
-        mesh = build_device_mesh(device_mesh)  # validates before listing devices
-        layout_plan = plan_model(weights, mesh, options)
+    # 3. The mesh, resolved once over the devices, and the plan on it.
+    resolved = resolve_mesh(
+        device_mesh, weights, options, devices=keras.distribution.list_devices()
+    )
+    layout_plan = plan_model(weights, resolved, options)
+    mesh = resolved.build()
     plan_seconds = time.perf_counter() - planning_started
     distribution = keras.distribution.ModelParallel(
         layout_map=layout_plan.layout_map(mesh),
@@ -159,7 +161,7 @@ def from_preset(
     )
     # 4-5. Load inside the distribution, each weight checked as it is made;
     # then the built model checked against the plan.
-    check = layout_plan.weight_check(strict=options.strict)
+    check = WeightCheck(layout_plan, strict=options.strict)
 
     def load(source):
         loading = sharded_loading(

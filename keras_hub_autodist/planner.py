@@ -2,7 +2,7 @@
 
 The planner reads the config (`presets.read_config`), gets every weight with
 its logical axes (`shapes.model_weights`), then lays the weights out on the
-mesh with the rules (`rules.assign_mesh_axes`). Where it must choose (the
+mesh (`sharding.assign_mesh_axes`). Where it must choose (the
 mesh under `device_mesh="auto"`, the strategy under `strategy="auto"`, the
 key/value layout when key/value heads don't divide the model axis), it
 costs every alternative in one pass over the weights and lets `policy`
@@ -16,18 +16,20 @@ import math
 from typing import TYPE_CHECKING
 
 from keras_hub_autodist import policy
-from keras_hub_autodist import rules
+from keras_hub_autodist import sharding
+from keras_hub_autodist.device_memory import device_memory_info
 from keras_hub_autodist.dtypes import itemsize
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import option
+from keras_hub_autodist.layout_plan import LayoutPlan
 from keras_hub_autodist.memory import ADAM_STATE_FACTOR
-from keras_hub_autodist.memory import device_memory_info
 from keras_hub_autodist.mesh import MeshAxes
+from keras_hub_autodist.mesh import ResolvedMesh
 from keras_hub_autodist.mesh import check_device_count
-from keras_hub_autodist.mesh import is_device_mesh
+from keras_hub_autodist.mesh import read_device_mesh
+from keras_hub_autodist.mesh import require_device_mesh
 from keras_hub_autodist.mesh import resolve_mesh_axes
 from keras_hub_autodist.options import PlanOptions
-from keras_hub_autodist.plan import LayoutPlan
 from keras_hub_autodist.presets import read_config
 from keras_hub_autodist.shapes import ModelWeights
 from keras_hub_autodist.shapes import model_weights
@@ -56,6 +58,7 @@ def plan(
     device_memory: int | None = None,
     sequence_parallel: bool = False,
     strict: bool = True,
+    num_devices: int | None = None,
 ) -> LayoutPlan:
     """Plan the layout of a preset's weights on a device mesh.
 
@@ -100,6 +103,8 @@ def plan(
             its family's table: with `True` a variable that matches none
             raises `UnplannedWeightError`; with `False` it warns
             (`UnplannedWeightWarning`) and is planned replicated.
+        num_devices: with `device_mesh="auto"`, choose the mesh for this
+            many devices without asking JAX (the CLI's `--devices`).
 
     Returns:
         A `LayoutPlan`; `plan.fits` tells whether training fits.
@@ -120,7 +125,9 @@ def plan(
         sequence_parallel=sequence_parallel,
         strict=strict,
     )
-    return plan_model(model_weights(read_config(preset), options), device_mesh, options)
+    weights = model_weights(read_config(preset), options)
+    mesh = resolve_mesh(device_mesh, weights, options, num_devices=num_devices)
+    return plan_model(weights, mesh, options)
 
 
 def get_layout_map(preset, device_mesh, **options) -> keras.distribution.LayoutMap:
@@ -146,52 +153,129 @@ def get_layout_map(preset, device_mesh, **options) -> keras.distribution.LayoutM
         model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
     ```
     """
-    if not is_device_mesh(device_mesh):
-        raise MeshError(
-            "`get_layout_map` builds a LayoutMap, which needs a real "
-            "`keras.distribution.DeviceMesh`; use `plan()` to plan for a "
-            f"mesh given by axis sizes. Received: device_mesh={device_mesh!r}"
-        )
+    require_device_mesh(
+        device_mesh,
+        "`get_layout_map` builds a LayoutMap, which needs a real "
+        "`keras.distribution.DeviceMesh`; use `plan()` to plan for a mesh "
+        "given by axis sizes.",
+    )
     return plan(preset, device_mesh, **options).layout_map(device_mesh)
 
 
-def plan_model(
-    model: ModelWeights,
+def resolve_mesh(
     device_mesh,
+    model: ModelWeights,
     options: PlanOptions,
     *,
+    devices=None,
     num_devices: int | None = None,
-) -> LayoutPlan:
-    """Lay out `model`'s weights on `device_mesh`.
+) -> ResolvedMesh:
+    """`device_mesh=` resolved once, into the mesh every later step takes.
+
+    A `DeviceMesh` spans its own devices; a mapping spans `devices` (none
+    when planning without devices); `"auto"` is chosen here
+    (`policy.choose_mesh`, each candidate's `"tp"` plan costed in one pass
+    over the weights) for `num_devices`, else for `devices`, else for all
+    of JAX's devices. The memory per device is asked of those devices
+    unless `options.device_memory` gives it (`device_memory.device_memory_info`).
 
     Args:
+        device_mesh: a `keras.distribution.DeviceMesh`, a mapping of axis
+            name to size, or `"auto"`.
         model: the weights from `shapes.model_weights`.
-        device_mesh: a `DeviceMesh`, a mapping of axis name to size, or
-            `"auto"`.
-        options: the plan's options.
+        options: the plan's options (`batch_axis`, `model_axis`,
+            `device_memory`).
+        devices: the devices a mapping or `"auto"` lays out.
         num_devices: with `"auto"`, plan for this many devices without
-            asking JAX (the CLI's `--devices`); default: all of JAX's.
+            asking JAX.
 
     Example:
     ```python
     options = PlanOptions()
-    plan_model(model_weights(read_config("./gemma_2b"), options),
-               {"batch": 2, "model": 4}, options)
+    weights = model_weights(read_config("./gemma_2b"), options)
+    resolve_mesh({"batch": 2, "model": 4}, weights, options).axes.shape
     ```
     """
-    mesh_reason = ""
-    if isinstance(device_mesh, str):
-        devices, num_devices = _auto_devices(device_mesh, num_devices)
-        capacity, source = device_memory_info(devices, options.device_memory)
-        device_mesh, mesh_reason = _auto_mesh(model, num_devices, capacity, source)
+    argument = read_device_mesh(device_mesh)
+    if num_devices is not None and not argument.auto:
+        raise MeshError(
+            f"{option('num_devices')} goes with "
+            f"{option('device_mesh', repr('auto'))}; a mesh given by axis "
+            "sizes has as many devices as their product. Received: "
+            f"num_devices={num_devices!r}, device_mesh={device_mesh!r}"
+        )
+    reason = ""
+    if argument.auto:
+        count = _device_count(num_devices)
+        if count is None:
+            if devices is None:
+                import jax
+
+                devices = jax.devices()
+            count = len(devices)
+        capacity, source = device_memory_info(devices or (), options.device_memory)
+        shape, reason = _auto_mesh(model, count, capacity, source)
+        argument = read_device_mesh(shape)
+    else:
+        if argument.devices is not None:
+            devices = argument.devices
+        capacity, source = None, None
     # The mesh is checked before its devices are asked for their memory.
-    mesh_axes = resolve_mesh_axes(
-        device_mesh, batch_axis=options.batch_axis, model_axis=options.model_axis
+    axes = resolve_mesh_axes(
+        argument, batch_axis=options.batch_axis, model_axis=options.model_axis
     )
-    if not mesh_reason:
-        devices = _devices_of(device_mesh)
-        capacity, source = device_memory_info(devices, options.device_memory)
-    strategies = rules.STRATEGIES if options.strategy == "auto" else (options.strategy,)
+    if capacity is None:
+        capacity, source = device_memory_info(devices or (), options.device_memory)
+    return ResolvedMesh(
+        axes,
+        None if devices is None else tuple(devices),
+        capacity,
+        source,
+        reason,
+        argument.device_mesh,
+    )
+
+
+def _device_count(num_devices) -> int | None:
+    if num_devices is None:
+        return None
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int):
+        raise MeshError(
+            "The number of devices is a positive integer. Received: "
+            f"num_devices={num_devices!r}"
+        )
+    if num_devices < 1:
+        raise MeshError(
+            f"The number of devices is a positive integer; pass "
+            f"{option('num_devices')}. Received: num_devices={num_devices!r}"
+        )
+    return check_device_count(num_devices, received=f"num_devices={num_devices!r}")
+
+
+def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
+    """Lay out `model`'s weights on `mesh`.
+
+    Args:
+        model: the weights from `shapes.model_weights`.
+        mesh: the mesh from `resolve_mesh`.
+        options: the plan's options.
+
+    Returns:
+        A `LayoutPlan`.
+
+    Example:
+    ```python
+    options = PlanOptions()
+    weights = model_weights(read_config("./gemma_2b"), options)
+    plan_model(weights, resolve_mesh({"batch": 2, "model": 4}, weights,
+               options), options)
+    ```
+    """
+    mesh_axes = mesh.axes
+    capacity = mesh.device_memory_bytes
+    strategies = (
+        sharding.STRATEGIES if options.strategy == "auto" else (options.strategy,)
+    )
     alternatives = [
         Alternative(mesh_axes, strategy, kv_fallback)
         for strategy in strategies
@@ -205,7 +289,10 @@ def plan_model(
     if options.strategy == "auto":
         tp_need = ADAM_STATE_FACTOR * held[Alternative(mesh_axes, "tp", kv["tp"][0])]
         strategy, strategy_reason = policy.choose_strategy(
-            tp_need, capacity, source, mesh_axes.size(mesh_axes.batch_axis)
+            tp_need,
+            capacity,
+            mesh.device_memory_source,
+            mesh_axes.size(mesh_axes.batch_axis),
         )
     else:
         strategy, strategy_reason = options.strategy, "requested"
@@ -220,46 +307,12 @@ def plan_model(
         dtype=model.dtype,
         rows=_rows(model, Alternative(mesh_axes, strategy, kv_fallback), kv_policy),
         device_memory_bytes=capacity,
-        device_memory_source=source,
-        mesh_reason=mesh_reason,
+        device_memory_source=mesh.device_memory_source,
+        mesh_reason=mesh.reason,
         config_fields=model.config_fields,
         sequence_parallel=options.sequence_parallel,
         sequence_parallel_outputs=model.sequence_parallel_outputs,
     )
-
-
-def _devices_of(device_mesh) -> list:
-    if not is_device_mesh(device_mesh):
-        return []
-    import numpy as np
-
-    return list(np.ravel(device_mesh.backend_mesh.devices))
-
-
-def _auto_devices(device_mesh: str, num_devices: int | None) -> tuple[list, int]:
-    """The devices to ask for their memory, and how many the mesh spans."""
-    if device_mesh != "auto":
-        raise MeshError(
-            "`device_mesh` takes a DeviceMesh, a mapping such as "
-            "{'batch': 2, 'model': 4}, or 'auto'. Received: "
-            f"device_mesh={device_mesh!r}"
-        )
-    if num_devices is None:
-        import jax
-
-        devices = jax.devices()
-        return devices, len(devices)
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int):
-        raise MeshError(
-            "The number of devices is a positive integer. Received: "
-            f"devices={num_devices!r}"
-        )
-    if num_devices < 1:
-        raise MeshError(
-            f"The number of devices is a positive integer; pass "
-            f"{option('devices')}. Received: devices={num_devices!r}"
-        )
-    return [], check_device_count(num_devices, received=f"devices={num_devices!r}")
 
 
 def _auto_mesh(model, num_devices, capacity, source) -> tuple[dict[str, int], str]:
@@ -291,7 +344,7 @@ def _held_bytes(model: ModelWeights, alternatives: list[Alternative]) -> list[in
     for weight in model.weights:
         size = math.prod(weight.shape) * size_of
         for index, alternative in enumerate(alternatives):
-            key = (weight.shape, weight.axes, index)
+            key = (weight.shape, weight.logical_axes, index)
             if key not in shards_of:
                 spec, _ = _assign(model, weight, alternative)
                 shards_of[key] = _shards(spec, alternative.mesh_axes)
@@ -316,7 +369,7 @@ def _rows(model: ModelWeights, alternative: Alternative, kv_policy: str):
 
 
 def _assign(model, weight, alternative: Alternative, kv_policy: str = ""):
-    return rules.assign_mesh_axes(
+    return sharding.assign_mesh_axes(
         weight,
         alternative.mesh_axes,
         alternative.strategy,
@@ -331,7 +384,7 @@ def _shards(spec, mesh_axes: MeshAxes) -> int:
 
 
 def _first_with(model: ModelWeights, logical: str):
-    return next((w for w in model.weights if logical in w.axes), None)
+    return next((w for w in model.weights if logical in w.logical_axes), None)
 
 
 def _kv_fallbacks(model: ModelWeights, mesh_axes: MeshAxes) -> tuple[str, ...]:
@@ -341,7 +394,7 @@ def _kv_fallbacks(model: ModelWeights, mesh_axes: MeshAxes) -> tuple[str, ...]:
     kv = _first_with(model, "kv_heads")
     if model_size == 1 or kv is None:
         return ("replicate",)
-    if kv.shape[kv.axes.index("kv_heads")] % model_size == 0:
+    if kv.shape[kv.logical_axes.index("kv_heads")] % model_size == 0:
         return ("replicate",)
     return tuple(layout.kv_fallback for layout in policy.KV_LAYOUTS)
 
@@ -363,9 +416,12 @@ def _choose_kv(model, mesh_axes, strategy, held, capacity) -> tuple[str, str]:
     model_axis = mesh_axes.model_axis
     model_size = mesh_axes.size(model_axis)
     query = _first_with(model, "heads")
-    if query is not None and query.shape[query.axes.index("heads")] % model_size:
+    if (
+        query is not None
+        and query.shape[query.logical_axes.index("heads")] % model_size
+    ):
         spec, _ = _assign(model, query, Alternative(mesh_axes, strategy, "head_dim"))
-        if spec[query.axes.index("head_dim")] == model_axis:
+        if spec[query.logical_axes.index("head_dim")] == model_axis:
             return "head_dim", "query heads are sharded on head_dim, so are K/V"
         # The query is replicated over the model axis; so are K/V, and their
         # own notes say why.

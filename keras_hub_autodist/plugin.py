@@ -14,11 +14,14 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import textwrap
 
+from keras_hub_autodist import compat
 from keras_hub_autodist import errors
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.options import DISTRIBUTION_KEYWORDS
+from keras_hub_autodist.options import OPTIONS
 from keras_hub_autodist.pipeline import ORIGINAL_ATTR
 from keras_hub_autodist.pipeline import from_preset
 
@@ -30,22 +33,24 @@ GUARD_ATTR = "__keras_hub_autodist_guard__"
 # module, and it must be the package's attribute too.
 sys.modules[__package__].errors = errors
 
-DEVICE_MESH_DOC = """
-        Distribution (added by keras-hub-autodist):
-            device_mesh: a `keras.distribution.DeviceMesh`, a mapping such as
-                `{"batch": 2, "model": 4}`, or `"auto"`. The preset's config
-                is planned first and the model is built and loaded already
-                sharded, then bound to its distribution.
-            strategy: `"auto"` (default), `"tp"` or `"fsdp"`.
-            batch_axis: mesh axis of the batch, if not `batch`/`data`.
-            model_axis: mesh axis of the weights, if not `model`/`tensor`.
-            progress: show a progress bar while loading (default: on a
-                terminal, unless `KERAS_HUB_AUTODIST_PROGRESS=0`).
-            strict: `True` (default): a weight that no layout rule matches
-                is an error; `False`: a warning, the weight is replicated.
-            sequence_parallel: shard residual-stream activations on the
-                sequence over the model axis (default `False`).
-"""
+DEVICE_MESH_DOC = (
+    "\n        Distribution (added by keras-hub-autodist):\n"
+    "            device_mesh: a `keras.distribution.DeviceMesh`, a mapping such\n"
+    '                as `{"batch": 2, "model": 4}`, or `"auto"`. The preset\'s\n'
+    "                config is planned first and the model is built and loaded\n"
+    "                already sharded, then bound to its distribution.\n"
+    + "".join(
+        textwrap.fill(
+            f"{o.name}: {o.doc}",
+            width=76,
+            initial_indent=" " * 12,
+            subsequent_indent=" " * 16,
+        )
+        + "\n"
+        for o in OPTIONS
+        if o.from_preset
+    )
+)
 
 
 def _keywords_of(original, cls, preset, args, kwargs):
@@ -95,6 +100,10 @@ def _with_device_mesh(original):
     return from_preset_with_mesh
 
 
+# The `compat.PATCHES` that add `device_mesh=`, and the class each changes.
+_PATCHED_BASES = {"backbone_from_preset": "Backbone", "task_from_preset": "Task"}
+
+
 def activate() -> bool:
     """Add `device_mesh=` to keras-hub's `from_preset`; idempotent.
 
@@ -112,11 +121,11 @@ def activate() -> bool:
     """
     import keras_hub
 
-    for base in (keras_hub.models.Backbone, keras_hub.models.Task):
-        func = base.__dict__["from_preset"].__func__
+    for patch, base in _PATCHED_BASES.items():
+        func = getattr(keras_hub.models, base).__dict__["from_preset"].__func__
         original = getattr(func, ORIGINAL_ATTR, None)
         if original is None or getattr(func, GUARD_ATTR, False):
-            base.from_preset = classmethod(_with_device_mesh(original or func))
+            compat.set_patch(patch, classmethod(_with_device_mesh(original or func)))
     return True
 
 
@@ -124,11 +133,11 @@ def deactivate() -> None:
     """Restore keras-hub's original `from_preset` methods."""
     import keras_hub
 
-    for base in (keras_hub.models.Backbone, keras_hub.models.Task):
-        func = base.__dict__["from_preset"].__func__
+    for patch, base in _PATCHED_BASES.items():
+        func = getattr(keras_hub.models, base).__dict__["from_preset"].__func__
         original = getattr(func, ORIGINAL_ATTR, None)
         if original is not None:
-            base.from_preset = classmethod(original)
+            compat.set_patch(patch, classmethod(original))
 
 
 __all__ = ["activate", "deactivate"]

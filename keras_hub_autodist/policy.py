@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-GIB = 1024**3
+from keras_hub_autodist.device_memory import GIB
+
 # Under strategy "auto", "tp" is chosen while parameters, gradients and the
 # two Adam moments take at most this share of a device's memory; the rest is
 # left for activations. (`LayoutPlan.fits` asks whether they fit at all.)
@@ -116,7 +117,7 @@ def choose_kv_layout(
     >>> layout.kv_fallback, reason.split(":")[0]
     ('replicate', "K/V replicated over 'model'")
     """
-    gib = 1024**3
+    gib = GIB
     ranked = sorted(candidates, key=lambda c: c.layout.collective_rank)
 
     def fits(c):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 
@@ -34,7 +35,6 @@ from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.network import check_hugging_face_reachable
-from keras_hub_autodist.registry import architecture_by_name
 
 
 def _not_a_string(preset) -> PresetError:
@@ -80,6 +80,12 @@ def _loader_for(preset):
                 "handle, or a built-in preset name. Received: "
                 f"preset={preset!r}"
             ) from error
+        if isinstance(error, ValueError) and "has no converter" in str(error):
+            found = re.search(r"model type `(.+?)`", str(error))
+            model_type = found.group(1) if found else "(unknown)"
+            raise _unconvertible(preset, model_type) from error
+        if isinstance(error, ValueError) and "Unrecognized format" in str(error):
+            raise _neither_format(preset) from error
         if isinstance(error, json.JSONDecodeError):
             raise PresetError(
                 f"The preset's `{CONFIG_FILE}` is not valid JSON ({error}). "
@@ -95,6 +101,17 @@ def _loader_for(preset):
                 f"preset={preset!r}"
             ) from error
         raise
+
+
+def _unconvertible(preset, model_type) -> UnsupportedArchitectureError:
+    """A Hugging Face checkpoint whose `model_type` keras-hub can't convert."""
+    return UnsupportedArchitectureError(
+        f"keras-hub has no converter for Hugging Face model_type={model_type}, "
+        "so no keras-hub backbone exists for this checkpoint. Use a checkpoint "
+        "of a model type keras-hub converts (gemma, llama, mistral, qwen2, "
+        "...; see keras-hub's `keras_hub/src/utils/transformers`), or a Keras "
+        f"preset saved with `save_to_preset`. Received: preset={preset!r}"
+    )
 
 
 def read_preset_config(preset: str) -> PresetConfig:
@@ -122,7 +139,16 @@ def read_preset_config(preset: str) -> PresetConfig:
 def _config_from_loader(loader, raw: Mapping, preset) -> PresetConfig:
     check_config_object(raw, CONFIG_FILE, preset)
     if "registered_name" in raw:
-        backbone_cls = loader.check_backbone_class()
+        try:
+            backbone_cls = loader.check_backbone_class()
+        except ValueError as error:
+            raise UnsupportedArchitectureError(
+                f"No class is registered with Keras as "
+                f"{raw['registered_name']!r}, the class the preset's "
+                f"`{CONFIG_FILE}` names: import the package that defines it "
+                "first, or fix `registered_name`. Received: "
+                f"registered_name={raw['registered_name']!r} in preset={preset!r}"
+            ) from error
         return PresetConfig(preset, backbone_cls, keras_config(raw, preset), "keras")
     if "model_type" in raw:
         reject_vision_towers(raw, preset)
@@ -143,7 +169,11 @@ def _config_from_loader(loader, raw: Mapping, preset) -> PresetConfig:
             raise missing_hf_field(error.args[0], raw, preset) from error
         store_conversion(raw, backbone_cls.__name__, config)
         return PresetConfig(preset, backbone_cls, dict(config), "transformers")
-    raise UnsupportedArchitectureError(
+    raise _neither_format(preset)
+
+
+def _neither_format(preset) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(
         f"The preset's `{CONFIG_FILE}` is neither a Keras preset config nor a "
         "Hugging Face transformers config. Save the model with "
         "`save_to_preset`, or pass a transformers checkpoint folder. "
@@ -203,11 +233,7 @@ def read_config_dict(raw: Mapping) -> PresetConfig:
     try:
         loader = compat.transformers_preset_loader(label, dict(raw))
     except ValueError as error:
-        raise UnsupportedArchitectureError(
-            "keras-hub has no converter for Hugging Face "
-            f"model_type={raw['model_type']!r}, so no keras-hub backbone "
-            f"exists for it. Received: preset={label!r}"
-        ) from error
+        raise _unconvertible(label, repr(raw["model_type"])) from error
     return _config_from_loader(loader, raw, label)
 
 
@@ -331,12 +357,12 @@ def _instance_config(model) -> PresetConfig:
 def read_config(preset) -> PresetConfig:
     """The config to plan, read without keras-hub whenever possible.
 
-    Local folders and config dicts of a family with an architecture registered by
-    name are read without Keras (`presets.read_local_config`,
-    `presets.read_local_config_dict`); anything else goes through
-    keras-hub's loaders (`presets.read_preset_config`,
-    `presets.read_config_dict`). A backbone (or task) instance gives its
-    class and `get_config()`.
+    Local folders and config dicts of keras-hub backbones are read without
+    Keras (`configs.read_local_config`, `configs.read_local_config_dict`:
+    the result names the backbone class, which the weights step resolves);
+    anything else goes through keras-hub's loaders (`read_preset_config`,
+    `read_config_dict`). A backbone (or task) instance gives its class and
+    `get_config()`.
 
     Args:
         preset: as for `plan()`.
@@ -350,15 +376,8 @@ def read_config(preset) -> PresetConfig:
         preset = _path_string(preset)
     if isinstance(preset, str):
         info = read_local_config(preset)
-        if info is not None and architecture_by_name(info.backbone_class) is not None:
-            return info
-        return read_preset_config(preset)
+        return info if info is not None else read_preset_config(preset)
     if isinstance(preset, Mapping):
         info = read_local_config_dict(preset)
-        if info is not None and (
-            info.backbone_cls is not None
-            or architecture_by_name(info.backbone_class) is not None
-        ):
-            return info
-        return read_config_dict(preset)
+        return info if info is not None else read_config_dict(preset)
     return _instance_config(preset)

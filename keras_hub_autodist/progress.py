@@ -1,11 +1,14 @@
 """The progress bar of a sharded load: one line on a terminal, silent
-otherwise (`progress=False` or `$KERAS_HUB_AUTODIST_PROGRESS=0` turn it off)."""
+otherwise. `progress=` decides; without it, `$KERAS_HUB_AUTODIST_PROGRESS`
+(an on/off switch, `environment.py`) turns it on (even off a terminal) or
+off."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
+
+from keras_hub_autodist.environment import read_switch
 
 PROGRESS_ENV = "KERAS_HUB_AUTODIST_PROGRESS"
 # A progress bar appears once a load has run this long.
@@ -52,8 +55,13 @@ def _mib(n: float) -> str:
 
 
 def progress_enabled(progress: bool | None) -> bool:
-    """Whether to show a progress bar: `progress` if given, else on a
-    terminal unless `$KERAS_HUB_AUTODIST_PROGRESS` is `0`/`false`/`off`/`no`.
+    """Whether to show a progress bar: `progress` if given, else what
+    `$KERAS_HUB_AUTODIST_PROGRESS` says (`1`/`on`/`yes`...: shown, even off a
+    terminal; `0`/`off`/`no`...: never), else on a terminal only.
+
+    Raises:
+        EnvironmentVariableError: `$KERAS_HUB_AUTODIST_PROGRESS` is neither
+            an on nor an off value.
 
     Example:
     >>> progress_enabled(False)
@@ -61,7 +69,7 @@ def progress_enabled(progress: bool | None) -> bool:
     """
     if progress is not None:
         return bool(progress)
-    setting = os.environ.get(PROGRESS_ENV, "").strip().lower()
-    if setting in ("0", "false", "off", "no"):
-        return False
+    setting = read_switch(PROGRESS_ENV)
+    if setting is not None:
+        return setting
     return sys.stderr.isatty()

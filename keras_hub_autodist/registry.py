@@ -35,9 +35,9 @@ import functools
 import warnings
 from importlib import metadata
 
+from keras_hub_autodist.architectures.base import DOCS_ADDING_AN_ARCHITECTURE
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.errors import UnsupportedArchitectureError
-from keras_hub_autodist.verify import DOCS_ADDING_AN_ARCHITECTURE
 
 ENTRY_POINT_GROUP = "keras_hub_autodist.architectures"
 # The built-in families: backbone class name -> "module:object" of the

@@ -1,5 +1,5 @@
 """A plan as text: the weight table, the per-device summary and the advice
-when training does not fit. Pure functions of a `LayoutPlan`'s values."""
+when training does not fit. Pure functions of a plan's values (`PlanRecord`)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist import rules
+from keras_hub_autodist import memory
+from keras_hub_autodist import sharding
+from keras_hub_autodist.device_memory import DEVICE_MEMORY_ENV
+from keras_hub_autodist.device_memory import DEVICE_MEMORY_GB_ENV
+from keras_hub_autodist.device_memory import MEMORY_ASSUMED
+from keras_hub_autodist.device_memory import MEMORY_ENV
+from keras_hub_autodist.device_memory import MEMORY_REPORTED
 from keras_hub_autodist.errors import option
-from keras_hub_autodist.memory import DEVICE_MEMORY_ENV
-from keras_hub_autodist.memory import DEVICE_MEMORY_GB_ENV
-from keras_hub_autodist.memory import MEMORY_ASSUMED
-from keras_hub_autodist.memory import MEMORY_ENV
-from keras_hub_autodist.memory import MEMORY_REPORTED
 from keras_hub_autodist.policy import AUTO_TP_MEMORY_SHARE
 
 if TYPE_CHECKING:
-    from keras_hub_autodist.plan import LayoutPlan
+    from keras_hub_autodist.plan_record import PlanRecord
     from keras_hub_autodist.weight import Weight
 
 
@@ -34,7 +35,7 @@ def format_bytes(n: float) -> str:
         n /= 1024
 
 
-def memory_note(plan: LayoutPlan) -> str:
+def memory_note(plan: PlanRecord) -> str:
     """Where the per-device memory of this plan comes from."""
     if plan.device_memory_source == MEMORY_REPORTED:
         return "reported by the devices"
@@ -48,9 +49,9 @@ def memory_note(plan: LayoutPlan) -> str:
     return "given"
 
 
-def fit_advice(plan: LayoutPlan) -> list[str]:
+def fit_advice(plan: PlanRecord) -> list[str]:
     """What would make a plan that does not fit fit, most useful first."""
-    need = plan.training_bytes_per_device("adam")
+    need = memory.training_bytes_per_device(plan, "adam")
     ratio = need / max(1, plan.device_memory_bytes)
     model = plan.mesh_axes.model_axis or "model"
     advice = [f"put about {math.ceil(ratio)}x as many devices on the '{model}' axis"]
@@ -71,18 +72,19 @@ def fit_advice(plan: LayoutPlan) -> list[str]:
         )
     advice.append(
         "check this estimate against the compiled step: "
-        "`plan.compiled_memory(batch_size, sequence_length)` (`plan ... "
+        "`keras_hub_autodist.compiled_memory(plan, batch_size, sequence_length)` "
+        "(`plan ... "
         "--batch B --seq S --compiled` on the command line)"
     )
     return advice
 
 
-def summary(plan: LayoutPlan) -> str:
+def summary(plan: PlanRecord) -> str:
     """Per-device totals, one line each, and whether the plan fits."""
     size = format_bytes
     axes = plan.mesh_axes
     mesh_reason = f"; {plan.mesh_reason}" if plan.mesh_reason else ""
-    training = plan.training_bytes_per_device()
+    training = memory.training_bytes_per_device(plan)
     lines = [
         f"preset: {plan.preset} ({plan.backbone_class}, {plan.architecture})",
         f"mesh: {axes.describe()} (batch axis: {axes.batch_axis}, model "
@@ -101,7 +103,7 @@ def summary(plan: LayoutPlan) -> str:
         f"{len({row.pattern for row in plan.fallbacks})} rows of the table",
     ]
     share = training / max(1, plan.device_memory_bytes)
-    if plan.fits:
+    if memory.fits(plan):
         tight = (
             ", which leaves little room for activations"
             if share > AUTO_TP_MEMORY_SHARE
@@ -126,11 +128,11 @@ def summary(plan: LayoutPlan) -> str:
     return "\n".join(lines)
 
 
-def sequence_parallel_note(plan: LayoutPlan) -> str:
+def sequence_parallel_note(plan: PlanRecord) -> str:
     """Whether the plan shards the residual stream on the sequence, and how."""
     if not plan.sequence_parallel:
         return "off"
-    spec = rules.sequence_parallel_spec(plan.mesh_axes)
+    spec = sharding.sequence_parallel_spec(plan.mesh_axes)
     if spec is None:
         return (
             f"on, but the model axis ({plan.mesh_axes.model_axis}) has one "
@@ -142,7 +144,7 @@ def sequence_parallel_note(plan: LayoutPlan) -> str:
     )
 
 
-def table_groups(plan: LayoutPlan) -> dict[tuple, list[Weight]]:
+def table_groups(plan: PlanRecord) -> dict[tuple, list[Weight]]:
     """The rows as `table()` shows them: the same weight of every layer
     (`decoder_block_*/...`) with one shape, spec and note in one group.
     Keyed by `(name, shape, spec, note)`."""
@@ -153,7 +155,7 @@ def table_groups(plan: LayoutPlan) -> dict[tuple, list[Weight]]:
     return groups
 
 
-def table(plan: LayoutPlan) -> str:
+def table(plan: PlanRecord) -> str:
     """The weights grouped across layers (`decoder_block_*/...`), with
     shape, spec, bytes and notes."""
     groups = table_groups(plan)

@@ -12,6 +12,7 @@ the model's fingerprint and the batches of the `fit` that took it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -288,7 +289,9 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         self._saved_training = None
         self._batches_trained = 0
         self._batch_rows = None
-        self._original_train_function = None
+        # Holds the train function of `_wrap_train_function` in place.
+        self._wrapped = contextlib.ExitStack()
+        self._wrapped_model = None
 
     @property
     def save_on_sigterm(self) -> bool:
@@ -424,7 +427,9 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
     def _wrap_train_function(self):
         """Read the first batch's size (checked against the checkpoint's),
         then make the next `self._skip_remaining` train steps read their
-        batch and train on nothing.
+        batch and train on nothing; the model's own train function is put
+        back at the first batch it trains (`compat.PATCHES`:
+        `skipped_batches`).
 
         Inside a train step the model is reached through `model`, never
         `self.model`: under JAX, that property writes the state of the last
@@ -433,7 +438,6 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         """
         model = self.model
         original = model.train_function
-        self._original_train_function = (model, original)
 
         def train_step(state, iterator):
             if self._batch_rows is None:
@@ -452,19 +456,22 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
             self._unwrap()
             return original(state, iterator)
 
-        model.train_function = train_step
+        self._wrapped.enter_context(
+            compat.instance_patched(
+                "skipped_batches", model, "train_function", train_step
+            )
+        )
+        self._wrapped_model = model
 
     def _unwrap(self):
-        if self._original_train_function is not None:
-            model, original = self._original_train_function
-            model.train_function = original
-            self._original_train_function = None
+        self._wrapped.close()
 
     def _abandon(self):
         """Undo what `on_train_begin` set up, for a `fit` that raises (Keras
         then skips `on_train_end`)."""
-        if self._original_train_function is not None:
-            compat.set_initial_epoch(self._original_train_function[0], None)
+        if self._wrapped_model is not None:
+            compat.set_initial_epoch(self._wrapped_model, None)
+            self._wrapped_model = None
         self._unwrap()
         self._resume_epoch, self._skip, self._skip_remaining = None, 0, 0
         self.stop_request.finish()

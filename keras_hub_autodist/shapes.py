@@ -3,11 +3,10 @@ builds, with its logical axes.
 
 Shapes and paths come from the model keras-hub would build, built abstractly
 from the config (`abstract.model_variables`: no weight is allocated), or
-from an earlier process's build kept on disk, or, for the CLI's fast path
-(`PlanOptions(shape_source="config")`), from the family's keras-free shape
-hints. Each variable is then matched against the family's rule table. A
-field the family needs but the config lacks, and a weight dimension that is
-not a positive integer, name the field and the preset.
+from an earlier process's build kept on disk: one source, the model itself.
+Each variable is then matched against the family's rule table. A field the
+family needs but the config lacks, and a weight dimension that is not a
+positive integer, name the field and the preset.
 """
 
 from __future__ import annotations
@@ -17,9 +16,12 @@ from collections.abc import Mapping
 
 from keras_hub_autodist import abstract
 from keras_hub_autodist.architectures.base import Architecture
+from keras_hub_autodist.configs import CONFIG_DICT
+from keras_hub_autodist.configs import HF_CONFIG_DICT
 from keras_hub_autodist.configs import PresetConfig
 from keras_hub_autodist.dtypes import variable_dtype
 from keras_hub_autodist.errors import ConfigError
+from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.options import PlanOptions
 from keras_hub_autodist.registry import architecture_by_name
@@ -62,15 +64,24 @@ def architecture_of(preset_config: PresetConfig) -> Architecture:
     """
     if preset_config.backbone_cls is not None:
         return architecture_for(preset_config.backbone_cls)
-    architecture = architecture_by_name(preset_config.backbone_class)
-    if architecture is None:
-        raise UnsupportedArchitectureError(
-            "keras_hub_autodist has no layout for "
-            f"{preset_config.backbone_class}. Read the preset with "
-            "`read_preset_config` so that its class's base classes are "
-            f"searched too. Received: preset={preset_config.preset!r}"
-        )
-    return architecture
+    name = preset_config.backbone_class
+    architecture = architecture_by_name(name)
+    if architecture is not None:
+        return architecture
+    # Not registered by name: keras-hub's class, whose base classes may have
+    # an architecture (`architecture_for` walks its MRO).
+    try:
+        backbone_cls = backbone_class_named(name)
+    except ConfigError as error:
+        if preset_config.preset not in (CONFIG_DICT, HF_CONFIG_DICT):
+            raise
+        raise PlanInputError(
+            f"keras-hub has no backbone class named {name!r}. Give the class "
+            "itself, {'class_name': MyBackbone, 'config': ...}, or pass the "
+            f"backbone instance. Received: class_name={name!r} in "
+            f"preset={preset_config.preset!r}"
+        ) from error
+    return architecture_for(backbone_cls)
 
 
 def model_weights(preset_config: PresetConfig, options: PlanOptions) -> ModelWeights:
@@ -78,7 +89,7 @@ def model_weights(preset_config: PresetConfig, options: PlanOptions) -> ModelWei
 
     Args:
         preset_config: the config read from the preset.
-        options: the plan's options (`strict`, `dtype`, `shape_source`,
+        options: the plan's options (`strict`, `dtype`,
             `sequence_parallel`).
 
     Example:
@@ -140,34 +151,47 @@ def backbone_class_named(name: str) -> type:
 
 def _shapes(architecture, preset_config: PresetConfig, options: PlanOptions):
     config = preset_config.config
-    strict = options.strict
-    if not getattr(architecture, "rules", ()):
-        # An architecture that lists its weights itself (no rule table).
-        return architecture.weights(config)
     architecture.check_config(config)  # refuse before building anything
     name = preset_config.backbone_class
     if preset_config.backbone_cls is None:
-        if options.shape_source == "config":
-            hints = architecture.shape_hints(config)
-            if hints is not None:
-                return [_under_rule(architecture, hint) for hint in hints]
         # An earlier process's abstract build of this config, without keras.
         stored = abstract.stored_variables(name, config)
         if stored is not None:
-            return architecture.weights_from(stored, config, name, strict=strict)
+            return architecture.match_variables(stored, name, strict=options.strict)
     backbone_cls = preset_config.backbone_cls or backbone_class_named(name)
-    variables = abstract.model_variables(backbone_cls, config)
-    return architecture.weights_from(
-        variables, config, backbone_cls.__name__, strict=strict
+    return architecture_weights(
+        architecture, config, backbone_cls, strict=options.strict
     )
 
 
-def _under_rule(architecture, hint):
-    """A hinted weight keyed by the rule that matches it, as the model's is."""
-    rules = architecture.matching_rules(hint.path)
-    if len(rules) != 1:
-        return hint
-    return dataclasses.replace(hint, pattern=rules[0].pattern)
+def architecture_weights(
+    architecture: Architecture, config: Mapping, backbone_cls: type, *, strict=True
+) -> list[Weight]:
+    """Every variable of `backbone_cls` built (abstractly) from `config`, with
+    the logical axes of the rule of `architecture` it matches.
+
+    Args:
+        architecture: the family's architecture (rule table).
+        config: the backbone's constructor arguments.
+        backbone_cls: the keras-hub backbone class.
+        strict: a variable that matches no rule is an error (`True`), or a
+            warning and the variable stays replicated (`False`).
+
+    Raises:
+        UnplannedWeightError: a variable matches several rules, or (when
+            `strict`) none.
+
+    Example:
+    ```python
+    weights = architecture_weights(GEMMA, config, keras_hub.models.GemmaBackbone)
+    ```
+    """
+    architecture.check_config(config)  # refuse before building anything
+    return architecture.match_variables(
+        abstract.model_variables(backbone_cls, config),
+        backbone_cls.__name__,
+        strict=strict,
+    )
 
 
 def validated_weights(
@@ -176,9 +200,8 @@ def validated_weights(
     """The weights of the preset's model, with config problems as `ConfigError`.
 
     Shapes and paths come from the model built abstractly from the config,
-    from an earlier process's build kept on disk, or from the family's shape
-    hints with `options.shape_source == "config"`. A field the family needs
-    but the config lacks, and a weight with a dimension that is not a
+    or from an earlier process's build kept on disk. A field the family
+    needs but the config lacks, and a weight with a dimension that is not a
     positive integer, name the field and the preset.
 
     Args:
@@ -186,7 +209,7 @@ def validated_weights(
         preset_config: the config read from the preset.
         fields: the architecture's `config_fields` (logical axis → config
             field).
-        options: the plan's options (`strict`, `shape_source`).
+        options: the plan's options (`strict`).
     """
     config = preset_config.config
     try:
@@ -194,18 +217,17 @@ def validated_weights(
     except KeyError as error:
         raise _missing_field_error(architecture, preset_config, error) from error
     except ConfigError as error:
-        # keras-hub could not build the model: name the field when the
-        # family's shape hints can tell which one is wrong.
-        try:
-            hints = architecture.shape_hints(config)
-        except KeyError as missing:
-            raise _missing_field_error(architecture, preset_config, missing) from error
-        except Exception:  # the hints can't tell either
-            raise error from None
-        if hints is None:
+        # keras-hub could not build the model: name a size the family reads
+        # that the config leaves null.
+        unset = [f for f in fields.values() if f in config and config[f] is None]
+        if not unset:
             raise
-        _check_positive_dims(hints, preset_config, fields)
-        raise
+        raise ConfigError(
+            f"The preset's config leaves `{unset[0]}` null, which sizes the "
+            f"{architecture.name} weights: it must be a positive integer. Fix "
+            f"`{unset[0]}` in the preset's config.json. "
+            + config_received(preset_config, unset[0], None)
+        ) from error
     _check_positive_dims(weights, preset_config, fields)
     return weights
 
@@ -223,7 +245,7 @@ def _missing_field_error(architecture, preset_config, error: KeyError) -> Config
 def _check_positive_dims(weights, preset_config: PresetConfig, fields) -> None:
     config = preset_config.config
     for weight in weights:
-        for size, axis in zip(weight.shape, weight.axes):
+        for size, axis in zip(weight.shape, weight.logical_axes):
             if not is_positive_int(size):
                 field = fields.get(axis, axis)
                 raise ConfigError(

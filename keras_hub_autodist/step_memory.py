@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from keras_hub_autodist import rules
+from keras_hub_autodist import sharding
 from keras_hub_autodist.errors import PlanError
 
 # Buffers of each term live at the step's peak, per platform, in the
@@ -170,7 +170,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     q_shards = shards(query)
     kv_shards = shards(key) if key is not None else q_shards
     # The residual stream: split on the sequence with sequence parallelism.
-    sequence_parallel = plan.sequence_parallel and rules.sequence_parallel_spec(axes)
+    sequence_parallel = plan.sequence_parallel and sharding.sequence_parallel_spec(axes)
     split = axes.size(axes.model_axis) if sequence_parallel else 1
 
     def experts(row):

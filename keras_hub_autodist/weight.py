@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 from keras_hub_autodist.dtypes import itemsize
 
@@ -38,13 +39,13 @@ class Weight:
             this weight, and the same weight of every other layer; `""` until
             a rule is matched.
         shape: the weight's shape.
-        axes: one logical axis (from `LOGICAL_AXES`) per dimension; empty
-            until a rule is matched.
+        logical_axes: one logical axis (from `LOGICAL_AXES`) per dimension;
+            empty until a rule is matched (`axes` is its deprecated name).
         dtype: the variable dtype, e.g. `"bfloat16"` (the plan's dtype once
             planned).
         spec: the mesh axis (or `None`) of each dimension; empty until
             planned.
-        fallbacks: the `rules.Fallback`s the planner took for it.
+        fallbacks: the `sharding.Fallback`s the planner took for it.
         shards: how many pieces the spec cuts it into (devices that hold
             distinct slices).
 
@@ -57,7 +58,7 @@ class Weight:
     path: str
     pattern: str = ""
     shape: tuple[int, ...] = ()
-    axes: tuple[str, ...] = ()
+    logical_axes: tuple[str, ...] = ()
     dtype: str = ""
     spec: tuple[str | None, ...] = ()
     fallbacks: tuple = ()
@@ -65,13 +66,14 @@ class Weight:
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(self.shape))
-        object.__setattr__(self, "axes", tuple(self.axes))
-        if self.axes and len(self.shape) != len(self.axes):
+        object.__setattr__(self, "logical_axes", tuple(self.logical_axes))
+        axes = self.logical_axes
+        if axes and len(self.shape) != len(axes):
             raise ValueError(
                 f"Weight {self.path!r} has shape {self.shape} but logical "
-                f"axes {self.axes}; give one logical axis per dimension."
+                f"axes {axes}; give one logical axis per dimension."
             )
-        unknown = set(self.axes) - set(LOGICAL_AXES)
+        unknown = set(axes) - set(LOGICAL_AXES)
         if unknown:
             raise ValueError(
                 f"Weight {self.path!r} uses unknown logical axes "
@@ -79,9 +81,14 @@ class Weight:
             )
 
     @property
-    def logical_axes(self) -> tuple[str, ...]:
-        """The logical axis of each dimension (the same as `axes`)."""
-        return self.axes
+    def axes(self) -> tuple[str, ...]:
+        """Deprecated name of `logical_axes`."""
+        warnings.warn(
+            "`Weight.axes` is deprecated; use `Weight.logical_axes`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.logical_axes
 
     @property
     def bytes(self) -> int:

@@ -10,7 +10,7 @@ merged into its kernel, and zeroes them when it loads one.
 
 Before a bound model's `load_weights` hands such a file to Keras' loader,
 `check_weights_file` compares what the file holds with what Keras would write
-for the model now (`compat.weights_file_datasets`):
+for the model now (`weights_file_datasets`):
 
 1. every dataset of the layers: same paths, same shapes and dtypes;
 2. the optimizer state, when the model is compiled and the file holds some:
@@ -24,16 +24,16 @@ are then unknown.
 
 A bound model's `save_weights` and `save` write the model's fingerprint
 (`fingerprint.py`) into the file, as the root dataset
-`keras_hub_autodist_fingerprint` (`saving_fingerprint`).
+`keras_hub_autodist_fingerprint` (`recording_fingerprint`), through the
+weight stores of `weight_stores.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 import json
 import os
-import threading
 import warnings
 import zipfile
 
@@ -42,12 +42,64 @@ from keras_hub_autodist import fingerprint as fingerprints
 from keras_hub_autodist.errors import RestoreError
 from keras_hub_autodist.fingerprint import Fingerprint
 from keras_hub_autodist.placement import build_optimizer
+from keras_hub_autodist.weight_stores import root_datasets_written
 
 # An optimizer that was never built holds these two variables only
 # (`iteration` and `learning_rate`).
 UNBUILT_OPTIMIZER_VARIABLES = 2
 KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"
-_OPTIMIZER_PREFIX = compat.OPTIMIZER_H5_GROUP + "/"
+# Keras' weights files (`.weights.h5`, the `model.weights.h5` of a `.keras`)
+# hold each saveable's variables in a group `<path>/vars`, one dataset per
+# variable, named by its index; `BaseOptimizer.save_own_variables` writes
+# `optimizer/vars/<i>` for its i-th variable.
+OPTIMIZER_H5_GROUP = "optimizer/vars"
+_OPTIMIZER_PREFIX = OPTIMIZER_H5_GROUP + "/"
+
+
+def _recording_store(base):
+    """A Keras weight store (a subclass of `base`, so that Keras' walk takes
+    it) that keeps what it is handed and writes nothing."""
+
+    class RecordingStore(base):
+        def __init__(self):
+            self.mode = "w"
+            self.archive = None
+            self.io_file = None
+            self.entries = {}
+            self._group = "vars"
+
+        def __bool__(self):
+            return True
+
+        def make(self, path, metadata=None):
+            self._group = f"{path}/vars" if path else "vars"
+            return self
+
+        def __setitem__(self, key, value):
+            self.entries[f"{self._group}/{key}"] = value
+
+        def close(self):
+            pass
+
+    return RecordingStore()
+
+
+def weights_file_datasets(model) -> dict[str, object]:
+    """The datasets Keras' `save_weights` writes for `model`, but the
+    optimizer's (`OPTIMIZER_H5_GROUP`): HDF5 path -> the variable (or, for a
+    layer that merges LoRA kernels into its kernel, the array) it holds.
+
+    Found by Keras' own walk (`compat.save_state`) into a store that keeps
+    what it is handed and writes nothing.
+
+    Example:
+    ```python
+    shapes = {key: v.shape for key, v in weights_file_datasets(model).items()}
+    ```
+    """
+    optimizer = getattr(model, "optimizer", None)
+    skipped = {id(optimizer)} if optimizer is not None else set()
+    return compat.save_state(model, _recording_store, skipped).entries
 
 
 class WeightsFile:
@@ -201,7 +253,7 @@ def _labelled(entries: dict) -> dict:
 
 
 def _check_layers(model, saved: WeightsFile, source: str) -> None:
-    entries = compat.weights_file_datasets(model)
+    entries = weights_file_datasets(model)
     labels = _labelled(entries)
     current = {labels[k]: _spec(v) for k, v in entries.items()}
     before = {labels.get(k, k): spec for k, spec in saved.layers().items()}
@@ -316,49 +368,36 @@ def check_weights_file(model, path: str) -> bool:
     return True
 
 
+# Set inside a `save_to_preset`: the saves it makes write no fingerprint.
+_IN_PRESET_SAVE = contextvars.ContextVar(
+    "keras_hub_autodist_in_preset_save", default=False
+)
+
+
 @contextlib.contextmanager
-def saving_fingerprint(model):
+def recording_fingerprint(model, preset: bool = False):
     """A scope in which Keras' `save_weights` and `save` write `model`'s
-    fingerprint into their HDF5 file (see the module docstring).
+    fingerprint into their HDF5 file (see the module docstring), in this
+    thread (or task) only. With `preset=True` (`save_to_preset`: a preset is
+    keras-hub's format, not a checkpoint), a scope in which they write none,
+    also when the model's own bound `save_weights` runs inside it.
 
     Example:
     ```python
-    with saving_fingerprint(lm):
+    with recording_fingerprint(lm):
         lm.save_weights("run.weights.h5")
     ```
     """
-    text = fingerprints.of_model(model).to_json()
-    with compat.h5_dataset_written_with(fingerprints.STORED_NAME, text):
+    if preset:
+        token = _IN_PRESET_SAVE.set(True)
+        try:
+            yield
+        finally:
+            _IN_PRESET_SAVE.reset(token)
+        return
+    if _IN_PRESET_SAVE.get():
         yield
-
-
-_without = threading.local()  # depth of `fingerprinted(..., write=False)` calls
-
-
-def fingerprinted(method, model, write: bool = True):
-    """A bound model's `save_weights` or `save` that writes `model`'s
-    fingerprint into its file; with `write=False` (`save_to_preset`: a
-    preset is keras-hub's format, not a checkpoint), one during which those
-    saves write none.
-
-    Args:
-        method: the model's own method.
-        model: the model.
-        write: whether the method's saves write a fingerprint.
-    """
-
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        depth = getattr(_without, "depth", 0)
-        if not write:
-            _without.depth = depth + 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                _without.depth = depth
-        if depth:
-            return method(*args, **kwargs)
-        with saving_fingerprint(model):
-            return method(*args, **kwargs)
-
-    return call
+        return
+    text = fingerprints.of_model(model).to_json()
+    with root_datasets_written({fingerprints.STORED_NAME: text}):
+        yield

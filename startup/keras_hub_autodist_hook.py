@@ -9,9 +9,15 @@ for `keras_hub` to be imported, then adds `device_mesh=` to its
 any case) switches the automatic start off. keras-hub's `from_preset` then
 gets a guard instead, which passes every call through unchanged except those
 with `device_mesh=` (or another of `MESH_KEYWORDS`): keras-hub
-would silently ignore them, the guard raises `PluginOffError`. An explicit
+would silently ignore them, the guard raises `PluginOffError`. A value that
+is neither on nor off (a typo) gets the guard too, with a warning, and the
+guard's error names the value and the accepted spellings. An explicit
 `import keras_hub_autodist` turns the plugin on whatever the environment says.
 The guard is also what is left when the plugin fails to load.
+
+The spellings are those of the package's one parser of switches
+(`keras_hub_autodist/environment.py`); this hook can't import the package, so
+it keeps a copy, which tests/test_activation.py ties to the parser's.
 
 Under `python -S` (no `.pth` files), nothing of keras-hub-autodist runs until
 it is imported.
@@ -21,8 +27,12 @@ import os
 import sys
 
 SWITCH_ENV = "KERAS_HUB_AUTODIST"
-# Spellings of "off" for `KERAS_HUB_AUTODIST` (compared case-insensitively).
-OFF_VALUES = frozenset({"0", "false", "f", "no", "n", "off", "disable", "disabled"})
+# Spellings of "on" and "off" for `KERAS_HUB_AUTODIST` (compared
+# case-insensitively): a copy of `keras_hub_autodist.environment`'s.
+ON_VALUES = frozenset({"1", "true", "t", "yes", "y", "on", "enable", "enabled"})
+OFF_VALUES = frozenset(
+    {"0", "false", "f", "no", "n", "off", "disable", "disabled", "none"}
+)
 # Keywords that only `keras_hub_autodist` understands.
 MESH_KEYWORDS = (
     "device_mesh",
@@ -41,6 +51,13 @@ def switched_off(environ=None) -> bool:
     """True when `KERAS_HUB_AUTODIST` holds a false value (`0`, `off`, `no`...)."""
     environ = os.environ if environ is None else environ
     return environ.get(SWITCH_ENV, "").strip().lower() in OFF_VALUES
+
+
+def unknown_switch(environ=None) -> bool:
+    """True when `KERAS_HUB_AUTODIST` is set to neither an on nor an off value."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(SWITCH_ENV, "").strip().lower()
+    return bool(value) and value not in ON_VALUES | OFF_VALUES
 
 
 def _load_light(name):
@@ -97,17 +114,34 @@ def guard(original, reason):
     return from_preset
 
 
+# The package's registered patches (`compat.PATCHES`) of `from_preset`.
+GUARDED_BASES = {"backbone_from_preset": "Backbone", "task_from_preset": "Task"}
+
+
 def install_guard(keras_hub, reason):
-    """Put `guard` on `Backbone`/`Task.from_preset` unless already wrapped."""
-    for base in (keras_hub.models.Backbone, keras_hub.models.Task):
-        func = base.__dict__["from_preset"].__func__
+    """Put `guard` on `Backbone`/`Task.from_preset` unless already wrapped,
+    through the package's one patch installer (`compat.set_patch`)."""
+    compat = _load_light("compat")
+    for patch, name in GUARDED_BASES.items():
+        func = getattr(keras_hub.models, name).__dict__["from_preset"].__func__
         if getattr(func, ORIGINAL_ATTR, None) is None:
-            base.from_preset = classmethod(guard(func, reason))
+            compat.set_patch(patch, classmethod(guard(func, reason)))
 
 
 def _off_reason():
     return (
         f"{SWITCH_ENV}={os.environ.get(SWITCH_ENV)!r} switched its automatic start off"
+    )
+
+
+def _unknown_reason():
+    spellings = (
+        f"on: {', '.join(sorted(ON_VALUES))}; off: {', '.join(sorted(OFF_VALUES))}"
+    )
+    return (
+        f"{SWITCH_ENV}={os.environ.get(SWITCH_ENV)!r} is neither an on nor an "
+        f"off value ({spellings}; any case), so its automatic start was held "
+        "back; set one of these"
     )
 
 
@@ -133,9 +167,14 @@ def _activate():
 
 
 def _on_keras_hub():
-    if switched_off():
+    if switched_off() or unknown_switch():
+        reason = _off_reason() if switched_off() else _unknown_reason()
+        if unknown_switch():
+            import warnings
+
+            warnings.warn(f"keras-hub-autodist: {reason}.", stacklevel=2)
         try:
-            install_guard(sys.modules["keras_hub"], _off_reason())
+            install_guard(sys.modules["keras_hub"], reason)
         except Exception:  # never break the user's import of keras_hub
             pass
     else:

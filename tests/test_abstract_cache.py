@@ -13,7 +13,9 @@ from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import abstract
+from keras_hub_autodist import disk_cache
 from keras_hub_autodist.architectures.llama import LLAMA
+from keras_hub_autodist.shapes import architecture_weights
 from keras_hub_autodist.weight import Weight
 
 CONFIG = dict(
@@ -64,7 +66,7 @@ def _live_array_ids():
 def test_a_later_process_plans_from_the_disk_cache_without_keras(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     preset = _preset(tmp_path / "llama", {**CONFIG, "intermediate_dim": 48})
-    monkeypatch.setenv(abstract.CACHE_ENV, str(cache))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(cache))
     expected = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
     env = {**os.environ, "PYTHONPATH": ROOT}
     assert len(list(cache.glob("*.json"))) == 1
@@ -87,9 +89,9 @@ def test_a_later_process_plans_from_the_disk_cache_without_keras(tmp_path, monke
 
 
 def test_an_unreadable_cache_file_is_rebuilt(tmp_path, monkeypatch):
-    monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
     config = {**CONFIG, "hidden_dim": 24}
-    path = abstract._disk_file(
+    path = disk_cache._disk_file(
         "variables", abstract._variables_key("LlamaBackbone", config)
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,27 +99,27 @@ def test_an_unreadable_cache_file_is_rebuilt(tmp_path, monkeypatch):
     for text in ["not json", '{"rows": 1}', "[5]", '[["a/kernel", [2, "x"], "f"]]']:
         path.write_text(text)
         assert abstract.stored_variables("LlamaBackbone", config) is None, text
-    weights = LLAMA.weights(config, keras_hub.models.LlamaBackbone)
+    weights = architecture_weights(LLAMA, config, keras_hub.models.LlamaBackbone)
     assert len(weights) == 21
 
 
 def test_a_build_stored_by_other_keras_versions_is_not_read(tmp_path, monkeypatch):
     """An upgrade of keras or keras-hub may build other variables."""
-    monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
     config = {**CONFIG, "hidden_dim": 32}
     built = abstract.model_variables(keras_hub.models.LlamaBackbone, config)
     assert abstract.stored_variables("LlamaBackbone", config) == built
-    installed = {name: abstract._version(name) for name in ["keras", "keras-hub"]}
+    installed = {name: disk_cache._version(name) for name in ["keras", "keras-hub"]}
     for upgraded in installed:
         versions = {**installed, upgraded: installed[upgraded] + ".post1"}
-        monkeypatch.setattr(abstract, "_version", versions.__getitem__)
+        monkeypatch.setattr(disk_cache, "_version", versions.__getitem__)
         assert abstract.stored_variables("LlamaBackbone", config) is None, upgraded
 
 
 @pytest.mark.parametrize("value", ["off", "0", "false"])
 def test_the_disk_cache_can_be_turned_off(tmp_path, monkeypatch, value):
-    monkeypatch.setenv(abstract.CACHE_ENV, value)
-    assert abstract.cache_folder() is None
+    monkeypatch.setenv(disk_cache.CACHE_ENV, value)
+    assert disk_cache.cache_folder() is None
     config = {**CONFIG, "hidden_dim": 40}
     abstract.model_variables(keras_hub.models.LlamaBackbone, config)
     assert abstract.stored_variables("LlamaBackbone", config) is None
@@ -128,7 +130,7 @@ def test_a_config_that_is_not_plain_json_is_cached_in_memory_only(
 ):
     import keras
 
-    monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
     config = {**CONFIG, "hidden_dim": 56, "dtype": keras.DTypePolicy("float32")}
     assert abstract._variables_key("LlamaBackbone", config) is None
     first = abstract.model_variables(keras_hub.models.LlamaBackbone, config)
@@ -152,7 +154,7 @@ def test_quantization_scales_of_planned_weights_are_replicated():
     )
     orphan = Weight("lonely/kernel_scale", shape=(16,), dtype="float32")
     specs = LLAMA.match_variables([kernel, scale], "LlamaBackbone")
-    assert specs[1].axes == ("unsharded",)
+    assert specs[1].logical_axes == ("unsharded",)
     with pytest.raises(Exception, match=r"lonely/kernel_scale \(16,\)"):
         LLAMA.match_variables([kernel, orphan], "LlamaBackbone")
 
@@ -161,7 +163,7 @@ def test_a_keras_hub_conversion_is_reused_by_a_later_process(tmp_path, monkeypat
     """Mixtral has no keras-free conversion: keras-hub converts its config
     once, and a later process plans it from the disk cache without keras."""
     cache = tmp_path / "cache"
-    monkeypatch.setenv(abstract.CACHE_ENV, str(cache))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(cache))
     preset = str(REAL_PRESETS / "mixtral_8x7b")
     expected = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
     assert {p.name.split("-")[0] for p in cache.glob("*.json")} == {
@@ -198,7 +200,7 @@ def test_a_build_read_from_disk_is_refused_like_a_fresh_one(tmp_path, monkeypatc
     from keras_hub_autodist.options import PlanOptions
     from keras_hub_autodist.shapes import validated_weights
 
-    monkeypatch.setenv(abstract.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
     config = {
         **tiny_presets.GEMMA3_TEXT,
         "is_embedding_model": True,

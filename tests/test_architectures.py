@@ -13,7 +13,9 @@ import pytest
 from keras_hub_autodist.configs import PresetConfig
 from keras_hub_autodist.options import PlanOptions
 from keras_hub_autodist.planner import plan_model
+from keras_hub_autodist.planner import resolve_mesh
 from keras_hub_autodist.registry import architecture_for
+from keras_hub_autodist.shapes import architecture_weights
 
 
 def plan_config(info, mesh, **options):
@@ -21,7 +23,8 @@ def plan_config(info, mesh, **options):
     from keras_hub_autodist.shapes import model_weights
 
     options = PlanOptions(**options)
-    return plan_model(model_weights(info, options), mesh, options)
+    weights = model_weights(info, options)
+    return plan_model(weights, resolve_mesh(mesh, weights, options), options)
 
 
 SMALL = dict(vocabulary_size=48, num_layers=2, hidden_dim=16, intermediate_dim=32)
@@ -105,9 +108,10 @@ def _build(name):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_weight_table_matches_real_model(name):
     model, info = _build(name)
+    architecture = architecture_for(info.backbone_cls)
     table = {
         w.path: w.shape
-        for w in architecture_for(info.backbone_cls).shape_hints(info.config)
+        for w in architecture_weights(architecture, info.config, info.backbone_cls)
     }
     real = {w.path: tuple(w.shape) for w in model.weights}
     assert table == real

@@ -84,6 +84,45 @@ def test_a_config_json_holding_null_is_one_line(tmp_path, capsys):
     assert_one_line_error(status, err, "config.json")
 
 
+# Folders keras-hub's loaders refuse with a bare ValueError: each one is the
+# package's own error (`except AutodistError` catches it), from `plan()`, from
+# `from_preset(device_mesh=)` and from the command.
+UNLOADABLE_CONFIGS = {
+    "bogus": ({"model_type": "bogus_model", "hidden_size": 8}, "bogus_model"),
+    "number": ({"model_type": 5}, "model_type='5'"),
+    "neither": ({"hidden_size": 8}, "neither a Keras preset config nor"),
+    "unregistered": (
+        {"registered_name": "mine>NoSuchBackbone", "config": {}},
+        "No class is registered with Keras as 'mine>NoSuchBackbone'",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNLOADABLE_CONFIGS))
+def test_a_folder_keras_hub_cant_load_is_our_error(tmp_path, capsys, kind):
+    import json
+
+    import keras_hub
+
+    from keras_hub_autodist.errors import AutodistError
+
+    config, message = UNLOADABLE_CONFIGS[kind]
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    for load in (
+        lambda: keras_hub_autodist.plan(str(folder), {"batch": 2}),
+        lambda: keras_hub.models.Backbone.from_preset(
+            str(folder), device_mesh={"batch": 2, "model": 4}
+        ),
+    ):
+        with pytest.raises(AutodistError, match=f"{message}.*Received: .*preset="):
+            load()
+    status, _, err = run(["plan", str(folder), "--mesh", "batch=2"], capsys)
+    assert_one_line_error(status, err, message)
+    assert "preset=" in err
+
+
 def test_python_dash_m_runs_the_command(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     done = subprocess.run(

@@ -10,6 +10,7 @@ from test_abstract_cache import _preset
 
 import keras_hub_autodist
 from keras_hub_autodist import abstract
+from keras_hub_autodist import disk_cache
 
 CONFIG = dict(
     vocabulary_size=64,
@@ -39,7 +40,7 @@ def _layouts(preset):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
-    monkeypatch.setenv(abstract.CACHE_ENV, str(folder))
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(folder))
     return folder
 
 
@@ -93,7 +94,7 @@ def test_an_entry_records_what_it_answers(tmp_path, cache):
     config = {**CONFIG, "hidden_dim": 24}
     abstract.model_variables(keras_hub.models.LlamaBackbone, config)
     entry = json.loads(_only_entry(cache).read_text())
-    assert entry["format"] == abstract.ENTRY_FORMAT
+    assert entry["format"] == disk_cache.ENTRY_FORMAT
     assert entry["kind"] == "variables"
     assert entry["key"] == abstract._variables_key("LlamaBackbone", config)
     assert entry["key"].startswith("LlamaBackbone|")
@@ -131,7 +132,7 @@ def test_entries_follow_the_umask(tmp_path, cache, umask):
     try:
         config = {**CONFIG, "hidden_dim": 32, "intermediate_dim": 8 + umask}
         abstract.model_variables(keras_hub.models.LlamaBackbone, config)
-        abstract.store("conversion", json.dumps({"umask": umask}), {"class": "X"})
+        disk_cache.store("conversion", json.dumps({"umask": umask}), {"class": "X"})
     finally:
         os.umask(previous)
     files = list(cache.glob("*.json"))

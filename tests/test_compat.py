@@ -32,3 +32,87 @@ def test_only_compat_imports_private_modules():
         if path.name != "compat.py" and private.search(path.read_text())
     ]
     assert offenders == []
+
+
+# `setattr(obj, NAME, ...)` / `object.__setattr__(obj, NAME, ...)` /
+# `delattr(obj, NAME)`: the object and the attribute set.
+_SETS = re.compile(r"(?:object\.__setattr__|setattr|delattr)\(\s*(\w+),\s*([^,)]+)")
+
+
+def test_only_compat_replaces_attributes_of_keras_objects():
+    """Outside compat.py the package sets only its own attributes: those of
+    a frozen value it builds (`self`), or one named by an `*_ATTR` constant
+    of its own. Everything else goes through `compat.PATCHES`."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "compat.py":
+            continue
+        for match in _SETS.finditer(path.read_text()):
+            obj, name = match.group(1), match.group(2).strip()
+            if obj == "self" or re.fullmatch(r"_?[A-Z_]+_ATTR", name):
+                continue
+            offenders.append(f"{path.relative_to(PACKAGE)}: {match.group(0)}")
+    assert offenders == []
+
+
+def test_every_process_wide_patch_names_what_it_replaces():
+    for patch in compat.PATCHES:
+        assert patch.owner.startswith("keras_hub_autodist."), patch
+        assert patch.lasts, patch
+        if patch.process_wide:
+            holder = compat._resolve(patch.holder)
+            assert hasattr(holder, patch.attribute), patch
+
+
+def test_patched_is_shared_by_threads_and_restored_on_error():
+    import threading
+
+    import keras
+
+    original = keras.Variable.assign
+
+    def replacement(previous):
+        assert previous is original
+        return lambda variable, value: previous(variable, value)
+
+    inner_entered, outer_may_leave = threading.Event(), threading.Event()
+    seen = []
+
+    def other_thread():
+        with compat.patched({"variable_assign": replacement}):
+            seen.append(keras.Variable.assign)
+            inner_entered.set()
+            assert outer_may_leave.wait(timeout=30)
+
+    with compat.patched({"variable_assign": replacement}):
+        installed = keras.Variable.assign
+        assert installed is not original
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        assert inner_entered.wait(timeout=30)
+        assert compat.installed_patches() == {"variable_assign": 2}
+    # The other thread still holds it: the same installation stays.
+    assert keras.Variable.assign is installed
+    assert seen == [installed]
+    outer_may_leave.set()
+    thread.join(timeout=30)
+    assert keras.Variable.assign is original
+    assert compat.installed_patches() == {}
+
+    try:
+        with compat.patched({"variable_assign": replacement}):
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert keras.Variable.assign is original
+    assert compat.installed_patches() == {}
+
+
+def test_an_unregistered_patch_is_refused():
+    import pytest
+
+    with pytest.raises(KeyError, match="not a registered process-wide patch"):
+        with compat.patched({"nope": lambda original: None}):
+            pass
+    with pytest.raises(KeyError, match="not a registered instance patch"):
+        compat.patch_instance("variable_assign", object(), "x", 1)

@@ -16,8 +16,9 @@ from keras_hub_autodist import ModelClassError
 from keras_hub_autodist import PlanError
 from keras_hub_autodist import cli
 from keras_hub_autodist import step_memory
-from keras_hub_autodist.compiled_memory import default_task_class
-from keras_hub_autodist.compiled_memory import memory_of
+from keras_hub_autodist.compiled_step import compiled_memory
+from keras_hub_autodist.compiled_step import default_task_class
+from keras_hub_autodist.compiled_step import memory_of
 
 BATCH, SEQ = 8, 16
 
@@ -79,7 +80,7 @@ def test_matches_the_step_compiled_with_real_weights(
 def assert_matches_the_step_compiled_with_real_weights(path, task_cls, shape, strategy):
     mesh = _mesh(shape)
     plan = keras_hub_autodist.plan(path, mesh, strategy=strategy)
-    abstract = plan.compiled_memory(BATCH, SEQ, "adam")
+    abstract = compiled_memory(plan, BATCH, SEQ, "adam")
     real = _real_step_memory(path, task_cls, mesh, strategy)
     assert abstract == real
     assert abstract.alias_bytes > 0  # the state is donated, as Keras does
@@ -89,7 +90,7 @@ def test_allocates_no_weight(tiny_presets_dir):
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
     gc.collect()
     before = [(a.shape, a.dtype) for a in jax.live_arrays()]
-    memory = plan.compiled_memory(BATCH, SEQ)
+    memory = compiled_memory(plan, BATCH, SEQ)
     gc.collect()
     assert [(a.shape, a.dtype) for a in jax.live_arrays()] == before
     assert memory.peak_bytes > 0
@@ -97,11 +98,11 @@ def test_allocates_no_weight(tiny_presets_dir):
 
 def test_arguments_are_weights_adam_state_and_the_batch(tiny_presets_dir):
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
-    memory = plan.compiled_memory(BATCH, SEQ, "adam")
+    memory = compiled_memory(plan, BATCH, SEQ, "adam")
     batch = 3 * (BATCH // 2) * SEQ * 4  # token ids, padding mask, labels
     expected = 3 * plan.max_device_bytes + batch  # weight, two moments
     assert expected <= memory.argument_bytes <= expected + 64  # + scalars
-    sgd = plan.compiled_memory(BATCH, SEQ, "sgd")
+    sgd = compiled_memory(plan, BATCH, SEQ, "sgd")
     assert plan.max_device_bytes + batch <= sgd.argument_bytes
     assert sgd.argument_bytes < memory.argument_bytes - plan.max_device_bytes
     assert memory.peak_bytes == (
@@ -121,12 +122,12 @@ def _gemma_config():
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda p: p.compiled_memory(0, SEQ), PlanError, r"Received: batch_size=0"),
-        (lambda p: p.compiled_memory(3, SEQ), PlanError, r"Received: batch_size=3"),
-        (lambda p: p.compiled_memory(8, 1.5), PlanError, r"sequence_length=1.5"),
-        (lambda p: p.compiled_memory(8, SEQ, "lion"), PlanError, r"'lion'"),
+        (lambda p: compiled_memory(p, 0, SEQ), PlanError, r"Received: batch_size=0"),
+        (lambda p: compiled_memory(p, 3, SEQ), PlanError, r"Received: batch_size=3"),
+        (lambda p: compiled_memory(p, 8, 1.5), PlanError, r"sequence_length=1.5"),
+        (lambda p: compiled_memory(p, 8, SEQ, "lion"), PlanError, r"'lion'"),
         (
-            lambda p: p.compiled_memory(8, SEQ, model_class=dict),
+            lambda p: compiled_memory(p, 8, SEQ, model_class=dict),
             ModelClassError,
             r"Received: model_class=<class 'dict'>",
         ),
@@ -151,7 +152,7 @@ def test_fit_advice_names_the_compiled_check():
         str(REAL_PRESETS / "gemma_7b"), {"batch": 1, "model": 1}
     )
     assert not plan.fits
-    assert "plan.compiled_memory(batch_size, sequence_length)" in plan.summary()
+    assert "compiled_memory(plan, batch_size, sequence_length)" in plan.summary()
 
 
 # --- the calibrated closed form -------------------------------------------------

@@ -103,7 +103,7 @@ BAD_OPTIONS = [
 
 @pytest.mark.parametrize(
     "options, error, match",
-    BAD_OPTIONS + [({"shape_source": "disk"}, PlanError, r"shape_source='disk'")],
+    BAD_OPTIONS,
 )
 def test_options_are_validated_in_one_place(options, error, match):
     with pytest.raises(error, match=match):

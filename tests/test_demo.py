@@ -9,6 +9,7 @@ from real_presets import REAL_PRESETS
 import keras_hub_autodist
 from keras_hub_autodist import cli
 from keras_hub_autodist import demo
+from keras_hub_autodist import devices
 
 
 def noted_rows(text: str) -> list[str]:
@@ -104,12 +105,12 @@ def test_sentencepiece_training_is_deterministic():
 
 def test_virtual_cpu_devices_are_set_only_when_unset(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
-    demo.use_virtual_cpu_devices(8)
+    devices.use_virtual_cpu_devices(8)
     import os
 
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert demo.has_accelerator() is False
+    assert devices.has_accelerator() is False
 
 
 def test_demo_cli_rejects_bad_mesh(capsys):

@@ -24,6 +24,7 @@ from keras_hub_autodist.architectures.smollm3 import SMOLLM3
 from keras_hub_autodist.errors import UnplannedWeightError
 from keras_hub_autodist.errors import UnplannedWeightWarning
 from keras_hub_autodist.registry import architecture_for
+from keras_hub_autodist.shapes import architecture_weights
 
 # Each backbone class's rule table.
 TABLES = {
@@ -55,7 +56,7 @@ def _mesh_id(mesh):
 def test_rule_table_covers_every_variable_once(name):
     cls, table, config = VARIANTS[name]
     assert architecture_for(cls) is table
-    specs = table.weights(config, cls)
+    specs = architecture_weights(table, config, cls)
     paths = [spec.path for spec in specs]
     # keras-hub builds SmolLM3's `o_proj` and `rotary_emb` outside their
     # layer's name scope: the same path in every layer.
@@ -64,7 +65,7 @@ def test_rule_table_covers_every_variable_once(name):
     for spec in specs:
         matching = [r for r in table.rules if re.fullmatch(r.pattern, spec.path)]
         assert len(matching) == 1, spec.path
-        assert spec.axes == matching[0].axes
+        assert spec.logical_axes == matching[0].axes
     assert len(table.rules) <= 15
 
 
@@ -74,7 +75,7 @@ def test_every_rule_is_used_by_some_variant():
             spec.pattern
             for cls, other, config in VARIANTS.values()
             if other is table
-            for spec in other.weights(config, cls)
+            for spec in architecture_weights(other, config, cls)
         }
         assert used == {rule.pattern for rule in table.rules}, table.name
 
@@ -100,11 +101,11 @@ def test_an_unmatched_variable_is_reported(name):
         match=rf"1 weights of Extra{cls.__name__} match no rule of the "
         rf"'{table.name}' architecture: \S*extra_scale \(3,\)",
     ):
-        table.weights(config, extra)
+        architecture_weights(table, config, extra)
     with pytest.warns(UnplannedWeightWarning, match="extra_scale"):
-        specs = table.weights(config, extra, strict=False)
+        specs = architecture_weights(table, config, extra, strict=False)
     (spec,) = [s for s in specs if s.path.endswith("extra_scale")]
-    assert spec.axes == ("unsharded",)
+    assert spec.logical_axes == ("unsharded",)
 
 
 # The planner's per-device targets on the real Qwen 2.5 0.5B config (7B is in

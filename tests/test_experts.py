@@ -1,13 +1,13 @@
 """The `expert` logical axis: expert parallelism, its fallbacks and the
-`expert` mesh axis (rules.py and mesh.py, on weight specs; no model)."""
+`expert` mesh axis (sharding.py and mesh.py, on weight specs; no model)."""
 
 import keras
 import pytest
 
 from keras_hub_autodist import MeshError
-from keras_hub_autodist import rules
-from keras_hub_autodist.architectures.base import WeightSpec
+from keras_hub_autodist import sharding
 from keras_hub_autodist.mesh import resolve_mesh_axes
+from keras_hub_autodist.weight import Weight
 
 FIELDS = {
     "vocab": "vocabulary_size",
@@ -21,7 +21,7 @@ QWEN_FIELDS = {**FIELDS, "expert_mlp": "moe_intermediate_dim"}
 
 def experts_in(num_experts, hidden=16, mlp=32):
     """A batched gate/up expert kernel, `(experts, hidden, mlp)`."""
-    return WeightSpec(
+    return Weight(
         "layer_0/moe/experts/gate",
         "layer_0/moe/experts/gate",
         (num_experts, hidden, mlp),
@@ -31,7 +31,7 @@ def experts_in(num_experts, hidden=16, mlp=32):
 
 def experts_out(num_experts, hidden=16, mlp=32):
     """A batched output expert kernel, `(experts, mlp, hidden)`."""
-    return WeightSpec(
+    return Weight(
         "layer_0/moe/experts/output",
         "layer_0/moe/experts/output",
         (num_experts, mlp, hidden),
@@ -39,13 +39,13 @@ def experts_out(num_experts, hidden=16, mlp=32):
     )
 
 
-ROUTER = WeightSpec(
+ROUTER = Weight(
     "layer_0/moe/router/kernel",
     "layer_0/moe/router/kernel",
     (16, 8),
     ("embed", "unsharded"),
 )
-QUERY = WeightSpec(
+QUERY = Weight(
     "layer_0/query/kernel",
     "layer_0/query/kernel",
     (16, 4, 4),
@@ -55,7 +55,7 @@ QUERY = WeightSpec(
 
 def assign(weight, mesh, strategy="tp", fields=FIELDS):
     """The spec and the fallbacks' texts."""
-    spec, fallbacks = rules.assign_mesh_axes(
+    spec, fallbacks = sharding.assign_mesh_axes(
         weight, resolve_mesh_axes(mesh), strategy, fields
     )
     return spec, [str(fallback) for fallback in fallbacks]
@@ -120,7 +120,7 @@ def test_router_is_replicated_over_the_model_axis():
     assert "replicated over 'batch'" in notes[0]
 
 
-# The batch axis takes the first free dimension of `rules.FSDP_AXIS_PREFERENCE`
+# The batch axis takes the first free dimension of `sharding.FSDP_AXIS_PREFERENCE`
 # that divides: each expert's `mlp`, else the experts, else `hidden`.
 @pytest.mark.parametrize(
     "weight, spec",

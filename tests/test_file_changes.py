@@ -17,6 +17,7 @@ import tiny_presets
 from test_loading import backbone_preset
 
 import keras_hub_autodist
+from keras_hub_autodist import compat
 from keras_hub_autodist import loading
 
 MESH = {"batch": 2, "model": 4}
@@ -174,4 +175,5 @@ def test_a_file_rewritten_in_place_while_loading_is_an_error(
         match=r"was modified while a model was loaded.*Received: size",
     ):
         keras_hub.models.Backbone.from_preset(path, device_mesh=MESH)
-    assert not loading._sessions
+    assert loading.active_sessions() == 0
+    assert compat.installed_patches() == {}

@@ -19,6 +19,7 @@ from keras_hub_autodist import compat
 from keras_hub_autodist import gathering
 from keras_hub_autodist.errors import MultiprocessSaveError
 from keras_hub_autodist.errors import SaveTargetError
+from keras_hub_autodist.weight_stores import weight_stores_writing
 
 MESH = {"batch": 2, "model": 4}
 
@@ -41,7 +42,7 @@ def values_walked(model, folder, write, extension, **save_kwargs):
         return value
 
     folder.mkdir()
-    with compat.weight_stores_writing(convert, lambda open_file: open_file(), write):
+    with weight_stores_writing(convert, lambda open_file: open_file(), write):
         model.save_weights(folder / f"model.weights.{extension}", **save_kwargs)
     return walked
 
@@ -80,7 +81,7 @@ def test_keras_is_restored_after_the_scope_even_on_error(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        with compat.weight_stores_writing(failing, lambda open_file: open_file()):
+        with weight_stores_writing(failing, lambda open_file: open_file()):
             model.save_weights(tmp_path / "model.weights.h5")
     assert compat.h5_io_store() is store_class
     assert keras.optimizers.Optimizer.save_own_variables is optimizer_save

@@ -23,6 +23,7 @@ import tiny_presets
 from equivalence import assert_laid_out_as_planned
 
 import keras_hub_autodist
+from keras_hub_autodist import compat
 from keras_hub_autodist import file_reads
 from keras_hub_autodist import lazy_tensors
 from keras_hub_autodist import loading
@@ -313,7 +314,8 @@ def test_hooks_are_removed_when_loading_fails(presets, tmp_path):
             str(broken), device_mesh={"batch": 2, "model": 4}
         )
     assert keras.Variable.assign is loading._original_assign
-    assert not loading._sessions
+    assert loading.active_sessions() == 0
+    assert compat.installed_patches() == {}
 
 
 def test_progress_bar_on_a_terminal(presets, monkeypatch):

@@ -20,6 +20,7 @@ from keras_hub_autodist import abstract
 from keras_hub_autodist.presets import read_preset_config
 from keras_hub_autodist.registry import BUILTIN_ARCHITECTURES
 from keras_hub_autodist.registry import architecture_for
+from keras_hub_autodist.shapes import architecture_weights
 
 FSDP_MESHES = [
     {"batch": 8, "model": 1},
@@ -119,8 +120,8 @@ def test_gemma_2b_single_key_value_head_is_not_split_on_two_devices():
     # why, and every dimension it shards divides by its axis.
     preset = str(REAL_PRESETS / "gemma_2b")
     info = read_preset_config(preset)
-    weights = architecture_for(info.backbone_cls).weights(
-        info.config, info.backbone_cls
+    weights = architecture_weights(
+        architecture_for(info.backbone_cls), info.config, info.backbone_cls
     )
     key = next(w for w in weights if w.path.endswith("0/attention/key/kernel"))
     assert key.shape[0] == 1
@@ -394,7 +395,7 @@ def test_plan_says_where_device_memory_comes_from(monkeypatch):
 
 
 def test_device_memory_reported_by_the_devices():
-    from keras_hub_autodist.memory import device_memory_info
+    from keras_hub_autodist.device_memory import device_memory_info
 
     class Device:
         client = None

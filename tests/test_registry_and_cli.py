@@ -5,6 +5,7 @@ import keras_hub
 import pytest
 from real_presets import REAL_PRESETS
 
+import keras_hub_autodist
 from keras_hub_autodist import UnsupportedArchitectureError
 from keras_hub_autodist import cli
 from keras_hub_autodist import registry
@@ -27,16 +28,12 @@ def toy_plugin(tmp_path, monkeypatch):
         textwrap.dedent(
             """
             from keras_hub_autodist.architectures.base import Architecture
-            from keras_hub_autodist.architectures.base import global_weight
+            from keras_hub_autodist.architectures.base import rule_table
 
             class Toy(Architecture):
                 name = "toy"
+                rules = rule_table(("emb/embeddings", ("vocab", "embed")))
                 config_fields = {"vocab": "vocabulary_size"}
-
-                def weights(self, config):
-                    return [global_weight("emb/embeddings",
-                                          (config["vocabulary_size"], 4),
-                                          ("vocab", "embed"))]
             """
         )
     )
@@ -74,7 +71,9 @@ def test_lookup_follows_mro():
 def test_third_party_handler_through_entry_points(toy_plugin):
     handler = registry.architecture_for(ToySubBackbone)
     assert handler.name == "toy"
-    assert [w.shape for w in handler.weights({"vocabulary_size": 8})] == [(8, 4)]
+    variables = [keras_hub_autodist.Weight("emb/embeddings", shape=(8, 4))]
+    [weight] = handler.match_variables(variables, "ToySubBackbone")
+    assert (weight.shape, weight.logical_axes) == ((8, 4), ("vocab", "embed"))
 
 
 def test_broken_plugin_warns_and_is_skipped(toy_plugin):

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from keras_hub_autodist import saving
+from keras_hub_autodist.errors import SavePermissionError
 from keras_hub_autodist.errors import SaveTargetError
 
 MESH = {"batch": 2, "model": 4}
@@ -59,13 +60,17 @@ def write(folder, files):
 
 
 def snapshot(folder):
-    """{relative path: content} of every file below `folder`."""
+    """{relative path: content} of every file below `folder` (text, or the
+    bytes of a binary file)."""
     found = {}
     for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
-            with open(path) as f:
-                found[os.path.relpath(path, folder)] = f.read()
+            with open(path, "rb") as f:
+                content = f.read()
+            with contextlib.suppress(UnicodeDecodeError):
+                content = content.decode()
+            found[os.path.relpath(path, folder)] = content
     return found
 
 
@@ -121,6 +126,39 @@ def test_bound_task_saves_over_an_existing_preset_with_assets(
     assert keras.distribution.distribution() is None
 
 
+def test_a_bound_model_saved_into_its_own_preset_folder(
+    tiny_presets_dir, tmp_path, monkeypatch
+):
+    """Loaded from `./preset`, saved sharded into `.` (the preset itself, the
+    working folder: written in place): the user's files stay, the old
+    unsharded weights go, and the preset loads the model's weights."""
+    target = tmp_path / "preset"
+    shutil.copytree(tiny_presets_dir["gemma_mqa"], target)
+    write(target, USER_FILES)
+    monkeypatch.chdir(target)
+    backbone = keras_hub.models.Backbone.from_preset(".", device_mesh=MESH)
+    embeddings = backbone.token_embedding.embeddings
+    embeddings.assign(embeddings.value + 1.0)
+    expected = {w.path: np.asarray(w.value) for w in backbone.weights}
+    before = snapshot(target)
+
+    with pytest.raises(SaveTargetError, match="empty"):
+        backbone.save_to_preset("")
+    assert snapshot(target) == before
+    with pytest.warns(UserWarning, match="in place"):
+        backbone.save_to_preset(".", max_shard_size=1e-5)
+
+    files = snapshot(target)
+    assert {k: files.get(k) for k in USER_FILES} == USER_FILES
+    assert "model.weights.h5" not in files and "model.weights.json" in files
+    again = keras_hub.models.Backbone.from_preset(str(target))
+    for weight in again.weights:
+        np.testing.assert_array_equal(
+            np.asarray(weight.value), expected[weight.path], err_msg=weight.path
+        )
+    assert sorted(os.listdir(tmp_path)) == ["preset"]
+
+
 def test_permissions_match_keras_hub_save(tiny_presets_dir, tmp_path):
     """A new folder and a replaced one get the modes keras-hub's save gives."""
     preset = tiny_presets_dir["gemma_mqa"]
@@ -169,14 +207,14 @@ def test_sharded_save_over_an_unsharded_preset_drops_the_stale_weights(tmp_path)
 def test_a_folder_that_is_no_preset_keeps_its_files(tmp_path):
     """Like keras-hub's save: files the save writes win, others are kept.
 
-    Weight files are the exception: one left in the folder would be loaded
-    with the new config.
+    Files of the preset format are the exception: a `model.weights.h5` left
+    beside a sharded save would be loaded with the new config.
     """
     target = tmp_path / "out"
     mine = {"keep.txt": "mine", "notes.json": "{}", "assets/logo.png": "png"}
     write(target, {**mine, "model.weights.h5": "stray weights"})
     saving.save_atomically(fake_save(NEW), target)
-    assert snapshot(target) == {**NEW, "keep.txt": "mine", "notes.json": "{}"}
+    assert snapshot(target) == {**NEW, **mine}
 
 
 def test_new_folder_mode_follows_the_umask_and_old_mode_is_kept(tmp_path):
@@ -309,6 +347,211 @@ def test_a_missing_target_is_restored_from_the_folder_moved_aside(tmp_path):
         saving.save_atomically(failing, target)
     assert snapshot(target) == OLD
     assert os.listdir(tmp_path) == ["preset"]
+
+
+# Which files a save replaces, and which it keeps.
+
+# A user's files in a preset folder, none of them a file of the format:
+# kept by every save, as keras-hub's own save keeps them.
+USER_FILES = {
+    **USER,
+    "notes.json": "{}",
+    "eval_results.json": '{"loss": 1}',
+    "data.h5": "user data",
+    "my_lora.weights.h5": "lora weights",
+    "my_lora.weights.json": "lora index",
+    "model_backup.weights.h5": "a backup",
+    "model.safetensors": "a Hugging Face checkpoint",
+    "assets/mine/keep.txt": "mine",
+    "assets/tokenizer/notes.txt": "notes beside the vocabulary",
+}
+# An old sharded Task preset with every file of the format; its index lists
+# a shard of its own name too.
+OLD_TASK = {
+    "config.json": "old config",
+    "metadata.json": "old metadata",
+    "task.json": "old task",
+    "task.weights.h5": "old task weights",
+    "preprocessor.json": "old preprocessor",
+    "tokenizer.json": "old tokenizer",
+    "image_converter.json": "old image converter",
+    "audio_converter.json": "old audio converter",
+    "video_converter.json": "old video converter",
+    "model.weights.json": (
+        '{"metadata": {}, "weight_map": {"a": "model_00000.weights.h5", '
+        '"b": ["model_00001.weights.h5", "part_b.h5"]}}'
+    ),
+    "model_00000.weights.h5": "old shard 0",
+    "model_00001.weights.h5": "old shard 1",
+    "part_b.h5": "old listed shard",
+    "model_00002.weights.h5": "an old shard left by an older save",
+    "assets/tokenizer/vocabulary.spm": "old vocabulary",
+    "assets/tokenizer/merges.txt": "old merges",
+}
+# A new unsharded backbone: no task, tokenizer, preprocessor or shards.
+NEW_BACKBONE = {
+    "config.json": "new config",
+    "metadata.json": "new metadata",
+    "model.weights.h5": "new weights",
+}
+
+
+def save_in_mode(mode, target, files, monkeypatch):
+    """`save_atomically` of `files` into `target` as each mode does it."""
+    if mode == "two renames":
+        monkeypatch.setattr(saving, "_exchange", lambda a, b: False)
+    if mode == "working folder":
+        monkeypatch.chdir(target)
+        with pytest.warns(UserWarning, match="in place"):
+            return saving.save_atomically(fake_save(files), ".")
+    if mode == "read-only parent":
+        deny_mkdir_in(monkeypatch, target.parent)
+        with pytest.warns(UserWarning, match="in place"):
+            return saving.save_atomically(fake_save(files), target)
+    return saving.save_atomically(fake_save(files), target)
+
+
+MODES = ["exchange", "two renames", "working folder", "read-only parent"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_keeps_every_file_it_does_not_replace(tmp_path, monkeypatch, mode):
+    """Over a preset, only files of the format go: the user's `*.json`,
+    `*.h5`, `*.weights.h5` and `assets/` files stay, as with keras-hub."""
+    target = tmp_path / "preset"
+    write(target, {**OLD, **USER_FILES})
+    save_in_mode(mode, target, NEW, monkeypatch)
+    assert snapshot(target) == {**NEW, **USER_FILES}
+    assert os.listdir(tmp_path) == ["preset"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_folder_that_is_no_preset_keeps_its_weights_files(
+    tmp_path, monkeypatch, mode
+):
+    target = tmp_path / "work"
+    write(target, USER_FILES)
+    save_in_mode(mode, target, NEW, monkeypatch)
+    assert snapshot(target) == {**NEW, **USER_FILES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_file_of_an_older_save_is_left_for_the_new_preset_to_load(
+    tmp_path, monkeypatch, mode
+):
+    """A backbone saved over a sharded Task preset: the old task, tokenizer,
+    preprocessor, converters, index and shards would be loaded with the new
+    config; all of them go. The old assets are read by name by the old
+    tokenizer only, and stay, as with keras-hub."""
+    target = tmp_path / "preset"
+    write(target, {**OLD_TASK, **USER_FILES})
+    save_in_mode(mode, target, NEW_BACKBONE, monkeypatch)
+    old_assets = {k: v for k, v in OLD_TASK.items() if k.startswith("assets/")}
+    assert snapshot(target) == {**NEW_BACKBONE, **old_assets, **USER_FILES}
+
+
+def test_an_index_names_no_file_outside_the_shards(tmp_path):
+    """Only plain `.h5` names an old index lists are its shards."""
+    target = tmp_path / "preset"
+    outside = tmp_path / "outside.h5"
+    outside.write_text("not in the preset")
+    index = (
+        '{"weight_map": {"a": "README.md", "b": "../outside.h5", '
+        '"c": ["sub/x.h5", ".hidden.h5", 7]}}'
+    )
+    kept = {"README.md": "notes", "sub/x.h5": "mine", ".hidden.h5": "mine"}
+    write(target, {**OLD, "model.weights.json": index, **kept})
+    saving.save_atomically(fake_save(NEW_BACKBONE), target)
+    assert snapshot(target) == {
+        **NEW_BACKBONE,
+        "assets/tokenizer/vocabulary.spm": "old vocabulary",
+        **kept,
+    }
+    assert outside.read_text() == "not in the preset"
+
+
+@pytest.mark.parametrize(
+    "preset_dir, message",
+    [
+        ("", r"`preset_dir` is empty.*Received: preset_dir=''"),
+        ("hf://me/model", r"URL.*Received: preset_dir='hf://me/model'"),
+        ("gs://bucket/model", r"URL.*Received: preset_dir='gs://bucket/model'"),
+        (None, r"local folder.*Received: preset_dir=None of type NoneType"),
+        (3, r"local folder.*Received: preset_dir=3 of type int"),
+    ],
+)
+def test_a_path_that_is_no_local_folder_is_refused(
+    tmp_path, monkeypatch, preset_dir, message
+):
+    write(tmp_path, USER_FILES)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SaveTargetError, match=message):
+        saving.save_atomically(fake_save(NEW), preset_dir)
+    assert snapshot(tmp_path) == USER_FILES
+
+
+def test_a_save_that_cant_create_its_folder_names_it(tmp_path, monkeypatch):
+    """keras-hub raises `PermissionError` there: so does the save, naming the
+    folder asked for, not a staging folder of its own."""
+    parent = tmp_path / "read_only"
+    parent.mkdir()
+    deny_mkdir_in(monkeypatch, parent)
+    with pytest.raises(PermissionError) as raised:
+        saving.save_atomically(fake_save(NEW), parent / "preset")
+    assert isinstance(raised.value, SavePermissionError)
+    message = str(raised.value)
+    assert f"into {str(parent / 'preset')!r}" in message
+    assert "Received: preset_dir=" in message
+    assert ".saving-" not in message and ".autodist-" not in message
+    assert os.listdir(parent) == []
+
+
+def test_a_folder_where_nothing_can_be_created_is_named(tmp_path, monkeypatch):
+    """Neither beside nor inside the preset can a folder be created."""
+    parent = tmp_path / "read_only"
+    target = parent / "preset"
+    write(target, OLD)
+    deny_mkdir_in(monkeypatch, parent)
+    real_mkdir = os.mkdir
+
+    def mkdir(path, mode=0o777, **kwargs):
+        if os.path.dirname(os.path.abspath(path)) == str(target):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_mkdir(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.warns(UserWarning), pytest.raises(SavePermissionError) as raised:
+        saving.save_atomically(fake_save(NEW), target)
+    assert f"into {str(target)!r}" in str(raised.value)
+    assert ".autodist-" not in str(raised.value)
+    assert snapshot(target) == OLD
+
+
+def test_a_new_preset_that_was_never_swapped_in_is_dropped_whole(tmp_path):
+    """A kill after the new preset was complete, before the swap: the next
+    save drops it, and moves none of its files into the old preset."""
+    target = tmp_path / "preset"
+    write(target, {**OLD, **USER})
+    never_swapped = tmp_path / ".preset.ready-00c0ffee"
+    write(never_swapped, {**NEW, "assets/tokenizer/merges.txt": "new merges"})
+    (never_swapped / ".autodist-new").write_text("")
+    saving.recover(target)
+    assert snapshot(target) == {**OLD, **USER}
+    assert os.listdir(tmp_path) == ["preset"]
+
+
+def test_names_of_the_format_are_keras_hubs():
+    """`preset_files` (imported without Keras by the save) names the files
+    keras-hub's savers write and its loaders read."""
+    from keras_hub_autodist import compat
+    from keras_hub_autodist import preset_files
+
+    names = compat.preset_format_names()
+    assert set(names.values()) - {"assets"} == set(preset_files.FORMAT_FILES)
+    assert names["ASSET_DIR"] == preset_files.ASSETS_FOLDER
+    assert names["SHARDED_MODEL_WEIGHTS_CONFIG_FILE"] == (
+        preset_files.SHARDED_INDEX_FILE
+    )
 
 
 # SIGKILL at random points.

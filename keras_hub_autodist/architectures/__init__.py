@@ -8,6 +8,5 @@ entry-point group.
 """
 
 from keras_hub_autodist.architectures.base import Architecture
-from keras_hub_autodist.architectures.base import WeightSpec
 
-__all__ = ["Architecture", "WeightSpec"]
+__all__ = ["Architecture"]

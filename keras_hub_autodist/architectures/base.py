@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import re
 import types
+import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
 
 from keras_hub_autodist.errors import UnplannedWeightError
-from keras_hub_autodist.verify import unplanned_weight_error
-from keras_hub_autodist.verify import warn_unplanned
+from keras_hub_autodist.errors import UnplannedWeightWarning
+from keras_hub_autodist.errors import option
 from keras_hub_autodist.weight import LOGICAL_AXES
 from keras_hub_autodist.weight import Weight
 
@@ -130,11 +131,6 @@ def gated_mlp_rules(gate_and_up: str, down: str) -> tuple:
     return ((gate_and_up, ("embed", "mlp")), (down, ("mlp", "embed")))
 
 
-# The record an architecture describes a weight with (path, pattern, shape,
-# logical axes): the data path's one `Weight`, under the name plugins know.
-WeightSpec = Weight
-
-
 class Architecture:
     """An architecture: which logical axes each variable of a backbone has.
 
@@ -144,8 +140,7 @@ class Architecture:
     abstractly from the preset's config (`abstract.model_variables`).
     Every variable must match exactly one rule.
 
-    Create one as a value, or subclass to refuse configs (`check_config`)
-    or to give a keras-free fast path (`shape_hints`).
+    Create one as a value, or subclass to refuse configs (`check_config`).
 
     Args:
         name: the family name shown in plans, e.g. `"qwen"`.
@@ -200,80 +195,17 @@ class Architecture:
     def check_config(self, config: Mapping) -> None:
         """Refuse configs this family can't plan (raise an `AutodistError`)."""
 
-    def shape_hints(self, config: Mapping) -> list[WeightSpec] | None:
-        """Optional keras-free weight table for the CLI's fast path, or `None`.
-
-        Tests check every hint against the abstract build of the model.
-        """
-        return None
-
     def matching_rules(self, path: str) -> list[Rule]:
         """The rules whose pattern `re.fullmatch`es `path`."""
         return [rule for rule in self.rules if re.fullmatch(rule.pattern, path)]
 
-    def weights(
-        self, config: Mapping, backbone_cls: type, *, strict: bool = True
-    ) -> list[WeightSpec]:
-        """Every variable of `backbone_cls` built from `config`, with the
-        logical axes of the rule it matches.
-
-        Args:
-            config: the backbone's constructor arguments.
-            backbone_cls: the keras-hub backbone class.
-            strict: a variable that matches no rule is an error (`True`),
-                or a warning and the variable stays replicated (`False`).
-
-        Raises:
-            UnplannedWeightError: a variable matches several rules, or (when
-                `strict`) none.
-        """
-        from keras_hub_autodist.abstract import model_variables
-
-        self.check_config(config)  # refuse before building anything
-        return self.weights_from(
-            model_variables(backbone_cls, config),
-            config,
-            backbone_cls.__name__,
-            strict=strict,
-        )
-
-    def weights_from(
-        self,
-        variables,
-        config: Mapping,
-        backbone_class: str,
-        *,
-        strict: bool = True,
-    ) -> list[WeightSpec]:
-        """`weights()` for a model already built from `config`: its config
-        checked (`check_config`), each variable given the logical axes of
-        the rule it matches (`match_variables`).
+    def match_variables(
+        self, variables, backbone_class: str, *, strict: bool = True
+    ) -> list[Weight]:
+        """Each variable with the logical axes of the one rule it matches.
 
         The one path from built variables to weights, for a fresh abstract
         build and for one read from the disk cache alike.
-
-        Args:
-            variables: the model's variables (`Weight`s of the abstract build, or
-                any objects with `.path` and `.shape`).
-            config: the backbone's constructor arguments they were built from.
-            backbone_class: the backbone class name, for messages.
-            strict: as for `weights()`.
-
-        Example:
-        ```python
-        from keras_hub_autodist.abstract import stored_variables
-
-        variables = stored_variables("LlamaBackbone", config)
-        weights = LLAMA.weights_from(variables, config, "LlamaBackbone")
-        ```
-        """
-        self.check_config(config)
-        return self.match_variables(variables, backbone_class, strict=strict)
-
-    def match_variables(
-        self, variables, backbone_class: str, *, strict: bool = True
-    ) -> list[WeightSpec]:
-        """Each variable's rule, without the config check of `weights_from()`.
 
         Args:
             variables: objects with `.path` and `.shape`.
@@ -337,37 +269,60 @@ def _rank_error(architecture, backbone_class, rule, variable):
     )
 
 
-def global_weight(path: str, shape: Sequence[int], axes: Sequence[str]) -> WeightSpec:
-    """A weight that exists once in the model, matched by its exact path."""
-    return WeightSpec(path, _escape(path), tuple(shape), tuple(axes))
+DOCS_ADDING_AN_ARCHITECTURE = "docs/architectures.md#adding-an-architecture"
 
 
-def layer_weights(
-    prefix: str,
-    num_layers: int,
-    entries: Sequence[tuple[str, Sequence[int], Sequence[str]]],
-) -> list[WeightSpec]:
-    """The weights of `num_layers` identical blocks named `{prefix}{i}/...`.
+def unplanned_weight_error(
+    backbone_class: str,
+    architecture: str,
+    unmatched: list[str],
+    ambiguous: dict[str, list[str]],
+    *,
+    planned_from: str = "",
+) -> UnplannedWeightError:
+    """The error for weights that match no rule of their architecture's
+    table (`unmatched`, as `"path shape"`) or several (`ambiguous`: path →
+    the patterns it matches), on the abstract build and on the loaded model.
 
-    Args:
-        prefix: block name before its index, e.g. `"decoder_block_"`.
-        num_layers: number of blocks.
-        entries: `(path inside the block, shape, logical axes)` triples.
+    Example:
+    >>> error = unplanned_weight_error("GemmaBackbone", "gemma", ["x (2,)"], {})
+    >>> str(error).split(":")[0]
+    "1 weights of GemmaBackbone match no rule of the 'gemma' architecture"
     """
-    specs = []
-    for index in range(num_layers):
-        for sub_path, shape, axes in entries:
-            specs.append(
-                WeightSpec(
-                    f"{prefix}{index}/{sub_path}",
-                    rf"{_escape(prefix)}\d+/{_escape(sub_path)}",
-                    tuple(shape),
-                    tuple(axes),
-                )
-            )
-    return specs
+    source = f" (planned from {planned_from})" if planned_from else ""
+    parts = []
+    if unmatched:
+        parts.append(
+            f"{len(unmatched)} weights of {backbone_class} match no rule of "
+            f"the {architecture!r} architecture{source}: "
+            + ", ".join(unmatched[:10])
+            + ". Add a rule for them to the architecture's table (see "
+            f"{DOCS_ADDING_AN_ARCHITECTURE}), or pass "
+            f"{option('strict', 'False')} to keep them replicated"
+        )
+    if ambiguous:
+        listed = "; ".join(
+            f"{path} matches {patterns}"
+            for path, patterns in list(ambiguous.items())[:5]
+        )
+        parts.append(
+            f"{len(ambiguous)} weights of {backbone_class} match several "
+            f"rules of the {architecture!r} architecture{source} ({listed}). "
+            "Make the rules disjoint"
+        )
+    return UnplannedWeightError(
+        ". ".join(parts)
+        + f". Received: {len(unmatched)} unmatched, {len(ambiguous)} ambiguous"
+    )
 
 
-def _escape(text: str) -> str:
-    # Paths hold letters, digits, "_" and "/"; only "." would need escaping.
-    return text.replace(".", r"\.")
+def warn_unplanned(backbone_class: str, architecture: str, unmatched) -> None:
+    """Warn (`UnplannedWeightWarning`) that `unmatched` weights (`"path
+    shape"`) stay replicated because `strict=False`."""
+    warnings.warn(
+        f"keras_hub_autodist: {len(unmatched)} weights of {backbone_class} "
+        f"match no rule of the {architecture!r} architecture and stay "
+        f"replicated on every device (strict=False): {', '.join(unmatched[:10])}",
+        UnplannedWeightWarning,
+        stacklevel=4,
+    )

@@ -7,13 +7,9 @@ from collections.abc import Mapping
 
 from keras_hub_autodist.architectures.base import DECODER_CONFIG_FIELDS
 from keras_hub_autodist.architectures.base import Architecture
-from keras_hub_autodist.architectures.base import WeightSpec
-from keras_hub_autodist.architectures.base import layer_weights
 from keras_hub_autodist.architectures.base import rule_table
 from keras_hub_autodist.architectures.gemma import GEMMA_RULES
 from keras_hub_autodist.architectures.gemma import GEMMA_SEQUENCE_PARALLEL_OUTPUTS
-from keras_hub_autodist.architectures.gemma import gemma_block_entries
-from keras_hub_autodist.architectures.gemma import gemma_global_weights
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 
 _VIT = r"image_encoder/encoder_block_\d+/"
@@ -52,10 +48,7 @@ class Gemma3Architecture(Architecture):
     heads (`is_embedding_model=True`) are not supported.
 
     Example:
-    >>> config = dict(vocabulary_size=64, num_layers=1, num_query_heads=4,
-    ...     num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
-    >>> len(GEMMA3.shape_hints(config))
-    13
+    >>> GEMMA3.check_config({"is_embedding_model": False})
     """
 
     name = "gemma3"
@@ -70,21 +63,6 @@ class Gemma3Architecture(Architecture):
                 "(`is_embedding_model=True`). Use a causal LM preset or your "
                 "own layout map. Received: is_embedding_model=True"
             )
-
-    def shape_hints(self, config: Mapping) -> list[WeightSpec] | None:
-        self.check_config(config)
-        if config.get("vision_encoder") is not None:
-            return None  # the vision tower's shapes come from the model
-        entries = gemma_block_entries(config, config["intermediate_dim"])
-        if config.get("use_query_key_norm", True):
-            hd = config["head_dim"]
-            entries += [
-                ("attention/query_norm/scale", (hd,), ("norm",)),
-                ("attention/key_norm/scale", (hd,), ("norm",)),
-            ]
-        return gemma_global_weights(config) + layer_weights(
-            "decoder_block_", config["num_layers"], entries
-        )
 
 
 GEMMA3 = Gemma3Architecture()

@@ -1,10 +1,11 @@
-"""`LayoutPlan`: where every weight of a model goes on a mesh, as a value.
+"""`PlanRecord`: what a layout plan holds, as values.
 
-A plan holds values only: the rows (one `Weight` each, with its spec), the
-mesh's axis names, sizes and roles (`MeshAxes`, never a live `DeviceMesh`),
-the strategy and the reasons behind each choice. It is made by
-`planner.plan()`; `layout_map(mesh)` turns it into Keras' `LayoutMap` for a
-`DeviceMesh` of the planned shape.
+The rows (one `Weight` each, with its spec), the mesh's axis names, sizes
+and roles (`MeshAxes`, never a live `DeviceMesh`), the strategy and the
+reasons behind each choice, and what follows from them alone: byte totals,
+the layout-map keys and `layout_map(mesh)`. The memory, text and checks
+computed from a plan take a `PlanRecord`; `plan.LayoutPlan`, what `plan()`
+returns, is a `PlanRecord` that offers them as methods.
 """
 
 from __future__ import annotations
@@ -16,57 +17,26 @@ import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist import memory
-from keras_hub_autodist import report
-from keras_hub_autodist import rules
+from keras_hub_autodist import sharding
+from keras_hub_autodist.device_memory import MEMORY_GIVEN
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.mesh import MeshAxes
+from keras_hub_autodist.mesh import require_device_mesh
 from keras_hub_autodist.weight import Weight
 
 if TYPE_CHECKING:
     import keras
 
-    from keras_hub_autodist.verify import WeightCheck
-
-# The record of one planned weight (path, pattern, shape, logical axes,
-# spec, dtype, bytes, device bytes, fallbacks): the data path's `Weight`.
-PlanRow = Weight
-
 
 @dataclasses.dataclass(frozen=True)
-class LayoutPlan:
-    """How a model's weights are laid out on a mesh, computed from its config.
-
-    Build one with `keras_hub_autodist.plan()`; `replace(**changes)` gives a
-    changed copy.
-
-    Args:
-        preset: what it was planned from (a folder, handle, or a label such
-            as `"<config dict>"`).
-        backbone_class: the backbone class name.
-        architecture: the family whose rule table laid it out.
-        mesh_axes: the mesh's axis names, sizes and roles.
-        strategy: `"tp"` or `"fsdp"`.
-        strategy_reason: why that strategy.
-        dtype: the variable dtype.
-        rows: one `Weight` per variable, in the model's order.
-        device_memory_bytes: the per-device memory planned with.
-        device_memory_source: where it comes from: `"given"`, `"env"`,
-            `"reported"` or `"assumed"`.
-        mesh_reason: why that mesh, when `device_mesh="auto"` chose it.
-        config_fields: logical axis → the config field that sets it.
-        sequence_parallel: whether residual-stream activations are sharded
-            on the sequence over the model axis.
-        sequence_parallel_outputs: the family's residual-stream layer
-            outputs (`<layer path>/output` patterns).
+class PlanRecord:
+    """The values of a layout plan (see `LayoutPlan` for each field).
 
     Example:
     ```python
     plan = keras_hub_autodist.plan("./gemma_2b", {"batch": 2, "model": 4})
-    print(plan)                      # table of weights, specs and bytes
-    plan.max_device_bytes            # parameter bytes on the fullest device
-    layout_map = plan.layout_map(mesh)  # for your own ModelParallel
+    isinstance(plan, PlanRecord)  # True
     ```
     """
 
@@ -79,7 +49,7 @@ class LayoutPlan:
     dtype: str
     rows: tuple[Weight, ...]
     device_memory_bytes: int
-    device_memory_source: str = memory.MEMORY_GIVEN
+    device_memory_source: str = MEMORY_GIVEN
     mesh_reason: str = ""
     config_fields: Mapping[str, str] = dataclasses.field(
         default_factory=dict, hash=False
@@ -96,7 +66,7 @@ class LayoutPlan:
             self, "sequence_parallel_outputs", tuple(self.sequence_parallel_outputs)
         )
 
-    def replace(self, **changes) -> LayoutPlan:
+    def replace(self, **changes) -> PlanRecord:
         """A copy of this plan with some fields changed.
 
         Example:
@@ -141,9 +111,9 @@ class LayoutPlan:
         """
         spec = None
         if self.sequence_parallel:
-            spec = rules.sequence_parallel_spec(self.mesh_axes)
+            spec = sharding.sequence_parallel_spec(self.mesh_axes)
         if spec is None and self.strategy == "fsdp":
-            spec = rules.fsdp_activation_spec(self.mesh_axes)
+            spec = sharding.fsdp_activation_spec(self.mesh_axes)
         if spec is None:
             return {}
         return {pattern: spec for pattern in self.sequence_parallel_outputs}
@@ -173,41 +143,6 @@ class LayoutPlan:
         """`total_bytes` spread perfectly over every device of the mesh."""
         return self.total_bytes / self.mesh_axes.num_devices
 
-    def training_bytes_per_device(self, optimizer: str = "adam") -> int:
-        """Estimated per-device bytes of weights + gradients + optimizer state
-        (`memory.training_bytes_per_device`)."""
-        return memory.training_bytes_per_device(self, optimizer)
-
-    def activation_bytes_per_device(self, batch_size: int, sequence_length: int) -> int:
-        """Estimated per-device bytes of the activations a training step
-        saves for its backward pass (`memory.activation_bytes_per_device`)."""
-        return memory.activation_bytes_per_device(self, batch_size, sequence_length)
-
-    def compiled_memory(
-        self, batch_size: int, sequence_length: int, optimizer="adam", **options
-    ):
-        """XLA's per-device bytes of this plan's training step, compiled ahead
-        of time with no weight allocated (`model_class=`, `preset=`,
-        `device_mesh=`: see `keras_hub_autodist.compiled_memory`).
-
-        Example:
-        ```python
-        plan.compiled_memory(8, 2048, "adam").peak_bytes
-        ```
-        """
-        from keras_hub_autodist.compiled_memory import compiled_memory
-
-        return compiled_memory(self, batch_size, sequence_length, optimizer, **options)
-
-    @property
-    def fits(self) -> bool:
-        """Whether weights, gradients and Adam state fit each device.
-
-        Activations come on top: `strategy="auto"` keeps `"tp"` only while
-        this leaves room for them (`policy.leaves_room_for_activations`).
-        """
-        return self.training_bytes_per_device("adam") <= self.device_memory_bytes
-
     @property
     def fallbacks(self) -> list[Weight]:
         """The rows whose preferred layout could not be used."""
@@ -227,14 +162,13 @@ class LayoutPlan:
         """
         import keras
 
-        if not isinstance(device_mesh, keras.distribution.DeviceMesh):
-            raise MeshError(
-                "`layout_map()` needs a `keras.distribution.DeviceMesh`: a "
-                "plan holds the mesh's axis names and sizes, not its devices. "
-                "Pass `plan.layout_map(keras.distribution.DeviceMesh(shape, "
-                "axis_names, devices))`. Received: "
-                f"device_mesh={device_mesh!r}"
-            )
+        require_device_mesh(
+            device_mesh,
+            "`layout_map()` needs a `keras.distribution.DeviceMesh`: a plan "
+            "holds the mesh's axis names and sizes, not its devices. Pass "
+            "`plan.layout_map(keras.distribution.DeviceMesh(shape, "
+            "axis_names, devices))`.",
+        )
         got = (tuple(device_mesh.axis_names), tuple(device_mesh.shape))
         want = (self.mesh_axes.axis_names, self.mesh_axes.shape)
         if got != want:
@@ -305,54 +239,6 @@ class LayoutPlan:
                 layouts.setdefault(base + "lora_kernel_b", (None, row.spec[-1]))
         return layouts
 
-    def weight_check(self, *, strict: bool = True) -> WeightCheck:
-        """A `verify.WeightCheck` of built variables against this plan.
-
-        Args:
-            strict: whether a weight that matches no rule is an error
-                (`True`) or a warning, the weight staying replicated.
-
-        Example:
-        ```python
-        check = plan.weight_check()
-        check.built(model.weights)
-        ```
-        """
-        from keras_hub_autodist.verify import WeightCheck
-
-        return WeightCheck(self, strict=strict)
-
-    def memory_note(self) -> str:
-        """Where the per-device memory of this plan comes from."""
-        return report.memory_note(self)
-
-    def fit_advice(self) -> list[str]:
-        """What would make a plan that does not fit fit, most useful first."""
-        return report.fit_advice(self)
-
-    def summary(self) -> str:
-        """Per-device totals, one line each, and whether the plan fits."""
-        return report.summary(self)
-
-    def table_groups(self) -> dict[tuple, list[Weight]]:
-        """The rows grouped as `table()` shows them (`report.table_groups`)."""
-        return report.table_groups(self)
-
-    def table(self) -> str:
-        """The weights grouped across layers (`decoder_block_*/...`), with
-        shape, spec, bytes and notes."""
-        return report.table(self)
-
-    def __str__(self):
-        return self.table() + "\n\n" + self.summary()
-
-    def __repr__(self):
-        return (
-            f"<LayoutPlan preset={self.preset!r} backbone={self.backbone_class} "
-            f"mesh=({self.mesh_axes.describe()}) strategy={self.strategy!r} "
-            f"max_device_bytes={self.max_device_bytes}>"
-        )
-
 
 def _refuse_assignment(self, name, value):
     raise AttributeError(
@@ -366,5 +252,5 @@ def _refuse_deletion(self, name):
 
 
 # The dataclass refuses changes already; these say how to get a changed copy.
-LayoutPlan.__setattr__ = _refuse_assignment
-LayoutPlan.__delattr__ = _refuse_deletion
+PlanRecord.__setattr__ = _refuse_assignment
+PlanRecord.__delattr__ = _refuse_deletion

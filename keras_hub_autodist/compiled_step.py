@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.step_memory import check_sizes
@@ -60,7 +59,7 @@ class CompiledMemory:
 
     Example:
     ```python
-    memory = plan.compiled_memory(8, 2048)
+    memory = compiled_memory(plan, 8, 2048)
     print(memory)                  # one line per field, in MiB
     memory.peak_bytes <= plan.device_memory_bytes
     ```
@@ -161,22 +160,20 @@ def _mesh_of(plan, device_mesh):
     """`device_mesh`, or a mesh of the planned shape over the first devices
     (all of them for a plan that spans them, as `from_preset` builds one)."""
     from keras_hub_autodist.mesh import build_device_mesh
-    from keras_hub_autodist.mesh import is_device_mesh
+    from keras_hub_autodist.mesh import require_device_mesh
 
-    if device_mesh is None:
-        import keras
-
-        axes = plan.mesh_axes
-        devices = keras.distribution.list_devices()[: axes.num_devices]
-        return build_device_mesh(dict(zip(axes.axis_names, axes.shape)), devices)
-    if not is_device_mesh(device_mesh):
-        raise MeshError(
+    if device_mesh is not None:
+        return require_device_mesh(
+            device_mesh,
             "The compiled memory check compiles for real devices: pass a "
             "`keras.distribution.DeviceMesh` as device_mesh=, or none to use "
-            "all devices in the planned shape. Received: "
-            f"device_mesh={device_mesh!r}"
+            "all devices in the planned shape.",
         )
-    return device_mesh
+    import keras
+
+    axes = plan.mesh_axes
+    devices = keras.distribution.list_devices()[: axes.num_devices]
+    return build_device_mesh(dict(zip(axes.axis_names, axes.shape)), devices)
 
 
 def _backbone_config(plan, preset):
@@ -288,7 +285,7 @@ def compiled_memory(
     ```python
     mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices)
     plan = keras_hub_autodist.plan("./gemma_2b", mesh, dtype="bfloat16")
-    memory = plan.compiled_memory(8, 2048, "adam")
+    memory = compiled_memory(plan, 8, 2048, "adam")
     memory.peak_bytes, memory.temp_bytes
     ```
     """

@@ -2,7 +2,7 @@
 
 Architectures describe each weight with *logical* axes (`vocab`, `embed`,
 `heads`, `kv_heads`, `head_dim`, `mlp`, `norm`, `expert`, and `unsharded` for
-a dimension never sharded). The rules below turn them
+a dimension never sharded). The tables below turn them
 into a mesh axis per dimension, for a strategy:
 
 - `"tp"`: the model axis shards each weight's *parallel* dimension
@@ -136,7 +136,7 @@ def _fields_for(weight, config_fields):
     with an `expert` dimension, `expert_<axis>` entries override `<axis>`
     (e.g. `expert_mlp: moe_intermediate_dim`)."""
     fields = dict(config_fields)
-    if "expert" in weight.axes:
+    if "expert" in weight.logical_axes:
         prefix = "expert_"
         fields.update(
             {
@@ -196,11 +196,11 @@ class Fallback:
 
 
 def _model_candidates(weight, mesh_axes, kv_fallback):
-    if "expert" in weight.axes and mesh_axes.size(mesh_axes.expert_axis) == 1:
+    if "expert" in weight.logical_axes and mesh_axes.size(mesh_axes.expert_axis) == 1:
         # Expert parallelism over the model axis, else tensor parallelism
         # inside each expert.
         return "expert", EXPERT_MODEL_FALLBACKS
-    primary = parallel_axis(weight.axes)
+    primary = parallel_axis(weight.logical_axes)
     if primary is None:
         return None
     if primary == "kv_heads" and kv_fallback == "replicate":
@@ -209,11 +209,13 @@ def _model_candidates(weight, mesh_axes, kv_fallback):
 
 
 def _expert_candidates(weight, mesh_axes, kv_fallback):
-    return ("expert", EXPERT_AXIS_FALLBACKS) if "expert" in weight.axes else None
+    return (
+        ("expert", EXPERT_AXIS_FALLBACKS) if "expert" in weight.logical_axes else None
+    )
 
 
 def _hidden_candidates(weight, mesh_axes, kv_fallback):
-    return ("embed", HIDDEN_AXIS_PREFERENCE) if "embed" in weight.axes else None
+    return ("embed", HIDDEN_AXIS_PREFERENCE) if "embed" in weight.logical_axes else None
 
 
 def _batch_candidates(weight, mesh_axes, kv_fallback):
@@ -222,7 +224,7 @@ def _batch_candidates(weight, mesh_axes, kv_fallback):
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
+class AxisRole:
     """One mesh axis role and the weight dimensions it may shard.
 
     Args:
@@ -242,16 +244,20 @@ class Placement:
 
 # The mesh axes in the order they are placed: each takes the first free
 # dimension among its candidates that divides by its size.
-PLACEMENTS = (
-    Placement("model", STRATEGIES, _model_candidates),
-    Placement("expert", STRATEGIES, _expert_candidates),
-    Placement("hidden", STRATEGIES, _hidden_candidates),
-    Placement("batch", ("fsdp",), _batch_candidates),
+AXIS_ROLES = (
+    AxisRole("model", STRATEGIES, _model_candidates),
+    AxisRole("expert", STRATEGIES, _expert_candidates),
+    AxisRole("hidden", STRATEGIES, _hidden_candidates),
+    AxisRole("batch", ("fsdp",), _batch_candidates),
 )
 
 
 def _free_dims(weight, spec, logical):
-    return [d for d, name in enumerate(weight.axes) if name == logical and not spec[d]]
+    return [
+        d
+        for d, name in enumerate(weight.logical_axes)
+        if name == logical and not spec[d]
+    ]
 
 
 def _place(weight, spec, axis, size, wanted, candidates, fields, policy):
@@ -275,7 +281,7 @@ def _place(weight, spec, axis, size, wanted, candidates, fields, policy):
         return Fallback(weight.path, None, None, axis, None, None, reason)
     if chosen == wanted:
         return None
-    wanted_dim = weight.axes.index(wanted)
+    wanted_dim = weight.logical_axes.index(wanted)
     return Fallback(
         weight.path,
         wanted_dim,
@@ -301,7 +307,7 @@ def assign_mesh_axes(
 ):
     """Choose a mesh axis (or `None`) for each dimension of `weight`.
 
-    Each role of `PLACEMENTS` that applies to the strategy and has more than
+    Each role of `AXIS_ROLES` that applies to the strategy and has more than
     one device places its axis in turn.
 
     Args:
@@ -329,12 +335,12 @@ def assign_mesh_axes(
     spec = [None] * len(weight.shape)
     notes = []
     fields = _fields_for(weight, config_fields)
-    for placement in PLACEMENTS:
-        axis = getattr(mesh_axes, f"{placement.role}_axis")
+    for role in AXIS_ROLES:
+        axis = getattr(mesh_axes, f"{role.role}_axis")
         size = mesh_axes.size(axis)
-        if strategy not in placement.strategies or axis is None or size == 1:
+        if strategy not in role.strategies or axis is None or size == 1:
             continue
-        found = placement.candidates(weight, mesh_axes, kv_fallback)
+        found = role.candidates(weight, mesh_axes, kv_fallback)
         if found is None:
             continue
         wanted, candidates = found

@@ -1,0 +1,57 @@
+"""Every option is declared once (`options.OPTIONS`); every list of keywords
+and every signature that takes them agrees with that declaration."""
+
+import ast
+import dataclasses
+import inspect
+import pathlib
+
+from keras_hub_autodist import options
+from keras_hub_autodist import pipeline
+from keras_hub_autodist import planner
+from keras_hub_autodist import plugin
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DECLARED = {o.name: o.default for o in options.OPTIONS}
+
+
+def _keywords(function, skip):
+    return {
+        name: parameter.default
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.kind is parameter.KEYWORD_ONLY and name not in skip
+    }
+
+
+def test_plan_options_are_the_planning_options():
+    fields = {f.name: f.default for f in dataclasses.fields(options.PlanOptions)}
+    assert fields == {name: DECLARED[name] for name in options.PLANNING_KEYWORDS}
+
+
+def test_plan_takes_the_planning_options():
+    assert _keywords(planner.plan, skip={"num_devices"}) == {
+        name: DECLARED[name] for name in options.PLANNING_KEYWORDS
+    }
+
+
+def test_from_preset_takes_the_distribution_options():
+    assert _keywords(pipeline.from_preset, skip={"device_mesh"}) == {
+        name: DECLARED[name] for name in options.DISTRIBUTION_KEYWORDS
+    }
+
+
+def test_the_documentation_from_preset_gains_names_each_option():
+    for name in ("device_mesh",) + options.DISTRIBUTION_KEYWORDS:
+        assert f" {name}: " in plugin.DEVICE_MESH_DOC, name
+
+
+def test_the_startup_hooks_guard_rejects_every_distribution_keyword():
+    """The hook can't import the package (it must stay light): its copy of
+    the keywords is read from its source."""
+    source = (ROOT / "startup" / "keras_hub_autodist_hook.py").read_text()
+    [keywords] = [
+        ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and node.targets[0].id == "MESH_KEYWORDS"
+    ]
+    assert keywords == ("device_mesh",) + options.DISTRIBUTION_KEYWORDS
