@@ -26,9 +26,11 @@ import keras
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.batches import check_batch
+from keras_hub_autodist.batches import feeding_rows
 from keras_hub_autodist.batches import generate_padded
 from keras_hub_autodist.batches import padding_preprocess
 from keras_hub_autodist.batches import predict_unpadded
+from keras_hub_autodist.batches import requested_rows
 from keras_hub_autodist.batches import rows_multiple
 from keras_hub_autodist.batches import sample_count
 from keras_hub_autodist.errors import NotBoundError
@@ -99,6 +101,13 @@ def _feeding(name, method, bound, args, kwargs):
         check_batch(bound.distribution, name, args, kwargs)
     with bound.distribution.scope():
         return method(*args, **kwargs)
+
+
+def _fitting(name, method, bound, args, kwargs):
+    """`fit`: `_feeding`, with the rows per batch its caller asked for known
+    to its callbacks (`batches.fed_rows`: a checkpoint records them)."""
+    with feeding_rows(requested_rows(name, args, kwargs)):
+        return _feeding(name, method, bound, args, kwargs)
 
 
 def _in_scope(name, method, bound, args, kwargs):
@@ -184,7 +193,7 @@ def _placing(name, method, bound, args, kwargs):
 # Each method a bound model wraps, and how it runs.
 BOUND_METHODS = {
     "compile": _compiling,
-    "fit": _feeding,
+    "fit": _fitting,
     "evaluate": _feeding,
     "train_on_batch": _feeding,
     "test_on_batch": _feeding,

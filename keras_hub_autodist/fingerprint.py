@@ -71,9 +71,9 @@ class Training:
     """How the `fit` that took a checkpoint fed its batches.
 
     Args:
-        batch_size: rows in the first batch of an epoch, as the train step
-            received them: all processes together, after a bound task padded
-            them to a multiple of the batch axis.
+        batch_size: rows in the first batch of an epoch, all processes
+            together, as the caller of `fit` batched them (a bound task's
+            train step receives them padded to a multiple of the batch axis).
         steps_per_epoch: batches per epoch.
     """
 

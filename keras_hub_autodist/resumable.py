@@ -24,6 +24,7 @@ import keras
 from keras_hub_autodist import compat
 from keras_hub_autodist import fingerprint as fingerprints
 from keras_hub_autodist import global_random
+from keras_hub_autodist.batches import fed_rows
 from keras_hub_autodist.binding import distribution_of
 from keras_hub_autodist.errors import CheckpointOptionError
 from keras_hub_autodist.errors import NotBoundError
@@ -147,13 +148,29 @@ def checked_directory(directory) -> str:
     return absolute
 
 
-def _rows(batch) -> int | None:
+def _leading_rows(batch) -> int | None:
     """Rows of a batch as the train step receives it (all processes)."""
     for leaf in keras.tree.flatten(batch):
         shape = getattr(leaf, "shape", None)
         if shape is not None and len(shape) > 0:
             return int(shape[0])
     return None
+
+
+def _put_back(model, state) -> None:
+    """Give the model's variables the values of a train step's `state`
+    again. A JAX `fit` takes the values off the variables while an epoch runs
+    (Keras' `_purge_model_variables`) and puts them back when it ends, so a
+    train step that raises would leave the model without its weights."""
+    groups = (
+        model.trainable_variables,
+        model.non_trainable_variables,
+        model.optimizer.variables,
+        model.metrics_variables,
+    )
+    for variables, values in zip(groups, state):
+        for variable, value in zip(variables, values or ()):
+            variable.assign(value)
 
 
 def _model_distribution(model):
@@ -305,11 +322,22 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
     def stop_check_freq(self) -> int:
         return self.stop_request.check_freq
 
+    def _batch_size(self) -> int | None:
+        """The rows of this run's batches, all processes together, as its
+        caller batched them (`batches.fed_rows`: a bound task's train step
+        receives them padded to the batch axis), else as the first train step
+        received them; None before that step when unknown."""
+        fed = fed_rows()
+        if fed is not None:
+            return fed * jax.process_count()
+        return self._batch_rows
+
     def _training(self) -> Training | None:
         steps = (self.params or {}).get("steps")
-        if self._batch_rows is None or not steps:
+        rows = self._batch_size()
+        if rows is None or not steps:
             return None
-        return Training(self._batch_rows, steps)
+        return Training(rows, steps)
 
     def _extras(self) -> dict:
         """What each checkpoint saves beside Keras' own checkpointables."""
@@ -355,7 +383,7 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
             self.model,
             _model_distribution(self.model),
             self.directory,
-            check=self._check_batches_per_epoch,
+            check=self._check_batches,
             extras=(global_random.CHECKPOINTABLE,),
             all_metrics=True,
             move_damaged=True,
@@ -392,11 +420,11 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         self._saved_random_state = restored.extras.get(global_random.CHECKPOINTABLE)
         compat.set_initial_epoch(self.model, epoch)
 
-    def _check_batches_per_epoch(self, chosen) -> None:
-        """Refuse a checkpoint taken with other batches per epoch (before
-        anything is restored); the batch size is checked at the first batch."""
+    def _check_batches(self, chosen) -> None:
+        """Refuse a checkpoint taken with another batch size or other batches
+        per epoch, before anything is restored; a batch size known only from
+        the first batch is checked there (`_check_batch_size`)."""
         saved = chosen.fingerprint.training
-        steps = self.params["steps"]
         if saved is None:
             warnings.warn(
                 f"The checkpoint {chosen.folder!r} does not record the batch "
@@ -405,13 +433,15 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
                 "of the interrupted run, or it resumes on other samples.",
                 stacklevel=2,
             )
-        elif saved.steps_per_epoch != steps:
-            raise fingerprints.training_error(
-                f"The checkpoint {chosen.folder!r}",
-                saved,
-                Training(None, steps),
-                jax.process_count(),
-            )
+            return
+        error = fingerprints.training_error(
+            f"The checkpoint {chosen.folder!r}",
+            saved,
+            Training(self._batch_size(), self.params["steps"]),
+            jax.process_count(),
+        )
+        if error is not None:
+            raise error
 
     def _check_batch_size(self) -> None:
         saved = self._saved_training
@@ -442,10 +472,11 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         def train_step(state, iterator):
             if self._batch_rows is None:
                 batch = next(iterator)
-                self._batch_rows = _rows(batch)
+                self._batch_rows = _leading_rows(batch)
                 try:
                     self._check_batch_size()
                 except BaseException:
+                    _put_back(model, state)
                     self._abandon()
                     raise
                 iterator = itertools.chain([batch], iterator)
