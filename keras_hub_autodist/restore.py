@@ -103,8 +103,11 @@ class RestoredStep(NamedTuple):
 
 def _read_step(ocp, folder: str):
     """The metadata of a checkpoint's `pytree` and its stored fingerprint."""
+    # `metadata` replaces `pytree_metadata` (deprecated) in newer Orbax.
+    reader = ocp.metadata if callable(getattr(ocp, "metadata", None)) else None
+    reader = reader or ocp.pytree_metadata
     try:
-        metadata = ocp.pytree_metadata(folder, checkpointable_name="pytree").metadata
+        metadata = reader(folder, checkpointable_name="pytree").metadata
     except Exception as error:  # Orbax's errors have no common base
         raise Damaged(f"its `pytree` can't be read ({type(error).__name__})") from error
     if not isinstance(metadata, Mapping) or not metadata:
