@@ -583,8 +583,7 @@ CHILD = textwrap.dedent(
     package = types.ModuleType("keras_hub_autodist")
     package.__path__ = [sys.argv[1]]
     sys.modules["keras_hub_autodist"] = package
-    from keras_hub_autodist import fingerprint
-from keras_hub_autodist import saving
+    from keras_hub_autodist import saving
 
     target, mode, files = sys.argv[2], sys.argv[3], eval(sys.argv[4])
     parent = os.path.realpath(os.path.dirname(target))
