@@ -29,6 +29,7 @@ from keras_hub_autodist.errors import ArgumentError  # noqa: E402
 from keras_hub_autodist.errors import AutodistError  # noqa: E402
 from keras_hub_autodist.errors import BackendError  # noqa: E402
 from keras_hub_autodist.errors import BatchSizeError  # noqa: E402
+from keras_hub_autodist.errors import CheckpointOptionError  # noqa: E402
 from keras_hub_autodist.errors import ConfigError  # noqa: E402
 from keras_hub_autodist.errors import DemoError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
@@ -66,7 +67,7 @@ _LAZY = {
     "distribution_of": "keras_hub_autodist.training.binding",
     "LoadStats": "keras_hub_autodist.loading.session",
     "load_stats": "keras_hub_autodist.loading.session",
-    "ResumableCheckpoint": "keras_hub_autodist.training.checkpointing",
+    "ResumableCheckpoint": "keras_hub_autodist.training.resumable",
     "compiled_memory": "keras_hub_autodist.planning.compiled_step",
     "CompiledMemory": "keras_hub_autodist.planning.compiled_step",
 }
@@ -78,6 +79,7 @@ __all__ = [
     "BackendError",
     "BatchSizeError",
     "Binding",
+    "CheckpointOptionError",
     "compiled_memory",
     "CompiledMemory",
     "ConfigError",

@@ -32,19 +32,11 @@ import importlib
 import threading
 
 # keras-hub's constants naming the files of its preset format.
-PRESET_FORMAT_NAMES = (
-    "CONFIG_FILE",
-    "TOKENIZER_CONFIG_FILE",
-    "AUDIO_CONVERTER_CONFIG_FILE",
-    "IMAGE_CONVERTER_CONFIG_FILE",
-    "VIDEO_CONVERTER_CONFIG_FILE",
-    "TASK_CONFIG_FILE",
-    "PREPROCESSOR_CONFIG_FILE",
-    "METADATA_FILE",
-    "MODEL_WEIGHTS_FILE",
-    "TASK_WEIGHTS_FILE",
-    "SHARDED_MODEL_WEIGHTS_CONFIG_FILE",
-    "ASSET_DIR",
+PRESET_FORMAT_NAMES = tuple(
+    "CONFIG_FILE TOKENIZER_CONFIG_FILE AUDIO_CONVERTER_CONFIG_FILE "
+    "IMAGE_CONVERTER_CONFIG_FILE VIDEO_CONVERTER_CONFIG_FILE TASK_CONFIG_FILE "
+    "PREPROCESSOR_CONFIG_FILE METADATA_FILE MODEL_WEIGHTS_FILE TASK_WEIGHTS_FILE "
+    "SHARDED_MODEL_WEIGHTS_CONFIG_FILE ASSET_DIR".split()
 )
 # (module, attribute) pairs this module relies on; `check_touchpoints()`
 # imports each against the installed versions.
@@ -72,6 +64,8 @@ TOUCHPOINTS = (
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"),
     # The names of a preset's files (`preset_format_names`).
     *(("keras_hub.src.utils.preset_utils", name) for name in PRESET_FORMAT_NAMES),
+    # Checking a weights file against a model: the walk Keras' writers make.
+    ("keras.src.saving.saving_lib", "_save_state"),
 )
 
 
@@ -115,6 +109,29 @@ def h5_io_store():
     from keras.src.saving.saving_lib import H5IOStore
 
     return H5IOStore
+
+
+def save_state(model, make_store, skipped: set):
+    """Walk `model`'s saveables as Keras' writers do
+    (`saving_lib._save_state`), into `make_store(H5IOStore)`; return that
+    store. `skipped`: the `id()`s of objects not to walk into.
+
+    Keras checks the store against `saving_lib`'s store classes, which
+    `patched` may be swapping in another thread: it is made and walked
+    under the patch lock.
+    """
+    from keras.src.saving import saving_lib
+
+    with _patch_lock:
+        store = make_store(saving_lib.H5IOStore)
+        saving_lib._save_state(
+            model,
+            weights_store=store,
+            assets_store=None,
+            inner_path="",
+            visited_saveables=skipped,
+        )
+    return store
 
 
 def h5_dataset(store, key):
@@ -338,10 +355,15 @@ def set_global_seed_generator(generator) -> None:
 # --- Patches: every change this package makes to Keras and keras-hub ----------
 
 WHILE_LOADING = "while a sharded load runs in some thread"
-WHILE_SAVING = "while a save from several processes runs in some thread"
+WHILE_SAVING = (
+    "while a save from several processes, or a bound model's `save_weights` "
+    "or `save`, runs in some thread"
+)
 WHILE_ACTIVE = "from `activate()` (or the startup hook's guard) to `deactivate()`"
 MODEL_LIFETIME = "for the life of the bound model"
-WHILE_SKIPPING = "while a resumed epoch skips the batches it already trained"
+WHILE_SKIPPING = (
+    "from the start of a `ResumableCheckpoint`'s `fit` to its first trained batch"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,34 +400,20 @@ class Patch:
 
 
 _SAVING_LIB = "keras.src.saving.saving_lib"
+_H5_STORE = f"{_SAVING_LIB}.H5IOStore"
 _SAFETENSORS = "keras_hub.src.utils.transformers.safetensor_utils"
+_LOADER = f"{_SAFETENSORS}.SafetensorLoader"
+_VARIABLE, _INITIALIZE = "keras.Variable", VARIABLE_INITIALIZE_METHOD
+_BACKBONE, _TASK = "keras_hub.models.Backbone", "keras_hub.models.Task"
 _LOADING = "keras_hub_autodist.loading.session"
 _STORES = "keras_hub_autodist.saving.weight_stores"
 _PLUGIN = "keras_hub_autodist.plugin"
 PATCHES = (
-    Patch("variable_assign", "keras.Variable", "assign", _LOADING, WHILE_LOADING),
-    Patch(
-        "variable_initializer",
-        "keras.Variable",
-        VARIABLE_INITIALIZE_METHOD,
-        _LOADING,
-        WHILE_LOADING,
-    ),
-    Patch(
-        "h5_store_read",
-        f"{_SAVING_LIB}.H5IOStore",
-        "__getitem__",
-        _LOADING,
-        WHILE_LOADING,
-    ),
+    Patch("variable_assign", _VARIABLE, "assign", _LOADING, WHILE_LOADING),
+    Patch("variable_initializer", _VARIABLE, _INITIALIZE, _LOADING, WHILE_LOADING),
+    Patch("h5_store_read", _H5_STORE, "__getitem__", _LOADING, WHILE_LOADING),
     Patch("safetensors_open", _SAFETENSORS, "safetensors", _LOADING, WHILE_LOADING),
-    Patch(
-        "safetensors_port_weight",
-        f"{_SAFETENSORS}.SafetensorLoader",
-        "port_weight",
-        _LOADING,
-        WHILE_LOADING,
-    ),
+    Patch("safetensors_port_weight", _LOADER, "port_weight", _LOADING, WHILE_LOADING),
     Patch("h5_store_class", _SAVING_LIB, "H5IOStore", _STORES, WHILE_SAVING),
     Patch(
         "sharded_h5_store_class", _SAVING_LIB, "ShardedH5IOStore", _STORES, WHILE_SAVING
@@ -417,20 +425,8 @@ PATCHES = (
         _STORES,
         WHILE_SAVING,
     ),
-    Patch(
-        "backbone_from_preset",
-        "keras_hub.models.Backbone",
-        "from_preset",
-        _PLUGIN,
-        WHILE_ACTIVE,
-    ),
-    Patch(
-        "task_from_preset",
-        "keras_hub.models.Task",
-        "from_preset",
-        _PLUGIN,
-        WHILE_ACTIVE,
-    ),
+    Patch("backbone_from_preset", _BACKBONE, "from_preset", _PLUGIN, WHILE_ACTIVE),
+    Patch("task_from_preset", _TASK, "from_preset", _PLUGIN, WHILE_ACTIVE),
     Patch(
         "bound_model_methods",
         None,
@@ -442,7 +438,7 @@ PATCHES = (
         "skipped_batches",
         None,
         "train_function",
-        "keras_hub_autodist.training.checkpointing",
+        "keras_hub_autodist.training.resumable",
         WHILE_SKIPPING,
     ),
 )

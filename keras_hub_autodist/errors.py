@@ -129,8 +129,16 @@ class WeightShapeError(AutodistError, ValueError):
 
 
 class RestoreError(AutodistError, ValueError):
-    """A checkpoint can't be restored whole into the model: part of the
-    training state (optimizer slots, iteration count) would be lost or mixed."""
+    """A checkpoint can't be restored whole into the model: it holds another
+    model's variables (other shapes, another LoRA rank), another optimizer's
+    state, or was taken with another batch size; or part of the training
+    state (optimizer slots, iteration count) would be lost or mixed."""
+
+
+class CheckpointOptionError(RestoreError, TypeError):
+    """An argument of `ResumableCheckpoint` (or of its stop request) has the
+    wrong type or is out of range. A `RestoreError`, so that handlers written
+    for the checks it replaces keep working."""
 
 
 class UnplannedWeightWarning(UserWarning):

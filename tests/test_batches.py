@@ -15,6 +15,7 @@ import tiny_presets
 import keras_hub_autodist
 from keras_hub_autodist import BatchSizeError
 from keras_hub_autodist.training.batches import pad_batch
+from keras_hub_autodist.training.batches import requested_rows
 
 MESH = {"batch": 4, "model": 2}
 PRESET = "gemma_mqa"
@@ -58,6 +59,18 @@ def test_pad_batch_scales_real_rows_and_zeroes_padding():
     user = np.array([[1.0, 0.5], [0.0, 1.0], [1.0, 1.0]])
     _, _, w = pad_batch((np.ones((3, 2)), np.ones((3, 2)), user), 2, scale=False)
     np.testing.assert_array_equal(w, [[1, 0.5], [0, 1], [1, 1], [0, 0]])
+
+
+def test_the_rows_a_fit_asks_for_are_read_before_any_padding():
+    x = {"token_ids": np.ones((10, 3))}
+    assert requested_rows("fit", (x,), {"batch_size": 4}) == 4
+    assert requested_rows("fit", (x, None, 3), {}) == 3  # positional
+    assert requested_rows("fit", (), {"x": x}) == 10  # Keras' 32, capped
+    exact = tf.data.Dataset.from_tensor_slices(x).batch(2, drop_remainder=True)
+    assert requested_rows("fit", (exact,), {"batch_size": 4}) == 2
+    unknown = tf.data.Dataset.from_tensor_slices(x).batch(2)  # (None, 3)
+    assert requested_rows("fit", (unknown,), {}) is None
+    assert requested_rows("fit", (), {}) is None
 
 
 def test_fit_tf_data_without_drop_remainder_and_partial_validation(preset):

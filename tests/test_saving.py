@@ -24,6 +24,7 @@ import pytest
 from keras_hub_autodist.errors import SavePermissionError
 from keras_hub_autodist.errors import SaveTargetError
 from keras_hub_autodist.saving import atomic
+from keras_hub_autodist.training import fingerprint
 
 MESH = {"batch": 2, "model": 4}
 PACKAGE_DIR = os.path.dirname(os.path.dirname(atomic.__file__))
@@ -124,6 +125,24 @@ def test_bound_task_saves_over_an_existing_preset_with_assets(
     for path in expected:
         np.testing.assert_array_equal(loaded[path], expected[path], err_msg=path)
     assert keras.distribution.distribution() is None
+    # A preset is keras-hub's format: no fingerprint in its weights, which a
+    # weights file of the same model holds.
+    assert _root_datasets(target) == []
+    lm.save_weights(str(tmp_path / "run.weights.h5"))
+    assert fingerprint.STORED_NAME in _root_datasets(tmp_path / "run.weights.h5")
+
+
+def _root_datasets(path):
+    """The names at the root of each HDF5 file at `path` (a file or folder)."""
+    import h5py
+
+    files = sorted(path.rglob("*.h5")) if path.is_dir() else [path]
+    assert files
+    names = []
+    for file in files:
+        with h5py.File(file, "r") as f:
+            names += [n for n in f if isinstance(f[n], h5py.Dataset)]
+    return names
 
 
 def test_a_bound_model_saved_into_its_own_preset_folder(

@@ -9,6 +9,8 @@ gradients equal those of the unpadded batch; `predict_unpadded` and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -43,6 +45,63 @@ def _dataset_batch(x):
         if shape is not None and len(shape) > 0:
             return shape[0]
     return None
+
+
+def _requested_batch_size(method: str, args, kwargs) -> int:
+    """The `batch_size` a `fit`, `evaluate` or `predict` call on arrays was
+    given, by keyword or position, or Keras' default."""
+    batch_size = kwargs.get("batch_size")
+    if batch_size is None:
+        positional = {"fit": 2, "evaluate": 2, "predict": 1}
+        index = positional.get(method)
+        if index is not None and len(args) > index and args[index] is not None:
+            batch_size = args[index]
+    return batch_size or KERAS_DEFAULT_BATCH_SIZE
+
+
+def requested_rows(method: str, args, kwargs) -> int | None:
+    """The rows of the first batch a `fit` (or `evaluate`) call feeds in
+    this process, as its caller batched them (before any padding): a
+    dataset's batch size, or `batch_size` capped at the number of samples;
+    None when unknown.
+
+    Example:
+    >>> requested_rows("fit", (np.ones((8, 3)),), {"batch_size": 2})
+    2
+    """
+    x = args[0] if args else kwargs.get("x")
+    if x is None:
+        return None
+    batch = _dataset_batch(x)
+    if batch is not None or hasattr(x, "element_spec"):
+        return batch
+    count = sample_count(x)
+    if count is None:
+        return None
+    return min(_requested_batch_size(method, args, kwargs), int(count))
+
+
+# The rows per batch of the bound model's `fit` running in this thread or
+# task, as its caller batched them (`feeding_rows`).
+_FED_ROWS = contextvars.ContextVar("keras_hub_autodist_fed_rows", default=None)
+
+
+@contextlib.contextmanager
+def feeding_rows(rows: int | None):
+    """A scope in which `fed_rows()` answers `rows` (a bound `fit`)."""
+    token = _FED_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _FED_ROWS.reset(token)
+
+
+def fed_rows() -> int | None:
+    """The rows of the first batch, in this process, of the bound model's
+    `fit` running in this thread, as its caller batched them: a bound task
+    pads batches that don't divide the batch axis, so its train step sees
+    more. None outside such a `fit`, or when unknown."""
+    return _FED_ROWS.get()
 
 
 def _batch_axis_size(distribution) -> int:
@@ -262,13 +321,7 @@ def check_batch(distribution, method: str, args, kwargs) -> None:
         return
     if method == "generate":
         return
-    batch_size = kwargs.get("batch_size")
-    if batch_size is None:
-        positional = {"fit": 2, "evaluate": 2, "predict": 1}
-        index = positional.get(method)
-        if index is not None and len(args) > index and args[index] is not None:
-            batch_size = args[index]
-    batch_size = batch_size or KERAS_DEFAULT_BATCH_SIZE
+    batch_size = _requested_batch_size(method, args, kwargs)
     full = min(batch_size, count)
     if (full * processes) % axis_size:
         fail(full, "The batch size")

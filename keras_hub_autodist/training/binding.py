@@ -9,9 +9,10 @@ batches, and leaves the global distribution as it found it.
 Around `compile`, a restore (`load_weights`) and every jitted step it makes,
 a bound model also places its optimizer and metric variables on its mesh
 (`placement.py`); `load_weights` restores the whole training state or raises
-(`checkpointing.py`); batches are checked and padded by `batches.py`. With
+(`restore.py`); batches are checked and padded by `batches.py`. With
 several processes, its save methods run in every process and process 0
-writes (`gathering.py`).
+writes (`gathering.py`); `save_weights` and `save` write the model's
+fingerprint into their file (`weights_files.py`).
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ from keras_hub_autodist.saving.atomic import save_atomically
 from keras_hub_autodist.saving.gathering import save_from_every_process
 from keras_hub_autodist.saving.gathering import several_processes
 from keras_hub_autodist.training.batches import check_batch
+from keras_hub_autodist.training.batches import feeding_rows
 from keras_hub_autodist.training.batches import generate_padded
 from keras_hub_autodist.training.batches import padding_preprocess
 from keras_hub_autodist.training.batches import predict_unpadded
+from keras_hub_autodist.training.batches import requested_rows
 from keras_hub_autodist.training.batches import rows_multiple
 from keras_hub_autodist.training.batches import sample_count
-from keras_hub_autodist.training.checkpointing import note_compiled
-from keras_hub_autodist.training.checkpointing import restore
 from keras_hub_autodist.training.placement import place_state
+from keras_hub_autodist.training.restore import note_compiled
+from keras_hub_autodist.training.restore import restore
+from keras_hub_autodist.training.weights_files import recording_fingerprint
 
 _BINDING_ATTR = "_keras_hub_autodist_binding"
 # Marks a method this module already wrapped.
@@ -99,6 +103,13 @@ def _feeding(name, method, bound, args, kwargs):
         return method(*args, **kwargs)
 
 
+def _fitting(name, method, bound, args, kwargs):
+    """`fit`: `_feeding`, with the rows per batch its caller asked for known
+    to its callbacks (`batches.fed_rows`: a checkpoint records them)."""
+    with feeding_rows(requested_rows(name, args, kwargs)):
+        return _feeding(name, method, bound, args, kwargs)
+
+
 def _in_scope(name, method, bound, args, kwargs):
     with bound.distribution.scope():
         return method(*args, **kwargs)
@@ -149,14 +160,18 @@ def _restoring(name, method, bound, args, kwargs):
 def _saving(path_argument: str, whole_folder: bool):
     """A save method whose path is `path_argument`: a preset folder swapped
     in whole (`whole_folder`), and, with several processes, run in every process
-    with process 0 writing."""
+    with process 0 writing. A weights file (`save_weights`, `save`) records
+    the model's fingerprint; a preset, and the saves it makes, record none."""
 
     def save(name, method, bound, args, kwargs):
         if not args and path_argument not in kwargs:
             return _in_scope(name, method, bound, args, kwargs)
         if not args:
             args = (kwargs.pop(path_argument),)
-        with bound.distribution.scope():
+        with (
+            recording_fingerprint(bound.model, preset=whole_folder),
+            bound.distribution.scope(),
+        ):
             if several_processes():
                 return save_from_every_process(
                     method, *args, whole_folder=whole_folder, **kwargs
@@ -178,7 +193,7 @@ def _placing(name, method, bound, args, kwargs):
 # Each method a bound model wraps, and how it runs.
 BOUND_METHODS = {
     "compile": _compiling,
-    "fit": _feeding,
+    "fit": _fitting,
     "evaluate": _feeding,
     "train_on_batch": _feeding,
     "test_on_batch": _feeding,

@@ -10,8 +10,9 @@ numbers as a run that never stopped.
 
 Keras' `OrbaxCheckpoint` saves the model's state tree as the checkpointable
 `pytree`; the global state goes into a checkpointable of its own,
-`keras_global_seed_generator`, so the `pytree` stays exactly Keras' format
-and Keras' own `load_weights` reads the checkpoint as before. It holds the
+`keras_global_seed_generator` (`ResumableCheckpoint` adds it to each save),
+so the `pytree` stays exactly Keras' format and Keras' own `load_weights`
+reads the checkpoint as before. It holds the
 generator's `state` (the `[seed, counter]` pair of Keras' `SeedGenerator`)
 and `in_use` (0 when nothing had drawn from the generator yet; restoring then
 leaves the generator alone). In several processes each process saves the
@@ -19,8 +20,6 @@ same structure, and the values of process 0 are the ones kept.
 """
 
 from __future__ import annotations
-
-import os
 
 import keras
 import numpy as np
@@ -73,50 +72,3 @@ def restore(saved: dict) -> None:
         compat.set_global_seed_generator(generator)
     state = np.asarray(saved["state"])
     generator.state.assign(state.astype(generator.state.dtype))
-
-
-def load(folder: str) -> dict | None:
-    """The checkpointable saved in the Orbax checkpoint `folder`, or None
-    when it has none (a checkpoint written by Keras' `OrbaxCheckpoint`).
-
-    Every process must call it (Orbax reads collectively).
-    """
-    if not os.path.isdir(os.path.join(folder, CHECKPOINTABLE)):
-        return None
-    import orbax.checkpoint as ocp
-
-    loaded = ocp.v1.load_checkpointables(folder, {CHECKPOINTABLE: None})
-    return loaded[CHECKPOINTABLE]
-
-
-class CheckpointerWithRandomState:
-    """An Orbax `Checkpointer` that also saves Keras' global random state.
-
-    Wraps the `checkpointer` of `keras.callbacks.OrbaxCheckpoint`: each save
-    gets the checkpointable `keras_global_seed_generator` beside Keras' own
-    ones; everything else goes to the wrapped checkpointer.
-
-    Args:
-        checkpointer: an `orbax.checkpoint.v1.training.Checkpointer`.
-
-    Example:
-    ```python
-    callback.checkpointer = CheckpointerWithRandomState(callback.checkpointer)
-    ```
-    """
-
-    def __init__(self, checkpointer):
-        self.wrapped = checkpointer
-
-    def __getattr__(self, name):
-        return getattr(self.wrapped, name)
-
-    def save_checkpointables(self, step, checkpointables, *args, **kwargs):
-        return self.wrapped.save_checkpointables(
-            step, {**checkpointables, CHECKPOINTABLE: saved_form()}, *args, **kwargs
-        )
-
-    def save_checkpointables_async(self, step, checkpointables, *args, **kwargs):
-        return self.wrapped.save_checkpointables_async(
-            step, {**checkpointables, CHECKPOINTABLE: saved_form()}, *args, **kwargs
-        )

@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from keras_hub_autodist.errors import RestoreError
+from keras_hub_autodist.errors import CheckpointOptionError
 
 
 def any_process(flag: bool) -> bool:
@@ -58,12 +58,13 @@ def check_batch_count(keyword: str, value, how: str) -> None:
     >>> check_batch_count("save_freq", 2, "Pass an integer >= 1.")
     """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RestoreError(
+        raise CheckpointOptionError(
             f"`{keyword}=` is a number of batches. {how} Received: {keyword}={value!r}"
         )
     if value < 1:
-        raise RestoreError(
-            f"`{keyword}=` must be at least 1 batch. Received: {keyword}={value!r}"
+        raise CheckpointOptionError(
+            f"`{keyword}=` must be at least 1 batch. {how} Received: "
+            f"{keyword}={value!r}"
         )
 
 
@@ -106,7 +107,7 @@ class StopRequest:
             or not isinstance(time_limit, (int, float))
             or not time_limit >= 0
         ):
-            raise RestoreError(
+            raise CheckpointOptionError(
                 "`time_limit=` is a number of seconds >= 0, or None for no "
                 f"limit. Received: time_limit={time_limit!r}"
             )
