@@ -13,9 +13,9 @@ import threading
 import zipfile
 
 import h5py
-import keras
 import numpy as np
 import pytest
+from test_gathering import small_trained_model
 
 from keras_hub_autodist import RestoreError
 from keras_hub_autodist import ResumableCheckpoint
@@ -25,15 +25,6 @@ from keras_hub_autodist.saving.weight_stores import weight_stores_writing
 from keras_hub_autodist.training import weights_files
 
 NOTES = {"notes": '{"run": 1}'}
-
-
-def small_model():
-    inputs = keras.Input((3,))
-    outputs = keras.layers.Dense(2)(keras.layers.Dense(4)(inputs))
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    model.train_on_batch(np.ones((2, 3)), np.ones((2, 2)))
-    return model
 
 
 def root_texts(file) -> dict:
@@ -65,7 +56,7 @@ def written_texts(path) -> list[dict]:
     ],
 )
 def test_every_file_keras_opens_for_writing_gets_the_datasets(tmp_path, name, kwargs):
-    model = small_model()
+    model = small_trained_model()
     path = tmp_path / name
     with root_datasets_written(NOTES):
         if path.suffix == ".keras":
@@ -78,14 +69,14 @@ def test_every_file_keras_opens_for_writing_gets_the_datasets(tmp_path, name, kw
     assert len(texts) > 2 if kwargs else len(texts) == 1
     assert compat.installed_patches() == {}
     # Keras' loader ignores them.
-    again = small_model()
+    again = small_trained_model()
     again.load_weights(path)
     for saved, loaded in zip(model.weights, again.weights):
         np.testing.assert_array_equal(loaded.numpy(), saved.numpy())
 
 
 def test_a_save_in_another_thread_meanwhile_gets_none(tmp_path):
-    model = small_model()
+    model = small_trained_model()
     entered, may_save = threading.Event(), threading.Event()
     failures = []
 
@@ -117,7 +108,7 @@ def test_a_save_in_another_thread_meanwhile_gets_none(tmp_path):
 def test_a_save_from_several_processes_writes_them_where_it_writes(
     tmp_path, outer, write
 ):
-    model = small_model()
+    model = small_trained_model()
     walked = []
 
     def convert(value):
@@ -142,7 +133,7 @@ def test_a_save_from_several_processes_writes_them_where_it_writes(
 
 
 def test_keras_walk_finds_what_keras_writes_while_the_stores_are_replaced(tmp_path):
-    model = small_model()
+    model = small_trained_model()
     model.save_weights(tmp_path / "model.weights.h5")
     written = weights_files.read_weights_file(str(tmp_path / "model.weights.h5"))
     expected = {k: spec for k, spec in written.layers().items()}
@@ -154,7 +145,7 @@ def test_keras_walk_finds_what_keras_writes_while_the_stores_are_replaced(tmp_pa
 
 
 def test_the_model_gets_its_own_train_function_back(tmp_path):
-    model = small_model()
+    model = small_trained_model()
     model.make_train_function()
     own = model.train_function
     params = {"epochs": 1, "steps": 2, "verbose": 0}
