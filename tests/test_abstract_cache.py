@@ -213,3 +213,28 @@ def test_a_build_read_from_disk_is_refused_like_a_fresh_one(tmp_path, monkeypatc
     info = PresetConfig("./embedder", None, config, "keras", "Gemma3Backbone")
     with pytest.raises(UnsupportedArchitectureError, match="embedding models"):
         validated_weights(GEMMA3, info, GEMMA3.config_fields, PlanOptions())
+
+
+def test_a_load_plans_from_an_earlier_processes_build_on_disk(tmp_path, monkeypatch):
+    """`from_preset` plans keras-hub's own classes from the disk, as the
+    CLI does; a user's subclass of the same name is built."""
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
+    config = {**CONFIG, "hidden_dim": 40}
+    built = abstract.model_variables(keras_hub.models.LlamaBackbone, config)
+    abstract.clear_cache()  # as in a later process
+    builds = []
+    cached_variables = abstract._cached_variables
+
+    def counted(*args):
+        builds.append(args[0])
+        return cached_variables(*args)
+
+    monkeypatch.setattr(abstract, "_cached_variables", counted)
+    assert abstract.model_variables(keras_hub.models.LlamaBackbone, config) == built
+    assert builds == []
+
+    class LlamaBackbone(keras_hub.models.LlamaBackbone):
+        pass
+
+    abstract.model_variables(LlamaBackbone, config)
+    assert builds == [LlamaBackbone]

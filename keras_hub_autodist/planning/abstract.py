@@ -66,6 +66,13 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[Weight, ...]:
     """
     config = _serialized(config)
     text, plain = _config_key(config)
+    if plain and _is_keras_hub_class(backbone_cls):
+        # A class of the installed keras-hub is what its name and the
+        # versions in the disk key say it is: an earlier process's build
+        # stands for this one.
+        stored = stored_variables(backbone_cls.__name__, config)
+        if stored is not None:
+            return stored
     found = _cached_variables(backbone_cls, text, _Frozen(config))
     if plain:  # a config that is not plain JSON is cached in memory only
         store(
@@ -74,6 +81,12 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[Weight, ...]:
             [[v.path, list(v.shape), v.dtype] for v in found],
         )
     return found
+
+
+def _is_keras_hub_class(backbone_cls: type) -> bool:
+    """Whether `backbone_cls` is keras-hub's own (not a user's subclass,
+    which may share its name)."""
+    return getattr(backbone_cls, "__module__", "").startswith("keras_hub.")
 
 
 def _disk_key(class_name: str, config_text: str) -> str:
