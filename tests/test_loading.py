@@ -422,8 +422,8 @@ def test_unconverted_safetensors_weights_are_read_slice_by_slice(presets, monkey
     reads = []
     read_slices = lazy_tensors.LazySafetensor.read_slices
 
-    def recording_read_slices(tensor, indices, executor=None, dtype=None):
-        values = read_slices(tensor, indices, executor, dtype)
+    def recording_read_slices(tensor, indices, executor=None, dtype=None, **kw):
+        values = read_slices(tensor, indices, executor, dtype, **kw)
         reads.extend((tensor.name, v.nbytes) for v in values)
         return values
 

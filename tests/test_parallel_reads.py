@@ -161,14 +161,14 @@ def test_a_bfloat16_file_into_a_float32_model_is_cast_once(
     path = backbone_preset(tmp_path / "bf16", tiny_presets.GEMMA_MQA, dtype="bfloat16")
     single = keras_hub.models.Backbone.from_preset(path, dtype="float32")
     moved = []
-    device_put = jax.device_put
+    to_devices = transfer.to_devices
 
-    def recording_device_put(values, *args, **kwargs):
-        moved.append(np.dtype(values.dtype))
-        return device_put(values, *args, **kwargs)
+    def recording_to_devices(shape, sharding, values):
+        moved.extend(np.dtype(v.dtype) for v in values)
+        return to_devices(shape, sharding, values)
 
-    monkeypatch.setattr(jax, "device_put", recording_device_put)
-    monkeypatch.setattr(transfer, "placeholder", placeholder_without_device_put)
+    monkeypatch.setattr(transfer, "to_devices", recording_to_devices)
+    monkeypatch.setattr(transfer, "placeholder", placeholder_without_transfer)
     backbone = keras_hub.models.Backbone.from_preset(
         path, dtype="float32", device_mesh={"batch": 2, "model": 4}
     )
@@ -208,7 +208,7 @@ def test_reads_cast_to_the_dtype_asked(tmp_path, monkeypatch, stored, wanted):
         assert part.tobytes() == expected.tobytes(), index
 
 
-def placeholder_without_device_put(shape, dtype, sharding):
+def placeholder_without_transfer(shape, dtype, sharding):
     return transfer.device_zeros(
         tuple(shape), transfer.numpy_dtype(dtype).name, sharding
     )()
@@ -243,3 +243,110 @@ def test_load_stats_time_reading_and_transfer(tmp_path):
     assert stats.read_seconds > 0 and stats.transfer_seconds > 0
     assert stats.read_seconds + stats.transfer_seconds <= stats.seconds
     assert stats.bytes_read == sum(v.value.nbytes for v in backbone.weights)
+
+
+@pytest.mark.parametrize(
+    "axes", [("batch", "model"), (None, "model"), ("batch", None), (None, None)]
+)
+def test_each_cpu_device_adopts_a_buffer_of_its_own(axes):
+    """Sharded, partly and fully replicated: every device's shard is the
+    very buffer handed over (no copy), and no two devices share one."""
+    mesh = mesh_of((2, 4)).backend_mesh
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
+    values = np.arange(4 * 8, dtype="float32").reshape(4, 8)
+    indices = sharding.addressable_devices_indices_map(values.shape)
+    buffers = {}
+    for device, index in indices.items():
+        buffers[device] = file_reads.aligned_empty(values[index].shape, "float32")
+        buffers[device][...] = values[index]
+    array = transfer.to_devices(values.shape, sharding, list(buffers.values()))
+    assert np.asarray(array).tolist() == values.tolist()
+    assert len(array.addressable_shards) == len(buffers)
+    for shard in array.addressable_shards:
+        assert shard.data.unsafe_buffer_pointer() == buffers[shard.device].ctypes.data
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("shape,dtype,indices", CASES)
+def test_slices_are_read_into_the_buffers_given(
+    tmp_path, shape, dtype, indices, threads
+):
+    """Into a wider dtype too, and each buffer is filled in place."""
+    values = (np.arange(np.prod(shape)) % 251 - 125).astype(dtype).reshape(shape)
+    write_tensor(tmp_path / "w.bin", values)
+    wanted = np.dtype("float32")
+    executor = concurrent.futures.ThreadPoolExecutor(threads) if threads else None
+    with file_reads.HeldFile(tmp_path / "w.bin") as file:
+        tensor = file_reads.ContiguousTensor(file, HEADER, shape, dtype)
+        outputs = [
+            file_reads.aligned_empty(values[index].shape, wanted, zeros=True)
+            for index in indices
+        ]
+        read = tensor.read_slices(indices, executor, dtype=wanted, outputs=outputs)
+        for index, output, part in zip(indices, outputs, read):
+            assert part is output
+            assert output.tolist() == values[index].astype(wanted).tolist()
+        with pytest.raises(ValueError, match="Expected"):
+            tensor.read_slices(indices, executor, dtype="float64", outputs=outputs)
+        strided = [np.empty(o.shape + (2,), wanted)[..., 0] for o in outputs]
+        if any(o.size > 1 for o in outputs):
+            with pytest.raises(ValueError, match="strided"):
+                tensor.read_slices(indices, executor, dtype=wanted, outputs=strided)
+
+
+def test_copy_slices_casts_a_transposed_source_into_its_buffers():
+    source = np.arange(12, dtype="float32").reshape(3, 4).T  # (4, 3), strided
+    indices = [(slice(0, 2), slice(None)), (slice(2, 4), slice(1, 3))]
+    outputs = [np.empty((2, 3), ml_dtypes.bfloat16), np.empty((2, 2), "float32")]
+    executor = concurrent.futures.ThreadPoolExecutor(2)
+    file_reads.copy_slices(source, indices, outputs, executor)
+    assert outputs[0].astype("float32").tolist() == source[:2].tolist()
+    assert outputs[1].tolist() == source[2:4, 1:3].tolist()
+
+
+def test_reserved_shards_are_faulted_in_buffers_of_their_own():
+    """One aligned, zeroed buffer per device of the value to come; taken
+    once, by the same shape, dtype and sharding."""
+    mesh = mesh_of((2, 4)).backend_mesh
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
+    reserved = transfer.ReservedShards()
+    try:
+        reserved.reserve((6, 8), "bfloat16", sharding)
+        assert reserved.take((6, 8), "float32", sharding) is None
+        assert reserved.take((6, 4), "bfloat16", sharding) is None
+        buffers = reserved.take((6, 8), "bfloat16", sharding)
+        assert reserved.take((6, 8), "bfloat16", sharding) is None
+    finally:
+        reserved.close()
+    assert len(buffers) == len(sharding.addressable_devices) == 8
+    assert {b.shape for b in buffers} == {(6, 2)}
+    assert {b.dtype for b in buffers} == {np.dtype(ml_dtypes.bfloat16)}
+    starts = [b.ctypes.data for b in buffers]
+    assert len(set(starts)) == 8
+    assert all(start % file_reads.BUFFER_ALIGNMENT == 0 for start in starts)
+    assert all(not b.any() for b in buffers)
+
+
+def test_a_cpu_load_reads_into_the_buffers_reserved_while_building(
+    tmp_path, monkeypatch
+):
+    """Every sharded weight's shards are the reserved buffers themselves:
+    faulted in while keras-hub built the model, filled by the reads."""
+    path = backbone_preset(tmp_path / "bf16", tiny_presets.GEMMA_MQA, dtype="bfloat16")
+    single = keras_hub.models.Backbone.from_preset(path)
+    taken = set()
+    take = transfer.ReservedShards.take
+
+    def recording_take(shards, *args):
+        buffers = take(shards, *args)
+        taken.update(b.ctypes.data for b in buffers or [] if b.size)
+        return buffers
+
+    monkeypatch.setattr(transfer.ReservedShards, "take", recording_take)
+    backbone = keras_hub.models.Backbone.from_preset(
+        path, device_mesh={"batch": 2, "model": 4}
+    )
+    for weight, expected in zip(backbone.weights, single.weights):
+        np.testing.assert_array_equal(np.asarray(weight.value), expected.numpy())
+        for shard in weight.value.addressable_shards:
+            assert shard.data.unsafe_buffer_pointer() in taken, weight.path

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -239,7 +240,7 @@ class HeldFile:
             self.close()
 
 
-def _run(tasks: list, executor) -> None:
+def run_tasks(tasks: list, executor) -> None:
     """Run `tasks` (callables), on `executor` when there is more than one."""
     if executor is None or len(tasks) < 2:
         for task in tasks:
@@ -253,6 +254,40 @@ def _run(tasks: list, executor) -> None:
         for future in futures:
             future.cancel()
         concurrent.futures.wait(futures)
+
+
+def _check_outputs(indices: list, shape: tuple, dtype: np.dtype, outputs: list):
+    """Raise `ValueError` unless `outputs` can receive `indices` of an array
+    of `shape`, as `dtype`."""
+    wanted = [local_shape(index, shape) for index in indices]
+    received = [(tuple(o.shape), o.dtype, o.flags.c_contiguous) for o in outputs]
+    if received != [(w, dtype, True) for w in wanted]:
+        raise ValueError(
+            "Slices are read into C-contiguous arrays of their shape and "
+            f"dtype. Expected: {[(w, str(dtype)) for w in wanted]}. Received: "
+            f"{[(r[0], str(r[1]), 'C' if r[2] else 'strided') for r in received]}"
+        )
+
+
+def copy_slices(source, indices: list, outputs: list, executor=None) -> list:
+    """Copy each index of host array `source` into its array of `outputs`
+    (cast to its dtype), on `executor`: a converter's tensor is often a
+    transposed view, whose copy is slow in one thread.
+
+    Returns:
+        `outputs`.
+
+    Example:
+    >>> copy_slices(np.arange(4).reshape(2, 2).T, [(slice(0, 1),)],
+    ...             [np.empty((1, 2), "float32")])[0].tolist()
+    [[0.0, 2.0]]
+    """
+    tasks = [
+        functools.partial(convert, np.asarray(source[index]), output)
+        for index, output in zip(indices, outputs)
+    ]
+    run_tasks(tasks, executor)
+    return outputs
 
 
 def _runs(shape: tuple, index: tuple):
@@ -304,7 +339,9 @@ class ContiguousTensor:
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
 
-    def read_slices(self, indices: list, executor=None, dtype=None) -> list[np.ndarray]:
+    def read_slices(
+        self, indices: list, executor=None, dtype=None, outputs=None
+    ) -> list[np.ndarray]:
         """Read each index of `indices` (tuples of step-1 slices).
 
         Slices whose contiguous runs are long are read run by run straight
@@ -318,17 +355,23 @@ class ContiguousTensor:
                 to read in the calling thread.
             dtype: the dtype of the returned arrays, cast from the file's
                 as each piece is read (`None`: the file's).
+            outputs: C-contiguous arrays to read into, one per index, of
+                its shape and `dtype` (`None`: fresh aligned ones).
 
         Returns:
-            One aligned array per index.
+            One array per index: `outputs`, or fresh aligned arrays.
         """
         dtype = self.dtype if dtype is None else np.dtype(dtype)
         indices = [self._normalize(index) for index in indices]
-        # Unpopulated: each task faults in the part it fills.
-        outputs = [
-            aligned_empty(local_shape(index, self.shape), dtype, zeros=True)
-            for index in indices
-        ]
+        if outputs is None:
+            # Unpopulated: each task faults in the part it fills.
+            outputs = [
+                aligned_empty(local_shape(index, self.shape), dtype, zeros=True)
+                for index in indices
+            ]
+        else:
+            outputs = list(outputs)
+            _check_outputs(indices, self.shape, dtype, outputs)
         tasks, gathered = [], []
         for index, output in zip(indices, outputs):
             if output.size == 0:
@@ -342,7 +385,7 @@ class ContiguousTensor:
                 tasks += self._direct_tasks(first, outer, run, output)
         if gathered:
             tasks += self._gather_tasks(gathered)
-        _run(tasks, executor)
+        run_tasks(tasks, executor)
         return outputs
 
     def read(self, index: tuple | None = None, executor=None) -> np.ndarray:

@@ -24,6 +24,7 @@ import numpy as np
 from keras_hub_autodist.errors import WeightFileError
 from keras_hub_autodist.loading.file_reads import ContiguousTensor
 from keras_hub_autodist.loading.file_reads import HeldFile
+from keras_hub_autodist.loading.file_reads import convert
 from keras_hub_autodist.loading.safetensors_header import read_header
 
 # The dtypes of the safetensors format, as numpy reads them.
@@ -105,17 +106,25 @@ class LazyH5Dataset:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def read_slices(self, indices: list, executor=None, dtype=None) -> list[np.ndarray]:
+    def read_slices(
+        self, indices: list, executor=None, dtype=None, outputs=None
+    ) -> list[np.ndarray]:
         """Read each index of `indices` (tuples of slices), cast to `dtype`
-        (`None`: the dataset's)."""
+        (`None`: the dataset's), into `outputs` when given (see
+        `ContiguousTensor.read_slices`)."""
         if self.contiguous is not None:
-            return self.contiguous.read_slices(indices, executor, dtype)
+            return self.contiguous.read_slices(indices, executor, dtype, outputs)
         values = []
-        for index in indices:
+        for number, index in enumerate(indices):
             part = np.asarray(self.dataset[tuple(index)] if index else self.dataset[()])
             if part.dtype != self.dtype:  # Keras' bfloat16: opaque 2-byte values
                 part = part.view(self.dtype)
-            values.append(part if dtype is None else part.astype(dtype, copy=False))
+            if outputs is not None:
+                convert(part, outputs[number])  # cast as it is copied
+                part = outputs[number]
+            elif dtype is not None:
+                part = part.astype(dtype, copy=False)
+            values.append(part)
         return values
 
     def read(self, index: tuple | None = None) -> np.ndarray:
@@ -253,10 +262,13 @@ class LazySafetensor:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def read_slices(self, indices: list, executor=None, dtype=None) -> list[np.ndarray]:
+    def read_slices(
+        self, indices: list, executor=None, dtype=None, outputs=None
+    ) -> list[np.ndarray]:
         """Read each index of `indices` (tuples of slices), cast to `dtype`
-        (`None`: the tensor's)."""
-        return self._tensor.read_slices(indices, executor, dtype)
+        (`None`: the tensor's), into `outputs` when given (see
+        `ContiguousTensor.read_slices`)."""
+        return self._tensor.read_slices(indices, executor, dtype, outputs)
 
     def read(self, index: tuple | None = None) -> np.ndarray:
         """Read `index` (a tuple of slices; `None`: all) of the tensor."""

@@ -66,6 +66,8 @@ from keras_hub_autodist import compat
 from keras_hub_autodist.errors import WeightFileChangedError
 from keras_hub_autodist.loading import transfer
 from keras_hub_autodist.loading.file_reads import HeldFile
+from keras_hub_autodist.loading.file_reads import convert
+from keras_hub_autodist.loading.file_reads import copy_slices
 from keras_hub_autodist.loading.file_reads import read_threads
 from keras_hub_autodist.loading.lazy_tensors import LAZY_TENSORS
 from keras_hub_autodist.loading.lazy_tensors import LazyH5Dataset
@@ -182,6 +184,9 @@ class _Session:
         # True inside keras-hub's `port_weight` without a hook: safetensors
         # reads give a `LazySafetensor`.
         self.lazy_safetensors = False
+        # On CPU, the host buffers of the values to come, faulted in while
+        # the model is built.
+        self.reserved_shards = transfer.ReservedShards()
 
     def executor(self) -> concurrent.futures.Executor:
         if self._executor is None:
@@ -240,6 +245,7 @@ class _Session:
             for file in self.files.values():
                 file.close()
             self.files.clear()
+            self.reserved_shards.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=True, cancel_futures=True)
                 self._executor = None
@@ -259,22 +265,31 @@ class _Session:
         wanted = transfer.numpy_dtype(compat.variable_dtype(variable))
         shape = tuple(variable.shape)
         indices = sharding.addressable_devices_indices_map(shape)
-        unique = {}
-        for index in indices.values():
-            unique.setdefault(_slice_key(index, shape), index)
+        keys = [_slice_key(index, shape) for index in indices.values()]
+        unique, first = {}, {}  # slice key -> index, its first device's position
+        for position, (key, index) in enumerate(zip(keys, indices.values())):
+            unique.setdefault(key, index)
+            first.setdefault(key, position)
         stored = np.dtype(source.dtype)
         on_device = transfer.casts_on_device(stored, wanted, sharding)
         moved = stored if on_device else wanted
+        on_cpu = transfer.on_cpu(sharding)
+        # On CPU: the buffers faulted in for this value while it was built.
+        buffers = self.reserved_shards.take(shape, moved, sharding) if on_cpu else None
+        outputs = None if buffers is None else [buffers[p] for p in first.values()]
 
         start = time.perf_counter()
+        wanted_indices = list(unique.values())
         if isinstance(source, LAZY_TENSORS):
             # Cast by the reading threads, when the devices don't.
             values = source.read_slices(
-                list(unique.values()), self.executor(), dtype=moved
+                wanted_indices, self.executor(), dtype=moved, outputs=outputs
             )
             self.stats.bytes_read += sum(v.size * stored.itemsize for v in values)
+        elif outputs is not None:
+            values = copy_slices(source, wanted_indices, outputs, self.executor())
         else:
-            values = [np.asarray(source[index]) for index in unique.values()]
+            values = [np.asarray(source[index]) for index in wanted_indices]
             values = [v.astype(moved, copy=False) for v in values]
         slices = dict(zip(unique, values))
         del values
@@ -283,19 +298,20 @@ class _Session:
 
         # The next weight was read while this one crossed to the devices.
         self._finish_transfer()
-        on_cpu = transfer.on_cpu(sharding)
-        arrays, used = [], set()
-        for device, index in indices.items():
-            key = _slice_key(index, shape)
+        arrays = []
+        for position, key in enumerate(keys):
             values = slices[key]
-            if on_cpu and key in used:
+            if on_cpu and position != first[key]:
                 # The CPU backend adopts an aligned buffer as device memory:
                 # each device gets a buffer of its own.
-                values = transfer.aligned_copy(values)
-            used.add(key)
-            arrays.append(jax.device_put(values, device))
+                if buffers is None:
+                    values = transfer.aligned_copy(values)
+                else:
+                    convert(values, buffers[position])
+                    values = buffers[position]
+            arrays.append(values)
         slices.clear()
-        array = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        array = transfer.to_devices(shape, sharding, arrays)
         del arrays
         if on_device:
             cast = transfer.device_cast(wanted.name, sharding)(array)
@@ -425,7 +441,7 @@ def _initialize_with_initializer(variable, initializer):
     layout = compat.variable_layout(variable)
     if layout is None:
         return _original_initialize(variable, initializer)
-    placeholder = transfer.placeholder(
+    placeholder = session.reserved_shards.placeholder(
         compat.variable_declared_shape(variable),
         compat.variable_dtype(variable),
         _backend_sharding(layout),
@@ -462,6 +478,7 @@ _HOOKS = {
 
 def _initialize_pending(session: _Session) -> None:
     """Give variables the checkpoint did not cover their real initial value."""
+    session.reserved_shards.close()  # their values are made by Keras
     for reference, initializer in list(session.pending.values()):
         variable = reference()
         if variable is None:

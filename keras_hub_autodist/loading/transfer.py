@@ -6,20 +6,33 @@ the reading threads. On accelerators, a weight whose file dtype is a
 narrower float than the model's crosses as it is stored and is cast on the
 devices (`device_cast`), so a bfloat16 checkpoint costs the same transfer
 into a float32 model as into a bfloat16 one.
+
+Fresh host memory is dear on CPU: the kernel zeroes each page as it is
+first touched, which costs more than copying the file's bytes into it.
+Each placeholder made while keras-hub builds the model reserves the host
+buffers its variable's value will arrive in (`ReservedShards`), and one
+thread faults them in while the build runs on the main thread; the reads
+then only copy.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
+import queue
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_hub_autodist.loading.file_reads import BUFFER_ALIGNMENT
 from keras_hub_autodist.loading.file_reads import aligned_empty
 from keras_hub_autodist.loading.file_reads import local_shape
+from keras_hub_autodist.loading.file_reads import populate
 
 
 def _glibc_malloc_trim():
@@ -84,6 +97,49 @@ def aligned_copy(values: np.ndarray) -> np.ndarray:
     return copy
 
 
+def _slice_bounds(index: tuple, shape: tuple) -> tuple:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def to_devices(shape: tuple, sharding, values: list) -> jax.Array:
+    """One array laid out as `sharding` from host arrays, one per device.
+
+    On CPU each aligned buffer becomes its device's memory without a copy,
+    so no buffer may be given to two devices.
+
+    Args:
+        shape: the global shape.
+        sharding: a `jax.sharding.Sharding` over the devices.
+        values: one host array per addressable device, in the order of
+            `sharding.addressable_devices_indices_map(shape)`.
+
+    Returns:
+        The `jax.Array`.
+
+    Example:
+    >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> to_devices((2,), sharding, [np.ones(2, "float32")]).tolist()
+    [1.0, 1.0]
+    """
+    shape = tuple(shape)
+    indices = sharding.addressable_devices_indices_map(shape)
+    if sharding.is_fully_replicated:
+        # `make_array_from_callback` would give every device the one value
+        # it asks for: one batched `device_put` keeps a buffer per device.
+        arrays = jax.device_put(list(values), list(indices))
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    # A fifth of the cost of a `device_put` per device. The callback is
+    # asked once per device for its index: each device of an index gets
+    # the next of that index's values.
+    queues = {}
+    for index, value in zip(indices.values(), values):
+        bounds = _slice_bounds(index, shape)
+        queues.setdefault(bounds, collections.deque()).append(value)
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: queues[_slice_bounds(index, shape)].popleft()
+    )
+
+
 def placeholder(shape, dtype, sharding) -> jax.Array:
     """Zeros laid out as `sharding`: each device allocates only its shard.
 
@@ -95,8 +151,111 @@ def placeholder(shape, dtype, sharding) -> jax.Array:
     shape = tuple(shape)
     if not on_cpu(sharding):
         return device_zeros(shape, dtype.name, sharding)()
-    arrays = [
-        jax.device_put(aligned_empty(local_shape(index, shape), dtype, zeros=True), d)
-        for d, index in sharding.addressable_devices_indices_map(shape).items()
+    buffers = [
+        aligned_empty(local_shape(index, shape), dtype, zeros=True)
+        for index in sharding.addressable_devices_indices_map(shape).values()
     ]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    return to_devices(shape, sharding, buffers)
+
+
+class _Reservation:
+    """The host buffers of one variable's shards: views of one mapping, one
+    per addressable device."""
+
+    def __init__(self, shape: tuple, dtype: np.dtype, sharding):
+        shapes = [
+            local_shape(index, shape)
+            for index in sharding.addressable_devices_indices_map(shape).values()
+        ]
+        sizes = [math.prod(s) * dtype.itemsize for s in shapes]
+        padded = [-(-size // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT for size in sizes]
+        self.memory = aligned_empty((sum(padded),), np.uint8, zeros=True)
+        self.buffers, start = [], 0
+        for local, size, step in zip(shapes, sizes, padded):
+            view = self.memory[start : start + size].view(dtype).reshape(local)
+            self.buffers.append(view)
+            start += step
+        self.taken = False
+
+
+class ReservedShards:
+    """Host buffers for the shards a CPU load will fill, faulted in ahead.
+
+    `reserve` is called as each placeholder is made, while keras-hub builds
+    the model on the main thread; a thread of this object faults the
+    buffers in meanwhile (`populate`, outside the GIL). `take` hands a
+    variable's buffers to the reads when its value arrives: the oldest
+    reservation of the same shape, dtype and sharding. The buffers hold
+    zeros until read. `close` drops the reservations never taken.
+
+    Example:
+    ```python
+    shards = ReservedShards()
+    shards.reserve((8, 4), "float32", sharding)  # as the placeholder is made
+    buffers = shards.take((8, 4), "float32", sharding)  # one per device
+    shards.close()
+    ```
+    """
+
+    def __init__(self):
+        self._reserved = collections.defaultdict(collections.deque)
+        self._lock = threading.Lock()
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+
+    def reserve(self, shape, dtype, sharding) -> None:
+        """Reserve buffers for a value of `shape` and `dtype` laid out as
+        `sharding` (CPU devices only; anything else is ignored)."""
+        if not on_cpu(sharding):
+            return
+        shape, dtype = tuple(shape), numpy_dtype(dtype)
+        reservation = _Reservation(shape, dtype, sharding)
+        with self._lock:
+            self._reserved[(shape, dtype, sharding)].append(reservation)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._fault_in,
+                    name="keras_hub_autodist_fault_in",
+                    daemon=True,
+                )
+                self._thread.start()
+        self._queue.put(reservation)
+
+    def placeholder(self, shape, dtype, sharding) -> jax.Array:
+        """`placeholder(shape, dtype, sharding)`, reserving the buffers of
+        the value that will replace it."""
+        array = placeholder(shape, dtype, sharding)
+        self.reserve(shape, dtype, sharding)
+        return array
+
+    def take(self, shape, dtype, sharding) -> list[np.ndarray] | None:
+        """The reserved buffers of a value (one per addressable device, in
+        the order of `addressable_devices_indices_map`), or `None`."""
+        key = (tuple(shape), numpy_dtype(dtype), sharding)
+        with self._lock:
+            waiting = self._reserved.get(key)
+            if not waiting:
+                return None
+            reservation = waiting.popleft()
+            reservation.taken = True  # its reads fault in what is left
+        return reservation.buffers
+
+    def close(self) -> None:
+        """Stop faulting in and drop every reservation not taken."""
+        with self._lock:
+            for waiting in self._reserved.values():
+                for reservation in waiting:
+                    reservation.taken = True  # not faulted in any more
+            self._reserved.clear()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _fault_in(self) -> None:
+        while True:
+            reservation = self._queue.get()
+            if reservation is None:
+                return
+            if not reservation.taken:
+                populate(reservation.memory, 0, reservation.memory.nbytes)
