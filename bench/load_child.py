@@ -118,7 +118,7 @@ def main(path, variant):
             )
         )
         return
-    devices = keras.distribution.list_devices()
+    all_devices = keras.distribution.list_devices()
     baseline_rss = rss_now()
     hwm_reset = reset_peak_rss()
     sampler = Sampler()
@@ -129,7 +129,7 @@ def main(path, variant):
     if variant == "keras-hub one device":
         backbone = keras_hub.models.Backbone.from_preset(path)
     elif variant.startswith("keras-hub hand-made scope"):
-        mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices)
+        mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), all_devices)
         layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
         distribution = keras.distribution.ModelParallel(
             layout_map=layout_map, batch_dim_name="batch"
@@ -140,7 +140,7 @@ def main(path, variant):
         shape = (1, 8) if "(1,8)" in variant else (2, 4)
         strategy = "fsdp" if " fsdp" in variant else "tp"
         dtype = {"dtype": "bfloat16"} if variant.endswith("dtype=bfloat16") else {}
-        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+        mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), all_devices)
         backbone = keras_hub.models.Backbone.from_preset(
             path, device_mesh=mesh, strategy=strategy, **dtype
         )
