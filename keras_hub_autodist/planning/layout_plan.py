@@ -10,10 +10,10 @@ planned shape.
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 from keras_hub_autodist.architectures.weight import Weight
+from keras_hub_autodist.planning import compiled_step
 from keras_hub_autodist.planning import memory
 from keras_hub_autodist.planning import report
 from keras_hub_autodist.planning.plan_record import PlanRecord
@@ -71,8 +71,7 @@ class LayoutPlan(PlanRecord):
         """Deprecated: `keras_hub_autodist.compiled_memory(plan, ...)`.
 
         Compiling the step reads the preset again, which a plan, a value,
-        does not do. Kept for one release; the one call from a plan to the
-        entry-level operation above it.
+        does not do. Kept for one release.
 
         Example:
         ```python
@@ -85,8 +84,7 @@ class LayoutPlan(PlanRecord):
             DeprecationWarning,
             stacklevel=2,
         )
-        entry = importlib.import_module("keras_hub_autodist")
-        return entry.compiled_memory(
+        return compiled_step.compiled_memory(
             self, batch_size, sequence_length, optimizer, **options
         )
 
