@@ -1,4 +1,4 @@
-"""`LayoutPlan.compiled_memory`: XLA's bytes of the training step compiled
+"""`keras_hub_autodist.compiled_memory`: XLA's bytes of the training step compiled
 from abstract weights, against the same step compiled with real ones; the
 calibrated closed form (`step_memory`); the CLI's `--batch/--seq/--compiled`."""
 
@@ -217,3 +217,10 @@ def test_cli_step_errors_are_one_line(tiny_presets_dir, capsys, extra, match):
     assert status == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_plan_method_is_a_deprecated_alias(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
+    with pytest.warns(DeprecationWarning, match=r"keras_hub_autodist.compiled_memory"):
+        aliased = plan.compiled_memory(BATCH, SEQ, "sgd")
+    assert aliased == keras_hub_autodist.compiled_memory(plan, BATCH, SEQ, "sgd")
