@@ -219,8 +219,17 @@ def test_cli_step_errors_are_one_line(tiny_presets_dir, capsys, extra, match):
     assert match in err and len(err.strip().splitlines()) == 1
 
 
-def test_the_plan_method_is_a_deprecated_alias(tiny_presets_dir):
+def test_the_plan_method_is_a_deprecated_alias(tiny_presets_dir, monkeypatch):
+    """It hands its arguments on (not compiled again here: the function's
+    own tests compile)."""
+    from keras_hub_autodist.planning import compiled_step
+
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
+    calls = []
+    monkeypatch.setattr(
+        compiled_step, "compiled_memory", lambda *a, **k: calls.append((a, k)) or "m"
+    )
     with pytest.warns(DeprecationWarning, match=r"keras_hub_autodist.compiled_memory"):
-        aliased = plan.compiled_memory(BATCH, SEQ, "sgd")
-    assert aliased == keras_hub_autodist.compiled_memory(plan, BATCH, SEQ, "sgd")
+        answer = plan.compiled_memory(BATCH, SEQ, "sgd", platform="cpu")
+    assert answer == "m"
+    assert calls == [((plan, BATCH, SEQ, "sgd"), {"platform": "cpu"})]
