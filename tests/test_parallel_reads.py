@@ -304,26 +304,34 @@ def test_copy_slices_casts_a_transposed_source_into_its_buffers():
     assert outputs[1].tolist() == source[2:4, 1:3].tolist()
 
 
-def test_reserved_shards_are_faulted_in_buffers_of_their_own():
-    """One aligned, zeroed buffer per device of the value to come; taken
-    once, by the same shape, dtype and sharding."""
+def test_reserved_shards_are_the_placeholders_buffers():
+    """One aligned buffer per device, zeros, adopted by the placeholder and
+    handed to the value's reads once, for the same shape, dtype and
+    sharding."""
     mesh = mesh_of((2, 4)).backend_mesh
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model"))
+    sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(None, "model")
+    )
     reserved = transfer.ReservedShards()
     try:
-        reserved.reserve((6, 8), "bfloat16", sharding)
-        assert reserved.take((6, 8), "float32", sharding) is None
-        assert reserved.take((6, 4), "bfloat16", sharding) is None
-        buffers = reserved.take((6, 8), "bfloat16", sharding)
-        assert reserved.take((6, 8), "bfloat16", sharding) is None
+        zeros = reserved.placeholder("a", (6, 8), "bfloat16", sharding)
+        reserved.placeholder("b", (6, 8), "bfloat16", sharding).delete()
+        adopted = [s.data.unsafe_buffer_pointer() for s in zeros.addressable_shards]
+        assert not np.asarray(zeros).any()
+        zeros.delete()
+        assert reserved.take("c", (6, 8), "bfloat16", sharding) is None
+        assert reserved.take("b", (6, 8), "float32", sharding) is None  # dropped
+        assert reserved.take("b", (6, 8), "bfloat16", sharding) is None
+        buffers = reserved.take("a", (6, 8), "bfloat16", sharding)
+        assert reserved.take("a", (6, 8), "bfloat16", sharding) is None
     finally:
         reserved.close()
     assert len(buffers) == len(sharding.addressable_devices) == 8
     assert {b.shape for b in buffers} == {(6, 2)}
     assert {b.dtype for b in buffers} == {np.dtype(ml_dtypes.bfloat16)}
-    starts = [b.ctypes.data for b in buffers]
-    assert len(set(starts)) == 8
-    assert all(start % file_reads.BUFFER_ALIGNMENT == 0 for start in starts)
+    assert [b.ctypes.data for b in buffers] == adopted
+    assert all(start % file_reads.BUFFER_ALIGNMENT == 0 for start in adopted)
+    assert len(set(adopted)) == 8
     assert all(not b.any() for b in buffers)
 
 

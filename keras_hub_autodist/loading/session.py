@@ -274,8 +274,13 @@ class _Session:
         on_device = transfer.casts_on_device(stored, wanted, sharding)
         moved = stored if on_device else wanted
         on_cpu = transfer.on_cpu(sharding)
-        # On CPU: the buffers faulted in for this value while it was built.
-        buffers = self.reserved_shards.take(shape, moved, sharding) if on_cpu else None
+        # On CPU: the buffers of its deleted placeholder, faulted in while
+        # the model was built.
+        buffers = (
+            self.reserved_shards.take(id(variable), shape, moved, sharding)
+            if on_cpu
+            else None
+        )
         outputs = None if buffers is None else [buffers[p] for p in first.values()]
 
         start = time.perf_counter()
@@ -442,6 +447,7 @@ def _initialize_with_initializer(variable, initializer):
     if layout is None:
         return _original_initialize(variable, initializer)
     placeholder = session.reserved_shards.placeholder(
+        id(variable),
         compat.variable_declared_shape(variable),
         compat.variable_dtype(variable),
         _backend_sharding(layout),

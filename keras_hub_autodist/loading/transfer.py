@@ -9,8 +9,8 @@ into a float32 model as into a bfloat16 one.
 
 Fresh host memory is dear on CPU: the kernel zeroes each page as it is
 first touched, which costs more than copying the file's bytes into it.
-Each placeholder made while keras-hub builds the model reserves the host
-buffers its variable's value will arrive in (`ReservedShards`), and one
+The buffers of each placeholder made while keras-hub builds the model are
+the ones its variable's value will be read into (`ReservedShards`), and one
 thread faults them in while the build runs on the main thread; the reads
 then only copy.
 """
@@ -160,7 +160,7 @@ def placeholder(shape, dtype, sharding) -> jax.Array:
 
 class _Reservation:
     """The host buffers of one variable's shards: views of one mapping, one
-    per addressable device."""
+    per addressable device, in the order of `addressable_devices_indices_map`."""
 
     def __init__(self, shape: tuple, dtype: np.dtype, sharding):
         shapes = [
@@ -169,6 +169,7 @@ class _Reservation:
         ]
         sizes = [math.prod(s) * dtype.itemsize for s in shapes]
         padded = [-(-size // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT for size in sizes]
+        self.key = (shape, dtype, sharding)
         self.memory = aligned_empty((sum(padded),), np.uint8, zeros=True)
         self.buffers, start = [], 0
         for local, size, step in zip(shapes, sizes, padded):
@@ -179,39 +180,48 @@ class _Reservation:
 
 
 class ReservedShards:
-    """Host buffers for the shards a CPU load will fill, faulted in ahead.
+    """On CPU, each placeholder's host buffers are the ones its variable's
+    value will be read into, faulted in ahead.
 
-    `reserve` is called as each placeholder is made, while keras-hub builds
-    the model on the main thread; a thread of this object faults the
-    buffers in meanwhile (`populate`, outside the GIL). `take` hands a
-    variable's buffers to the reads when its value arrives: the oldest
-    reservation of the same shape, dtype and sharding. The buffers hold
-    zeros until read. `close` drops the reservations never taken.
+    `placeholder` is called as keras-hub builds the model on the main
+    thread: the devices adopt fresh zero buffers as the placeholder's
+    shards, and a thread of this object faults them in meanwhile
+    (`populate`, outside the GIL, a few MiB at a time so that the main
+    thread's own mappings are not held up). Once the placeholder is
+    deleted, `take` hands its buffers to the reads of the real value. `close`
+    stops the faulting and forgets what was not taken (a placeholder still
+    alive keeps its own buffers).
 
     Example:
     ```python
     shards = ReservedShards()
-    shards.reserve((8, 4), "float32", sharding)  # as the placeholder is made
-    buffers = shards.take((8, 4), "float32", sharding)  # one per device
+    zeros = shards.placeholder(key, (8, 4), "float32", sharding)
+    zeros.delete()
+    buffers = shards.take(key, (8, 4), "float32", sharding)  # one per device
     shards.close()
     ```
     """
 
+    # Bytes faulted in by one call, between which the thread checks whether
+    # the reads took the buffers over.
+    FAULT_IN_BYTES = 4 * 1024**2
+
     def __init__(self):
-        self._reserved = collections.defaultdict(collections.deque)
+        self._reserved = {}
         self._lock = threading.Lock()
         self._queue = queue.SimpleQueue()
         self._thread = None
 
-    def reserve(self, shape, dtype, sharding) -> None:
-        """Reserve buffers for a value of `shape` and `dtype` laid out as
-        `sharding` (CPU devices only; anything else is ignored)."""
+    def placeholder(self, key, shape, dtype, sharding) -> jax.Array:
+        """`placeholder(shape, dtype, sharding)`; on CPU its buffers are kept
+        under `key` (e.g. the variable's id) for the value to come."""
         if not on_cpu(sharding):
-            return
+            return placeholder(shape, dtype, sharding)
         shape, dtype = tuple(shape), numpy_dtype(dtype)
         reservation = _Reservation(shape, dtype, sharding)
+        array = to_devices(shape, sharding, reservation.buffers)
         with self._lock:
-            self._reserved[(shape, dtype, sharding)].append(reservation)
+            self._reserved[key] = reservation
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._fault_in,
@@ -220,32 +230,26 @@ class ReservedShards:
                 )
                 self._thread.start()
         self._queue.put(reservation)
-
-    def placeholder(self, shape, dtype, sharding) -> jax.Array:
-        """`placeholder(shape, dtype, sharding)`, reserving the buffers of
-        the value that will replace it."""
-        array = placeholder(shape, dtype, sharding)
-        self.reserve(shape, dtype, sharding)
         return array
 
-    def take(self, shape, dtype, sharding) -> list[np.ndarray] | None:
-        """The reserved buffers of a value (one per addressable device, in
-        the order of `addressable_devices_indices_map`), or `None`."""
-        key = (tuple(shape), numpy_dtype(dtype), sharding)
+    def take(self, key, shape, dtype, sharding) -> list[np.ndarray] | None:
+        """The buffers kept under `key` (one per addressable device), once its
+        placeholder is deleted; `None` if there are none for a value of this
+        shape, dtype and sharding."""
         with self._lock:
-            waiting = self._reserved.get(key)
-            if not waiting:
+            reservation = self._reserved.pop(key, None)
+            if reservation is None:
                 return None
-            reservation = waiting.popleft()
             reservation.taken = True  # its reads fault in what is left
+        if reservation.key != (tuple(shape), numpy_dtype(dtype), sharding):
+            return None
         return reservation.buffers
 
     def close(self) -> None:
-        """Stop faulting in and drop every reservation not taken."""
+        """Stop faulting in and forget every reservation not taken."""
         with self._lock:
-            for waiting in self._reserved.values():
-                for reservation in waiting:
-                    reservation.taken = True  # not faulted in any more
+            for reservation in self._reserved.values():
+                reservation.taken = True  # not faulted in any more
             self._reserved.clear()
             thread, self._thread = self._thread, None
         if thread is not None:
@@ -257,5 +261,8 @@ class ReservedShards:
             reservation = self._queue.get()
             if reservation is None:
                 return
-            if not reservation.taken:
-                populate(reservation.memory, 0, reservation.memory.nbytes)
+            memory = reservation.memory
+            for start in range(0, memory.nbytes, self.FAULT_IN_BYTES):
+                if reservation.taken:
+                    break
+                populate(memory, start, min(memory.nbytes, start + self.FAULT_IN_BYTES))
