@@ -42,6 +42,8 @@ def _pytest(session, *args):
         "no:cacheprovider",
         "-W",
         "ignore::DeprecationWarning",
+        # The slowest tests of each session, in CI's log: where its time goes.
+        "--durations=25",
         *args,
         *session.posargs,
         env={
