@@ -56,6 +56,8 @@ class PlanRecord:
     )
     sequence_parallel: bool = False
     sequence_parallel_outputs: tuple[str, ...] = ()
+    lora_rank: int | None = None
+    device_name: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "rows", tuple(self.rows))
