@@ -243,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     plan.add_argument(
+        "--remat",
+        default=None,
+        choices=["full"],
+        help=(
+            "plan the training step with full rematerialization "
+            "(from_preset(..., remat='full'), keras.RematScope): each block "
+            "keeps only its input for the backward pass"
+        ),
+    )
+    plan.add_argument(
         "--optimizer",
         default="adam",
         choices=list(OPTIMIZERS),
@@ -320,6 +330,7 @@ def _answer(args) -> dict:
         dtype=args.dtype,
         device_memory=args.device or args.device_memory,
         lora_rank=args.lora_rank,
+        remat=args.remat,
         num_devices=args.devices,
     )
     memory = None
@@ -363,7 +374,7 @@ def _answer(args) -> dict:
         "batch_size": args.batch,
         "sequence_length": args.seq,
         "lora_rank": result.lora_rank,
-        "remat": None,
+        "remat": result.remat,
         "device": result.device_name or None,
         "device_memory_source": result.device_memory_source,
         "platform": platform,
@@ -460,6 +471,7 @@ FLAGS = {
     "dtype": "--dtype",
     "device_memory": "--device-memory",
     "lora_rank": "--lora-rank",
+    "remat": "--remat",
     "devices": "--devices",
     "num_devices": "--devices",
     "device_mesh": "--mesh",

@@ -189,3 +189,51 @@ def test_compiled_lora_step_trains_only_the_adapters(tiny_presets_dir):
     saved = 2 * full.max_device_bytes - 3 * adapters
     assert lora_memory.argument_bytes <= full_memory.argument_bytes - saved + 1024
     assert math.isfinite(lora_memory.peak_bytes)
+
+
+def test_remat_lowers_the_estimate(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(
+        tiny_presets_dir["gemma_mqa"], {"batch": 2, "model": 4}
+    )
+    remat = plan.replace(remat="full")
+    assert step_memory.activation_bytes(remat, 8, 64, "cpu") < (
+        step_memory.activation_bytes(plan, 8, 64, "cpu")
+    )
+    # Only whole blocks' activations go; the logits stay.
+    listed = plan.replace(remat={"mode": "list_of_layers", "layer_names": ["x"]})
+    assert step_memory.activation_bytes(listed, 8, 64, "cpu") == (
+        step_memory.activation_bytes(plan, 8, 64, "cpu")
+    )
+
+
+def test_compiling_full_remat_says_what_keras_cannot_trace(tiny_presets_dir):
+    devices = keras.distribution.list_devices()[:8]
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices)
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], mesh, remat="full")
+    with pytest.raises(PlanError, match="Received: remat='full'"):
+        keras_hub_autodist.compiled_memory(plan, 8, 16)
+
+
+def test_from_preset_builds_inside_the_remat_scope(tiny_presets_dir, monkeypatch):
+    import keras_hub
+
+    modes = []
+    original = keras.RematScope.__enter__
+
+    def enter(scope):
+        modes.append(scope.mode)
+        return original(scope)
+
+    monkeypatch.setattr(keras.RematScope, "__enter__", enter)
+    model = keras_hub_autodist.from_preset(
+        keras_hub.models.GemmaCausalLM,
+        tiny_presets_dir["gemma_mqa"],
+        device_mesh={"batch": 2, "model": 4},
+        remat="full",
+    )
+    assert modes == ["full"]
+    assert model is not None
+    with pytest.raises(PlanError, match="Received: remat='most'"):
+        keras_hub_autodist.plan(
+            tiny_presets_dir["gemma_mqa"], {"batch": 2}, remat="most"
+        )

@@ -18,6 +18,7 @@ to trust when the two disagree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from keras_hub_autodist.errors import ModelClassError
@@ -193,6 +194,23 @@ def _backbone_config(plan, preset):
     return backbone_cls, config
 
 
+def remat_scope(remat):
+    """`keras.RematScope` of a `remat=` value; a no-op scope for `None`.
+
+    Example:
+    ```python
+    with remat_scope("full"):
+        model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
+    ```
+    """
+    import keras
+
+    if remat is None:
+        return contextlib.nullcontext()
+    arguments = dict(remat) if isinstance(remat, dict) else {"mode": remat}
+    return keras.RematScope(**arguments)
+
+
 def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank):
     """The task model and its optimizer, built with deferred variables that
     carry their layouts, and the distribution they were laid out with."""
@@ -213,7 +231,7 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
         auto_shard_dataset=False,
     )
     with distribution.scope():
-        with compat.deferred_variables():
+        with compat.deferred_variables(), remat_scope(plan.remat):
             backbone = backbone_cls.from_config(config)
             if lora_rank is not None:
                 # Frozen weights: only the LoRA kernels are trained.
@@ -227,7 +245,22 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
             )
         model.compile(optimizer=optimizer)
         with compat.deferred_variables():
-            compat.symbolic_build(model, data)
+            try:
+                compat.symbolic_build(model, data)
+            except RuntimeError as error:
+                if plan.remat is None:
+                    raise
+                # Keras' remat traces every argument of a layer's call,
+                # `training` included, which keras-hub's blocks test.
+                raise PlanError(
+                    "This model's training step can't be traced with "
+                    f"rematerialization {plan.remat!r}: Keras' RematScope "
+                    "recomputes whole layers whose call tests a Python "
+                    "argument (keras-hub's decoder blocks). Use "
+                    "`remat={'mode': 'list_of_layers', 'layer_names': [...]}` "
+                    "naming leaf layers (e.g. the MLP's dense layers), or "
+                    f"no remat. Received: remat={plan.remat!r}"
+                ) from error
     return model, distribution
 
 

@@ -48,6 +48,8 @@ class LayoutPlan(PlanRecord):
         lora_rank: the rank of the LoRA fine-tune planned for, or `None`
             (full fine-tuning): what the memory answers train.
         device_name: the named device planned for (`"t4"`), or `""`.
+        remat: the rematerialization planned for (`None`, a
+            `keras.RematScope` mode or a dict of its arguments).
 
     Example:
     ```python

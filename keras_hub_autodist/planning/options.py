@@ -20,6 +20,7 @@ from keras_hub_autodist.errors import option
 from keras_hub_autodist.planning.device_profiles import device_profile
 from keras_hub_autodist.planning.sharding import STRATEGIES
 from keras_hub_autodist.planning.step_memory import check_lora_rank
+from keras_hub_autodist.planning.step_memory import check_remat
 
 STRATEGY_CHOICES = ("auto",) + STRATEGIES
 
@@ -70,6 +71,14 @@ OPTIONS = (
         from_preset=False,
     ),
     Option(
+        "remat",
+        None,
+        'rematerialization: a `keras.RematScope` mode (`"full"`, '
+        '`"larger_than"`, `"list_of_layers"`) or a dict of its arguments; '
+        "the training step recomputes those layers' activations in the "
+        "backward pass instead of keeping them (default `None`).",
+    ),
+    Option(
         "progress",
         None,
         "show a progress bar while loading (default: on a terminal, unless "
@@ -118,6 +127,8 @@ class PlanOptions:
             the devices, the environment, or assumed
             (`device_memory.device_memory_info`).
         lora_rank: the rank of a LoRA fine-tune; `None`: full fine-tuning.
+        remat: the rematerialization of the training step (`None`, a
+            `keras.RematScope` mode, or a dict of its arguments).
         sequence_parallel: shard residual-stream activations on the
             sequence over the model axis.
         strict: a weight that matches no rule is an error (`True`) or a
@@ -134,6 +145,7 @@ class PlanOptions:
     dtype: Any = None
     device_memory: int | str | None = None
     lora_rank: int | None = None
+    remat: Any = None
     sequence_parallel: bool = False
     strict: bool = True
 
@@ -158,6 +170,7 @@ class PlanOptions:
                 f"sequence_parallel={self.sequence_parallel!r}"
             )
         check_lora_rank(self.lora_rank)
+        check_remat(self.remat)
         if isinstance(self.device_memory, str):
             device_profile(self.device_memory)  # a known name
         elif self.device_memory is not None:

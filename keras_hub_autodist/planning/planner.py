@@ -59,6 +59,7 @@ def plan(
     dtype=None,
     device_memory: int | str | None = None,
     lora_rank: int | None = None,
+    remat=None,
     sequence_parallel: bool = False,
     strict: bool = True,
     num_devices: int | None = None,
@@ -103,6 +104,10 @@ def plan(
             `enable_lora(rank)`: the query and value kernels gain rank-`r`
             adapters, the only weights trained): the memory answers then
             count gradients and optimizer state for the LoRA kernels alone.
+        remat: plan a training step with rematerialization, as
+            `from_preset(..., remat=...)` builds it: a `keras.RematScope`
+            mode (`"full"`, `"larger_than"`, `"list_of_layers"`) or a dict of
+            its arguments. The activation estimate counts `"full"`.
         sequence_parallel: also shard the activations tensor parallelism
             replicates (the residual stream: norms, residual adds, dropout)
             on their sequence dimension over the model axis, Megatron-style;
@@ -132,6 +137,7 @@ def plan(
         dtype=dtype,
         device_memory=device_memory,
         lora_rank=lora_rank,
+        remat=remat,
         sequence_parallel=sequence_parallel,
         strict=strict,
     )
@@ -325,6 +331,7 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
         sequence_parallel=options.sequence_parallel,
         sequence_parallel_outputs=model.sequence_parallel_outputs,
         lora_rank=options.lora_rank,
+        remat=options.remat,
         device_name=device_name(options.device_memory),
     )
 

@@ -62,10 +62,11 @@ def fit_advice(
     platform: str = "gpu",
 ) -> list[str]:
     """What would make a plan that does not fit fit on its devices, in order
-    of cost: LoRA, `fsdp`, a smaller batch or sequence, bfloat16 weights;
-    each one named only when the estimate says it alone makes the run fit
-    (`step_memory.step_estimate`). When none does, how many more devices
-    the model axis needs. Last, how to check the estimate by compiling.
+    of cost: LoRA, rematerialization, `fsdp`, a smaller batch or sequence,
+    bfloat16 weights; each one named only when the estimate says it alone
+    makes the run fit (`step_memory.step_estimate`). When none does, how
+    many more devices the model axis needs. Last, how to check the estimate
+    by compiling.
     """
     capacity = plan.device_memory_bytes
 
@@ -76,8 +77,9 @@ def fit_advice(
         options.update(changes)
         shard = options.pop("shard", 1)
         scale = options.pop("scale", 1)
+        remat = options.pop("remat", plan.remat)
         estimate = step_memory.step_estimate(
-            plan,
+            plan.replace(remat=remat) if remat != plan.remat else plan,
             options["batch_size"],
             options["sequence_length"],
             optimizer,
@@ -93,6 +95,11 @@ def fit_advice(
             f"fine-tune with LoRA ({option('lora_rank', str(ADVISED_LORA_RANK))}, "
             f"`backbone.enable_lora({ADVISED_LORA_RANK})`): only its kernels "
             "carry gradients and optimizer state"
+        )
+    if batch_size is not None and plan.remat is None and need(remat="full") <= capacity:
+        advice.append(
+            f"rematerialize: {option('remat', repr('full'))} recomputes each "
+            "block's activations in the backward pass instead of keeping them"
         )
     batch_devices = plan.mesh_axes.size(plan.batch_axis)
     if (
@@ -216,7 +223,9 @@ def summary(plan: PlanRecord) -> str:
         + f"{mesh_reason})",
         f"strategy: {plan.strategy} ({plan.strategy_reason})",
         f"sequence parallel: {sequence_parallel_note(plan)}",
-        "fine-tuning: " + (f"LoRA rank {plan.lora_rank}" if plan.lora_rank else "full"),
+        "fine-tuning: "
+        + (f"LoRA rank {plan.lora_rank}" if plan.lora_rank else "full")
+        + f", rematerialization: {step_memory.remat_mode(plan.remat) or 'off'}",
         f"parameters: {plan.num_parameters:,} ({plan.dtype}), "
         f"{size(plan.total_bytes)} in all",
         f"per device: {size(plan.max_device_bytes)} of parameters (ideal "

@@ -116,6 +116,42 @@ LORA_LAYERS = ("query", "value", "query_dense", "value_dense")
 FROZEN_DTYPES = ("int8", "uint8", "int4", "float8_e4m3fn", "float8_e5m2")
 
 
+# `keras.RematScope` modes `remat=` takes. With `"full"` every layer's
+# call is recomputed in the backward pass: a block keeps only its input;
+# the other modes recompute some layers, which the estimate does not count
+# (it stays an upper bound for them).
+REMAT_MODES = ("full", "larger_than", "list_of_layers")
+
+
+def check_remat(remat):
+    """`remat=` checked: `None`, a mode of `REMAT_MODES`, or a mapping of
+    `keras.RematScope`'s arguments with its `mode`.
+
+    Example:
+    >>> check_remat("full")
+    'full'
+    """
+    mode = remat.get("mode") if isinstance(remat, dict) else remat
+    if remat is not None and mode not in REMAT_MODES:
+        raise PlanError(
+            "`remat` is None, a `keras.RematScope` mode "
+            f"({', '.join(map(repr, REMAT_MODES))}) or a dict of its "
+            "arguments, e.g. {'mode': 'larger_than', "
+            f"'output_size_threshold': 2**20}}. Received: remat={remat!r}"
+        )
+    return remat
+
+
+def remat_mode(remat) -> str | None:
+    """The `keras.RematScope` mode of a `remat=` value.
+
+    Example:
+    >>> remat_mode({"mode": "list_of_layers", "layer_names": ["mlp"]})
+    'list_of_layers'
+    """
+    return check_remat(remat).get("mode") if isinstance(remat, dict) else remat
+
+
 def optimizer_spec(optimizer: str) -> Optimizer:
     """The `Optimizer` of a name of `OPTIMIZERS`.
 
@@ -384,6 +420,30 @@ def step_estimate(
     )
 
 
+def _num_blocks(plan) -> int:
+    query = next(
+        (r for r in plan.rows if "query" in r.path and "heads" in r.logical_axes),
+        None,
+    )
+    return sum(1 for r in plan.rows if r.pattern == query.pattern) if query else 1
+
+
+def _rematerialized(terms: dict[str, float], layers: int) -> dict[str, float]:
+    """The terms under full rematerialization: each block keeps its input
+    (one residual-stream tensor); one block's activations at a time are
+    recomputed during the backward pass."""
+    per_block = {
+        name: terms[name] / layers
+        for name in ("stream", "attention", "scores", "mlp", "experts")
+    }
+    return {
+        **terms,
+        **per_block,
+        # The inputs of every block, as one `stream` buffer each.
+        "stream": per_block["stream"] + terms["stream"] / 4,
+    }
+
+
 def activation_bytes(
     plan, batch_size: int, sequence_length: int, platform: str = "gpu"
 ) -> int:
@@ -400,6 +460,8 @@ def activation_bytes(
         size = max(size, FLOAT32_BYTES)
     factors = ACTIVATION_FACTORS[platform]
     terms = activation_terms(plan, batch_size, sequence_length)
+    if remat_mode(getattr(plan, "remat", None)) == "full":
+        terms = _rematerialized(terms, _num_blocks(plan))
     return int(
         sum(
             factors[name]
