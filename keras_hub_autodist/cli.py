@@ -349,10 +349,11 @@ def _answer(args) -> dict:
     fits, estimate, verdict = memory_verdict(
         result, args.batch, args.seq, args.optimizer, platform
     )
-    lines = [str(result)]
+    # The advice names options as this command's flags.
+    lines = [as_flags(str(result))]
     if args.batch is not None:
         lines.append(_step_lines(result, args, estimate, platform, memory))
-        lines.append(verdict)
+        lines.append(as_flags(verdict))
     answer = {
         "fits": fits,
         "estimate_bytes_per_device": estimate.total_bytes,
@@ -380,7 +381,12 @@ def _answer(args) -> dict:
         "platform": platform,
         "advice": []
         if fits
-        else result.fit_advice(args.batch, args.seq, args.optimizer, platform),
+        else [
+            as_flags(line)
+            for line in result.fit_advice(
+                args.batch, args.seq, args.optimizer, platform
+            )
+        ],
     }
     if memory is not None:
         answer["compiled_peak_bytes_per_device"] = memory.peak_bytes
