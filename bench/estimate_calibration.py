@@ -56,6 +56,10 @@ TINY = {
 }
 BENCH = {name: (cls.__name__, config) for name, (cls, config) in models.CONFIGS.items()}
 MESHES = [(1, 1), (8, 1), (2, 4), (1, 8)]
+# Real configs of about 1B parameters (tests/data/presets), LoRA (rank 4)
+# and full fine-tuning, tp and fsdp on 2 x 4 devices (`--real`).
+REAL_PRESETS = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "presets")
+REAL = ("llama3.2_1b", "gemma3_1b")
 
 
 def cases(quick=False):
@@ -71,12 +75,26 @@ def cases(quick=False):
             yield "gemma_2b_shape", ("GemmaBackbone", GEMMA_2B), (1, 1), dtype, 4, 1024
 
 
-def measure(name, model, shape, dtype, batch, seq):
-    class_name, config = model
-    preset = {"class_name": class_name, "config": config}
+def real_cases():
+    for name in REAL:
+        preset = os.path.join(REAL_PRESETS, name)
+        for strategy in ("tp", "fsdp"):
+            for lora_rank in (None, 4):
+                for seq in (512, 2048):
+                    yield name, preset, (2, 4), "float32", 2, seq, strategy, lora_rank
+
+
+def measure(name, model, shape, dtype, batch, seq, strategy="tp", lora_rank=None):
+    if isinstance(model, str):
+        preset = model
+    else:
+        class_name, config = model
+        preset = {"class_name": class_name, "config": config}
     devices = keras.distribution.list_devices()[: shape[0] * shape[1]]
     mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
-    plan = keras_hub_autodist.plan(preset, mesh, strategy="tp", dtype=dtype)
+    plan = keras_hub_autodist.plan(
+        preset, mesh, strategy=strategy, dtype=dtype, lora_rank=lora_rank
+    )
     compiled = keras_hub_autodist.compiled_memory(
         plan, batch, seq, "adam", preset=preset
     )
@@ -87,8 +105,8 @@ def measure(name, model, shape, dtype, batch, seq):
         plan, batch, seq, "adam", platform=compiled.platform
     )
     return dict(
-        model=name,
-        mesh=f"{shape[0]}x{shape[1]}",
+        model=name + (f" LoRA {lora_rank}" if lora_rank else ""),
+        mesh=f"{shape[0]}x{shape[1]} {strategy}",
         dtype=dtype,
         batch=batch,
         seq=seq,
@@ -122,9 +140,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--json", default=None, help="also write JSON lines here")
+    parser.add_argument(
+        "--real", action="store_true", help="the ~1B real configs, LoRA and full"
+    )
     args = parser.parse_args(argv)
     rows = []
-    for case in cases(args.quick):
+    for case in real_cases() if args.real else cases(args.quick):
         rows.append(measure(*case))
         print(json.dumps(rows[-1]), flush=True, file=sys.stderr)
     if args.json:

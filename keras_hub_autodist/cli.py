@@ -19,6 +19,8 @@ keras-hub-autodist demo
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import os
 import re
@@ -26,11 +28,12 @@ import sys
 from collections.abc import Sequence
 
 from keras_hub_autodist.planning.device_memory import GIB
+from keras_hub_autodist.planning.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.planning.options import STRATEGY_CHOICES
+from keras_hub_autodist.planning.step_memory import OPTIMIZERS
 
 PROG = "keras-hub-autodist"
 EXIT_USAGE = 2
-OPTIMIZERS = ["adam", "sgd", "sgd_momentum"]
 # Errors of bad input that are printed as one line rather than a traceback,
 # besides the package's own `AutodistError`s.
 USER_ERRORS = (OSError, ValueError, ImportError, OverflowError)
@@ -221,10 +224,48 @@ def build_parser() -> argparse.ArgumentParser:
             help=help_text,
         )
     plan.add_argument(
+        "--device",
+        default=None,
+        choices=sorted(DEVICE_PROFILES),
+        help=(
+            "plan for this device's memory per device (a v3-8 is 8 cores of "
+            "16 GiB) and its compiler; instead of --device-memory"
+        ),
+    )
+    plan.add_argument(
+        "--lora-rank",
+        type=parse_positive("--lora-rank"),
+        default=None,
+        metavar="R",
+        help=(
+            "plan a LoRA fine-tune of rank R (backbone.enable_lora(R)): only "
+            "the LoRA kernels carry gradients and optimizer state"
+        ),
+    )
+    plan.add_argument(
+        "--remat",
+        default=None,
+        choices=["full"],
+        help=(
+            "plan the training step with full rematerialization "
+            "(from_preset(..., remat='full'), keras.RematScope): each block "
+            "keeps only its input for the backward pass"
+        ),
+    )
+    plan.add_argument(
         "--optimizer",
         default="adam",
-        choices=OPTIMIZERS,
+        choices=list(OPTIMIZERS),
         help="the optimizer of the training step (default adam)",
+    )
+    plan.add_argument(
+        "--json",
+        action="store_true",
+        help=(
+            "print one JSON object on stdout (fits, estimate_bytes_per_device, "
+            "device_memory_bytes, ...) and nothing else; exit status 0 "
+            "whether it fits or not"
+        ),
     )
     plan.add_argument(
         "--compiled",
@@ -252,7 +293,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args) -> int:
+    if not args.json:
+        answer = _answer(args)
+        print(answer["text"])
+        return 0
+    # Everything but the answer goes to stderr, Python's prints and those
+    # of native libraries (XLA, TensorFlow) alike.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            answer = _answer(args)
+        sys.stdout.flush()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps(answer["json"]))
+    sys.stdout.flush()
+    return 0
+
+
+def _answer(args) -> dict:
+    """The plan, its memory verdict and the compiled check, as text and as
+    the `--json` object."""
+    from keras_hub_autodist.planning.device_profiles import device_profile
     from keras_hub_autodist.planning.planner import plan
+    from keras_hub_autodist.planning.report import memory_verdict
 
     result = plan(
         args.preset,
@@ -261,13 +328,69 @@ def _run_plan(args) -> int:
         batch_axis=args.batch_axis,
         model_axis=args.model_axis,
         dtype=args.dtype,
-        device_memory=args.device_memory,
+        device_memory=args.device or args.device_memory,
+        lora_rank=args.lora_rank,
+        remat=args.remat,
         num_devices=args.devices,
     )
-    print(result)
+    memory = None
+    if args.compiled:
+        from keras_hub_autodist.planning.compiled_step import compiled_memory
+
+        memory = compiled_memory(result, args.batch, args.seq, args.optimizer)
+    # The compiler whose buffers the estimate counts: the named device's,
+    # else the one that compiled the check, else an accelerator's.
+    if args.device:
+        platform = device_profile(args.device).platform
+    elif memory is not None and memory.platform in ("cpu", "gpu", "tpu"):
+        platform = memory.platform
+    else:
+        platform = "gpu"
+    fits, estimate, verdict = memory_verdict(
+        result, args.batch, args.seq, args.optimizer, platform
+    )
+    # The advice names options as this command's flags.
+    lines = [as_flags(str(result))]
     if args.batch is not None:
-        print(_step_memory(result, args))
-    return 0
+        lines.append(_step_lines(result, args, estimate, platform, memory))
+        lines.append(as_flags(verdict))
+    answer = {
+        "fits": fits,
+        "estimate_bytes_per_device": estimate.total_bytes,
+        "device_memory_bytes": result.device_memory_bytes,
+        "estimate_covers": (
+            "training step" if args.batch is not None else "weights and optimizer state"
+        ),
+        "estimate_parts": {
+            "weights": estimate.weights,
+            "optimizer_state": estimate.optimizer_state,
+            "gradients": estimate.gradients,
+            "activations": estimate.activations,
+        },
+        "preset": result.preset,
+        "mesh": dict(zip(result.mesh_axes.axis_names, result.mesh_axes.shape)),
+        "strategy": result.strategy,
+        "dtype": result.dtype,
+        "optimizer": args.optimizer,
+        "batch_size": args.batch,
+        "sequence_length": args.seq,
+        "lora_rank": result.lora_rank,
+        "remat": result.remat,
+        "device": result.device_name or None,
+        "device_memory_source": result.device_memory_source,
+        "platform": platform,
+        "advice": []
+        if fits
+        else [
+            as_flags(line)
+            for line in result.fit_advice(
+                args.batch, args.seq, args.optimizer, platform
+            )
+        ],
+    }
+    if memory is not None:
+        answer["compiled_peak_bytes_per_device"] = memory.peak_bytes
+    return {"text": "\n".join(lines), "json": answer}
 
 
 def _check_step_flags(args) -> None:
@@ -282,17 +405,20 @@ def _check_step_flags(args) -> None:
             f"Received: --batch {args.batch}, --seq {args.seq}"
             + (", --compiled" if args.compiled else "")
         )
+    if args.device and args.device_memory is not None:
+        raise PlanError(
+            "--device names a device whose memory the plan takes; give "
+            "either it or --device-memory. Received: --device "
+            f"{args.device}, --device-memory {args.device_memory / GIB:g}"
+        )
 
 
-def _step_memory(result, args) -> str:
+def _step_lines(result, args, estimate, platform, memory) -> str:
     """The closed-form estimate of the step, and the compiled check."""
-    from keras_hub_autodist.planning.step_memory import step_estimate
-
     gib = GIB
-    estimate = step_estimate(result, args.batch, args.seq, args.optimizer)
     lines = [
         f"training step, batch {args.batch} x {args.seq} tokens, "
-        f"{args.optimizer}, estimated per device: "
+        f"{args.optimizer}, estimated per device ({platform}): "
         f"{estimate.total_bytes / gib:.2f} GiB (weights "
         f"{estimate.weights / gib:.2f}, optimizer state "
         f"{estimate.optimizer_state / gib:.2f}, gradients "
@@ -300,10 +426,7 @@ def _step_memory(result, args) -> str:
         f"{estimate.activations / gib:.2f}) of "
         f"{result.device_memory_bytes / gib:.1f} GiB"
     ]
-    if args.compiled:
-        from keras_hub_autodist.planning.compiled_step import compiled_memory
-
-        memory = compiled_memory(result, args.batch, args.seq, args.optimizer)
+    if memory is not None:
         lines.append(str(memory))
         lines.append(
             f"estimate / compiled peak: {estimate.total_bytes / memory.peak_bytes:.2f}"
@@ -353,6 +476,8 @@ FLAGS = {
     "strategy": "--strategy",
     "dtype": "--dtype",
     "device_memory": "--device-memory",
+    "lora_rank": "--lora-rank",
+    "remat": "--remat",
     "devices": "--devices",
     "num_devices": "--devices",
     "device_mesh": "--mesh",

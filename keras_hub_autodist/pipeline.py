@@ -33,6 +33,7 @@ from keras_hub_autodist.loading.progress import progress_enabled
 from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
 from keras_hub_autodist.loading.verify import verify_layouts
+from keras_hub_autodist.planning.compiled_step import remat_scope
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.options import progress_option
 from keras_hub_autodist.planning.planner import plan_model
@@ -85,6 +86,7 @@ def from_preset(
     progress: bool | None = None,
     strict: bool = True,
     sequence_parallel: bool = False,
+    remat=None,
     **kwargs,
 ):
     """Load `cls` from `preset`, laid out on `device_mesh` and bound to it.
@@ -116,6 +118,11 @@ def from_preset(
             activations tensor parallelism replicates (norms, residual adds,
             dropout) are sharded on the sequence over the model axis (see
             `plan()`).
+        remat: rematerialization: a `keras.RematScope` mode (`"full"`,
+            `"larger_than"`, `"list_of_layers"`) or a dict of its arguments
+            (`{"mode": "larger_than", "output_size_threshold": 2**20}`). The
+            model is built inside that scope, so its training step
+            recomputes those layers' activations in the backward pass.
         **kwargs: passed to `cls.from_preset` (`dtype`, `load_weights`, …).
 
     Returns:
@@ -136,6 +143,7 @@ def from_preset(
         dtype=kwargs.get("dtype"),
         sequence_parallel=sequence_parallel,
         strict=strict,
+        remat=remat,
     )
     # The progress switch, `$KERAS_HUB_AUTODIST_PROGRESS` included, is read
     # before planning: a bad value fails before any work.
@@ -171,7 +179,7 @@ def from_preset(
             progress=progress,
             check_variable=check.created,
         )
-        with distribution.scope(), loading as stats:
+        with distribution.scope(), remat_scope(options.remat), loading as stats:
             try:
                 model = load_from_preset(cls, source, **kwargs)
             except ValueError as error:

@@ -22,7 +22,7 @@ def test_gemma_2b_by_hand():
         4 * b * s * 2048
         + 2 * b * s * 8 * 256 / 4
         + 2 * b * s * 1 * 256
-        + 2 * b * 8 * s * s / 4
+        + 4 * b * 8 * s * s / 4
         + 2 * 2 * b * s * 16384 / 4
     )
     head = 2 * b * s * 2048 + 3 * b * s * 256000 / 4
@@ -55,13 +55,17 @@ def test_model_axis_shards_heads_mlp_and_logits_not_the_residual():
     assert one / 8 < eight < one / 2
 
 
-def test_bfloat16_halves_the_estimate():
+def test_bfloat16_halves_the_estimate_on_accelerators():
     preset = str(REAL_PRESETS / "gemma_2b")
     mesh = {"batch": 2, "model": 4}
     f32 = keras_hub_autodist.plan(preset, mesh, dtype="float32")
     bf16 = keras_hub_autodist.plan(preset, mesh, dtype="bfloat16")
-    assert bf16.activation_bytes_per_device(8, 128) == pytest.approx(
-        f32.activation_bytes_per_device(8, 128) / 2, rel=1e-6
+    # On an accelerator every buffer halves but the float32 logits of the
+    # loss; XLA's CPU backend computes bfloat16 in float32.
+    gpu_f32 = f32.activation_bytes_per_device(8, 128, "gpu")
+    assert gpu_f32 / 2 < bf16.activation_bytes_per_device(8, 128, "gpu") < gpu_f32
+    assert bf16.activation_bytes_per_device(8, 128) == (
+        f32.activation_bytes_per_device(8, 128)
     )
 
 
@@ -89,7 +93,7 @@ def test_mixtral_by_hand():
         4 * b * s * 4096
         + 2 * b * s * 32 * 128 / 8
         + 2 * b * s * 8 * 128 / 8
-        + 2 * b * 32 * s * s / 8
+        + 4 * b * 32 * s * s / 8
     )
     experts = 2 * (2 * b * s * 14336 * 8 / 8) + b * s * 4096 * 8 / 8
     head = 2 * b * s * 4096 + 3 * b * s * 32000 / 8

@@ -18,19 +18,15 @@ to trust when the two disagree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.planning.step_memory import OPTIMIZERS
+from keras_hub_autodist.planning.step_memory import check_lora_rank
 from keras_hub_autodist.planning.step_memory import check_sizes
 
-# `optimizer=` names and the Keras optimizers they stand for, the same names
-# `LayoutPlan.training_bytes_per_device` takes.
-OPTIMIZERS = {
-    "adam": ("Adam", {}),
-    "sgd": ("SGD", {}),
-    "sgd_momentum": ("SGD", {"momentum": 0.9}),
-}
 MIB = 1024**2
 
 
@@ -152,8 +148,10 @@ def _optimizer(optimizer):
             f"{sorted(OPTIMIZERS)}, or a `keras.optimizers.Optimizer`. "
             f"Received: optimizer={optimizer!r}"
         )
-    name, kwargs = OPTIMIZERS[optimizer]
-    return getattr(keras.optimizers, name)(**kwargs), optimizer
+    spec = OPTIMIZERS[optimizer]
+    return getattr(keras.optimizers, spec.keras_class)(**dict(spec.keras_kwargs)), (
+        optimizer
+    )
 
 
 def _mesh_of(plan, device_mesh):
@@ -196,7 +194,24 @@ def _backbone_config(plan, preset):
     return backbone_cls, config
 
 
-def _abstract_model(plan, mesh, model_class, preset, optimizer, data):
+def remat_scope(remat):
+    """`keras.RematScope` of a `remat=` value; a no-op scope for `None`.
+
+    Example:
+    ```python
+    with remat_scope("full"):
+        model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
+    ```
+    """
+    import keras
+
+    if remat is None:
+        return contextlib.nullcontext()
+    arguments = dict(remat) if isinstance(remat, dict) else {"mode": remat}
+    return keras.RematScope(**arguments)
+
+
+def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank):
     """The task model and its optimizer, built with deferred variables that
     carry their layouts, and the distribution they were laid out with."""
     import keras
@@ -216,8 +231,11 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data):
         auto_shard_dataset=False,
     )
     with distribution.scope():
-        with compat.deferred_variables():
+        with compat.deferred_variables(), remat_scope(plan.remat):
             backbone = backbone_cls.from_config(config)
+            if lora_rank is not None:
+                # Frozen weights: only the LoRA kernels are trained.
+                backbone.enable_lora(lora_rank)
         # A task compiles itself with a default optimizer on construction,
         # whose scalar variables can't be deferred.
         model = task_cls(backbone=backbone, preprocessor=None)
@@ -227,7 +245,22 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data):
             )
         model.compile(optimizer=optimizer)
         with compat.deferred_variables():
-            compat.symbolic_build(model, data)
+            try:
+                compat.symbolic_build(model, data)
+            except RuntimeError as error:
+                if plan.remat is None:
+                    raise
+                # Keras' remat traces every argument of a layer's call,
+                # `training` included, which keras-hub's blocks test.
+                raise PlanError(
+                    "This model's training step can't be traced with "
+                    f"rematerialization {plan.remat!r}: Keras' RematScope "
+                    "recomputes whole layers whose call tests a Python "
+                    "argument (keras-hub's decoder blocks). Use "
+                    "`remat={'mode': 'list_of_layers', 'layer_names': [...]}` "
+                    "naming leaf layers (e.g. the MLP's dense layers), or "
+                    f"no remat. Received: remat={plan.remat!r}"
+                ) from error
     return model, distribution
 
 
@@ -261,6 +294,7 @@ def compiled_memory(
     model_class: type | None = None,
     preset=None,
     device_mesh=None,
+    lora_rank: int | None = None,
 ) -> CompiledMemory:
     """Compile a plan's training step ahead of time; XLA's bytes per device.
 
@@ -277,6 +311,8 @@ def compiled_memory(
             read again (a config dict or a model instance).
         device_mesh: the `keras.distribution.DeviceMesh` to compile for;
             defaults to one of the planned shape over the first devices.
+        lora_rank: compile a LoRA fine-tune of this rank (`enable_lora`):
+            only the LoRA kernels are trained; defaults to the plan's.
 
     Returns:
         A `CompiledMemory`.
@@ -297,8 +333,11 @@ def compiled_memory(
     keras_optimizer, optimizer_name = _optimizer(optimizer)
     tokens = jax.ShapeDtypeStruct((batch_size, sequence_length), np.int32)
     build_batch = ({"token_ids": tokens, "padding_mask": tokens}, tokens)
+    if lora_rank is None:
+        lora_rank = plan.lora_rank
+    check_lora_rank(lora_rank)
     model, distribution = _abstract_model(
-        plan, mesh, model_class, preset, keras_optimizer, build_batch
+        plan, mesh, model_class, preset, keras_optimizer, build_batch, lora_rank
     )
     with distribution.scope():
         shardings, groups = _state_shardings(model, distribution)

@@ -7,6 +7,7 @@ import math
 import os
 
 from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.planning.device_profiles import device_profile
 from keras_hub_autodist.planning.options import device_memory_bytes
 
 GIB = 1024**3
@@ -39,12 +40,15 @@ def device_memory_info(devices=(), override=None) -> tuple[int, str]:
 
     Args:
         devices: JAX devices to ask (only this process's devices answer).
-        override: bytes to use as-is.
+        override: bytes to use as-is, or a device name of
+            `device_profiles.DEVICE_PROFILES` (its memory).
 
     Example:
     >>> device_memory_info([], 8 * 1024**3)
     (8589934592, 'given')
     """
+    if isinstance(override, str):
+        return device_profile(override).memory_bytes, MEMORY_GIVEN
     if override is not None:
         return device_memory_bytes(override), MEMORY_GIVEN
     for name, unit in ((DEVICE_MEMORY_ENV, GIB), (DEVICE_MEMORY_GB_ENV, GB)):

@@ -45,6 +45,11 @@ class LayoutPlan(PlanRecord):
             on the sequence over the model axis.
         sequence_parallel_outputs: the family's residual-stream layer
             outputs (`<layer path>/output` patterns).
+        lora_rank: the rank of the LoRA fine-tune planned for, or `None`
+            (full fine-tuning): what the memory answers train.
+        device_name: the named device planned for (`"t4"`), or `""`.
+        remat: the rematerialization planned for (`None`, a
+            `keras.RematScope` mode or a dict of its arguments).
 
     Example:
     ```python
@@ -60,10 +65,14 @@ class LayoutPlan(PlanRecord):
         (`memory.training_bytes_per_device`)."""
         return memory.training_bytes_per_device(self, optimizer)
 
-    def activation_bytes_per_device(self, batch_size: int, sequence_length: int) -> int:
+    def activation_bytes_per_device(
+        self, batch_size: int, sequence_length: int, platform: str = "cpu"
+    ) -> int:
         """Estimated per-device bytes of the activations a training step
         saves for its backward pass (`memory.activation_bytes_per_device`)."""
-        return memory.activation_bytes_per_device(self, batch_size, sequence_length)
+        return memory.activation_bytes_per_device(
+            self, batch_size, sequence_length, platform
+        )
 
     def compiled_memory(
         self, batch_size: int, sequence_length: int, optimizer="adam", **options
@@ -90,7 +99,8 @@ class LayoutPlan(PlanRecord):
 
     @property
     def fits(self) -> bool:
-        """Whether weights, gradients and Adam state fit each device.
+        """Whether weights, gradients and Adam state fit each device (of
+        the trained weights: the LoRA kernels alone with `lora_rank`).
 
         Activations come on top: `strategy="auto"` keeps `"tp"` only while
         this leaves room for them (`policy.leaves_room_for_activations`).
@@ -116,9 +126,16 @@ class LayoutPlan(PlanRecord):
         """Where the per-device memory of this plan comes from."""
         return report.memory_note(self)
 
-    def fit_advice(self) -> list[str]:
-        """What would make a plan that does not fit fit, most useful first."""
-        return report.fit_advice(self)
+    def fit_advice(
+        self,
+        batch_size: int | None = None,
+        sequence_length: int | None = None,
+        optimizer: str = "adam",
+        platform: str = "gpu",
+    ) -> list[str]:
+        """What would make a plan that does not fit fit on its devices, in
+        order of cost (`report.fit_advice`)."""
+        return report.fit_advice(self, batch_size, sequence_length, optimizer, platform)
 
     def summary(self) -> str:
         """Per-device totals, one line each, and whether the plan fits."""

@@ -1,9 +1,11 @@
 """Memory: what a plan needs of each device (what each device has is
-`device_memory.py`).
+`device_memory.py`), answered by the one memory model, `step_memory`.
 
-- `training_bytes_per_device`: weights, gradients and optimizer state.
+- `training_bytes_per_device`: weights, gradients and optimizer state (of
+  the trained weights only: the LoRA kernels under LoRA).
 - `activation_bytes_per_device`: the activations a training step saves for
-  its backward pass, in closed form.
+  its backward pass, in closed form, for a platform.
+- `fits`: whether that state fits each device.
 
 These are pure functions of a plan's values; `LayoutPlan` offers them as
 methods.
@@ -13,74 +15,52 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.planning import step_memory
-from keras_hub_autodist.reading.dtypes import itemsize
 
 if TYPE_CHECKING:
     from keras_hub_autodist.planning.plan_record import PlanRecord
-
-# Bytes per parameter byte while training: the weight, its gradient and the
-# optimizer's state, all in the variable dtype.
-OPTIMIZER_STATE_FACTORS = {"adam": 4, "sgd": 2, "sgd_momentum": 3}
-ADAM_STATE_FACTOR = OPTIMIZER_STATE_FACTORS["adam"]
-# How many tensors of each of `step_memory.activation_terms` a training step
-# saves for its backward pass, by the model's own graph (no compiler's
-# fusion or copies: `step_memory.ACTIVATION_FACTORS` has those, per
-# platform).
-SAVED_ACTIVATIONS = {
-    "stream": 4,
-    "attention": 2,
-    "scores": 2,
-    "mlp": 2,
-    "experts": 1,
-    "final": 2,
-    "logits": 3,
-    "logits_float32": 0,
-}
 
 
 def training_bytes_per_device(plan: PlanRecord, optimizer: str = "adam") -> int:
     """Estimated per-device bytes of weights + gradients + optimizer state.
 
-    Activations are not included.
+    Activations are not included. Frozen weights (all but the LoRA kernels
+    of a plan with `lora_rank`; quantized kernels) carry no gradient and no
+    optimizer state.
 
     Args:
         plan: the `LayoutPlan`.
-        optimizer: `"adam"` (two moments), `"sgd"` (none) or
-            `"sgd_momentum"` (one).
+        optimizer: a name of `step_memory.OPTIMIZERS`: `"adam"` (two
+            moments), `"sgd"` (none) or `"sgd_momentum"` (one).
     """
-    if optimizer not in OPTIMIZER_STATE_FACTORS:
-        raise PlanError(
-            f"Unknown optimizer for the memory estimate. Use one of "
-            f"{sorted(OPTIMIZER_STATE_FACTORS)}. Received: optimizer={optimizer!r}"
-        )
-    return OPTIMIZER_STATE_FACTORS[optimizer] * plan.max_device_bytes
+    return step_memory.step_estimate(plan, None, None, optimizer).total_bytes
 
 
 def fits(plan: PlanRecord) -> bool:
-    """Whether weights, gradients and Adam state fit each device."""
+    """Whether weights, gradients and Adam state fit each device (no
+    batch: activations are not counted)."""
     return training_bytes_per_device(plan, "adam") <= plan.device_memory_bytes
 
 
 def activation_bytes_per_device(
-    plan: PlanRecord, batch_size: int, sequence_length: int
+    plan: PlanRecord, batch_size: int, sequence_length: int, platform: str = "cpu"
 ) -> int:
     """Estimated per-device bytes of the activations a training step
-    saves for its backward pass.
+    saves for its backward pass (`step_memory.activation_bytes`).
 
-    Counted in the plan's dtype, for a decoder of `L` blocks with hidden
-    size `d`, `H` query and `K` key/value heads of size `h`, gated MLP
-    width `F`, vocabulary `V`, on
-    `b = batch_size / size of the batch axis` sequences of `s` tokens:
+    Counted for a decoder of `L` blocks with hidden size `d`, `H` query and
+    `K` key/value heads of size `h`, gated MLP width `F`, vocabulary `V`, on
+    `b = batch_size / size of the batch axis` sequences of `s` tokens, each
+    term times its factor for `platform` (`step_memory.ACTIVATION_FACTORS`;
+    on CPU):
 
     - per block: `4·b·s·d` (block input, attention-norm output, residual
       after attention, MLP-norm output), `b·s·(2H + 2K)·h` (query, key,
-      value, attention context), `2·b·H·s²` (attention scores and their
-      softmax), `2·b·s·F` per up-projection of width `F` (its output,
-      and the activation or gated product), times `E` for a mixture of
-      `E` experts (keras-hub runs every expert on every token), plus
-      `E·b·s·d` for the experts' outputs before the weighted sum;
+      value, attention context), `4·b·H·s²` (attention scores, mask,
+      softmax and its gradient), `2·b·s·F` per up-projection of width `F`
+      (its output, and the activation or gated product), times `E` for a
+      mixture of `E` experts (keras-hub runs every expert on every token),
+      plus `E·b·s·d` for the experts' outputs before the weighted sum;
     - after the blocks: `2·b·s·d` (final norm in and out) and `3·b·s·V`
       (logits, their softmax and their gradient).
 
@@ -95,6 +75,7 @@ def activation_bytes_per_device(
     Args:
         batch_size: the global batch size, split over the batch axis.
         sequence_length: tokens per sequence.
+        platform: `"cpu"` (default), `"gpu"` or `"tpu"`.
 
     Example:
     ```python
@@ -102,6 +83,4 @@ def activation_bytes_per_device(
     activation_bytes_per_device(plan, batch_size=8, sequence_length=2048)
     ```
     """
-    terms = step_memory.activation_terms(plan, batch_size, sequence_length)
-    saved = sum(SAVED_ACTIVATIONS[name] * count for name, count in terms.items())
-    return int(saved * itemsize(plan.dtype))
+    return step_memory.activation_bytes(plan, batch_size, sequence_length, platform)

@@ -17,7 +17,10 @@ from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
+from keras_hub_autodist.planning.device_profiles import device_profile
 from keras_hub_autodist.planning.sharding import STRATEGIES
+from keras_hub_autodist.planning.step_memory import check_lora_rank
+from keras_hub_autodist.planning.step_memory import check_remat
 
 STRATEGY_CHOICES = ("auto",) + STRATEGIES
 
@@ -58,6 +61,22 @@ OPTIONS = (
         None,
         "bytes per device; default: asked of the devices or the environment.",
         from_preset=False,
+    ),
+    Option(
+        "lora_rank",
+        None,
+        "plan a LoRA fine-tune of this rank (`enable_lora(rank)`): only the "
+        "LoRA kernels carry gradients and optimizer state (default `None`: "
+        "full fine-tuning).",
+        from_preset=False,
+    ),
+    Option(
+        "remat",
+        None,
+        'rematerialization: a `keras.RematScope` mode (`"full"`, '
+        '`"larger_than"`, `"list_of_layers"`) or a dict of its arguments; '
+        "the training step recomputes those layers' activations in the "
+        "backward pass instead of keeping them (default `None`).",
     ),
     Option(
         "progress",
@@ -103,8 +122,13 @@ class PlanOptions:
             `model`/`tensor`.
         dtype: the dtype (policy) the model will be loaded with; `None`: the
             preset's.
-        device_memory: bytes per device; `None`: asked of the devices, the
-            environment, or assumed (`device_memory.device_memory_info`).
+        device_memory: bytes per device, or a named device of
+            `device_profiles.DEVICE_PROFILES` (e.g. `"t4"`); `None`: asked of
+            the devices, the environment, or assumed
+            (`device_memory.device_memory_info`).
+        lora_rank: the rank of a LoRA fine-tune; `None`: full fine-tuning.
+        remat: the rematerialization of the training step (`None`, a
+            `keras.RematScope` mode, or a dict of its arguments).
         sequence_parallel: shard residual-stream activations on the
             sequence over the model axis.
         strict: a weight that matches no rule is an error (`True`) or a
@@ -119,7 +143,9 @@ class PlanOptions:
     batch_axis: str | None = None
     model_axis: str | None = None
     dtype: Any = None
-    device_memory: int | None = None
+    device_memory: int | str | None = None
+    lora_rank: int | None = None
+    remat: Any = None
     sequence_parallel: bool = False
     strict: bool = True
 
@@ -143,7 +169,11 @@ class PlanOptions:
                 "on the sequence over the model axis) or False. Received: "
                 f"sequence_parallel={self.sequence_parallel!r}"
             )
-        if self.device_memory is not None:
+        check_lora_rank(self.lora_rank)
+        check_remat(self.remat)
+        if isinstance(self.device_memory, str):
+            device_profile(self.device_memory)  # a known name
+        elif self.device_memory is not None:
             object.__setattr__(
                 self, "device_memory", device_memory_bytes(self.device_memory)
             )

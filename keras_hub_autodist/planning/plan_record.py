@@ -16,6 +16,7 @@ import re
 import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+from typing import Any
 
 from keras_hub_autodist.architectures.weight import Weight
 from keras_hub_autodist.errors import MeshError
@@ -56,6 +57,9 @@ class PlanRecord:
     )
     sequence_parallel: bool = False
     sequence_parallel_outputs: tuple[str, ...] = ()
+    lora_rank: int | None = None
+    device_name: str = ""
+    remat: Any = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "rows", tuple(self.rows))

@@ -20,8 +20,8 @@ from keras_hub_autodist.errors import option
 from keras_hub_autodist.planning import policy
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning.device_memory import device_memory_info
+from keras_hub_autodist.planning.device_profiles import device_profile
 from keras_hub_autodist.planning.layout_plan import LayoutPlan
-from keras_hub_autodist.planning.memory import ADAM_STATE_FACTOR
 from keras_hub_autodist.planning.mesh import MeshAxes
 from keras_hub_autodist.planning.mesh import ResolvedMesh
 from keras_hub_autodist.planning.mesh import check_device_count
@@ -31,6 +31,8 @@ from keras_hub_autodist.planning.mesh import resolve_mesh_axes
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.shapes import ModelWeights
 from keras_hub_autodist.planning.shapes import model_weights
+from keras_hub_autodist.planning.step_memory import state_bytes
+from keras_hub_autodist.planning.step_memory import trainable_bytes
 from keras_hub_autodist.reading.dtypes import itemsize
 from keras_hub_autodist.reading.presets import read_config
 
@@ -55,7 +57,9 @@ def plan(
     batch_axis: str | None = None,
     model_axis: str | None = None,
     dtype=None,
-    device_memory: int | None = None,
+    device_memory: int | str | None = None,
+    lora_rank: int | None = None,
+    remat=None,
     sequence_parallel: bool = False,
     strict: bool = True,
     num_devices: int | None = None,
@@ -91,9 +95,19 @@ def plan(
             `model`/`tensor`.
         dtype: the dtype (policy) the model will be loaded with; defaults to
             the preset's.
-        device_memory: per-device bytes; defaults to
+        device_memory: per-device bytes, or a named device such as `"t4"`,
+            `"v3-8"` or `"a100-80"` (`device_profiles.DEVICE_PROFILES`: its
+            memory per device); defaults to
             `$KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB`, what the devices report,
             or 16 GiB (`plan.memory_note()` says which).
+        lora_rank: plan a LoRA fine-tune of this rank (keras-hub's
+            `enable_lora(rank)`: the query and value kernels gain rank-`r`
+            adapters, the only weights trained): the memory answers then
+            count gradients and optimizer state for the LoRA kernels alone.
+        remat: plan a training step with rematerialization, as
+            `from_preset(..., remat=...)` builds it: a `keras.RematScope`
+            mode (`"full"`, `"larger_than"`, `"list_of_layers"`) or a dict of
+            its arguments. The activation estimate counts `"full"`.
         sequence_parallel: also shard the activations tensor parallelism
             replicates (the residual stream: norms, residual adds, dropout)
             on their sequence dimension over the model axis, Megatron-style;
@@ -122,6 +136,8 @@ def plan(
         model_axis=model_axis,
         dtype=dtype,
         device_memory=device_memory,
+        lora_rank=lora_rank,
+        remat=remat,
         sequence_parallel=sequence_parallel,
         strict=strict,
     )
@@ -214,7 +230,7 @@ def resolve_mesh(
                 devices = jax.devices()
             count = len(devices)
         capacity, source = device_memory_info(devices or (), options.device_memory)
-        shape, reason = _auto_mesh(model, count, capacity, source)
+        shape, reason = _auto_mesh(model, options, count, capacity, source)
         argument = read_device_mesh(shape)
     else:
         if argument.devices is not None:
@@ -283,11 +299,13 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
     ]
     held = dict(zip(alternatives, _held_bytes(model, alternatives)))
     kv = {
-        strategy: _choose_kv(model, mesh_axes, strategy, held, capacity)
+        strategy: _choose_kv(model, options, mesh_axes, strategy, held, capacity)
         for strategy in strategies
     }
     if options.strategy == "auto":
-        tp_need = ADAM_STATE_FACTOR * held[Alternative(mesh_axes, "tp", kv["tp"][0])]
+        tp_need = _state_need(
+            model, options, held[Alternative(mesh_axes, "tp", kv["tp"][0])]
+        )
         strategy, strategy_reason = policy.choose_strategy(
             tp_need,
             capacity,
@@ -312,10 +330,15 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
         config_fields=model.config_fields,
         sequence_parallel=options.sequence_parallel,
         sequence_parallel_outputs=model.sequence_parallel_outputs,
+        lora_rank=options.lora_rank,
+        remat=options.remat,
+        device_name=device_name(options.device_memory),
     )
 
 
-def _auto_mesh(model, num_devices, capacity, source) -> tuple[dict[str, int], str]:
+def _auto_mesh(
+    model, options, num_devices, capacity, source
+) -> tuple[dict[str, int], str]:
     """The mesh `device_mesh="auto"` picks: every candidate's `"tp"` plan
     costed in one pass over the weights, then `policy.choose_mesh`."""
     candidates = [resolve_mesh_axes(m) for m in policy.mesh_candidates(num_devices)]
@@ -327,11 +350,26 @@ def _auto_mesh(model, num_devices, capacity, source) -> tuple[dict[str, int], st
     held = dict(zip(alternatives, _held_bytes(model, alternatives)))
     needs = []
     for mesh_axes in candidates:
-        kv_fallback, _ = _choose_kv(model, mesh_axes, "tp", held, capacity)
+        kv_fallback, _ = _choose_kv(model, options, mesh_axes, "tp", held, capacity)
         needs.append(
-            ADAM_STATE_FACTOR * held[Alternative(mesh_axes, "tp", kv_fallback)]
+            _state_need(model, options, held[Alternative(mesh_axes, "tp", kv_fallback)])
         )
     return policy.choose_mesh(needs, num_devices, capacity, source)
+
+
+def _state_need(model: ModelWeights, options: PlanOptions, held: int) -> int:
+    """Weights, gradients and Adam state per device of a layout holding
+    `held` parameter bytes (`step_memory.state_bytes`): with LoRA only its
+    kernels train; otherwise every weight, sharded as the weights are."""
+    if options.lora_rank is None:
+        return state_bytes(held, held, "adam")
+    trained = trainable_bytes(model.weights, model.dtype, options.lora_rank, None)
+    return state_bytes(held + trained, trained, "adam")
+
+
+def device_name(device_memory) -> str:
+    """The name of the device `device_memory=` names, or `""` for bytes."""
+    return device_profile(device_memory).name if isinstance(device_memory, str) else ""
 
 
 def _held_bytes(model: ModelWeights, alternatives: list[Alternative]) -> list[int]:
@@ -399,7 +437,7 @@ def _kv_fallbacks(model: ModelWeights, mesh_axes: MeshAxes) -> tuple[str, ...]:
     return tuple(layout.kv_fallback for layout in policy.KV_LAYOUTS)
 
 
-def _choose_kv(model, mesh_axes, strategy, held, capacity) -> tuple[str, str]:
+def _choose_kv(model, options, mesh_axes, strategy, held, capacity) -> tuple[str, str]:
     """The key/value layout and why, from the alternatives' costs.
 
     When the query heads don't divide the model axis either, K/V follow the
@@ -437,7 +475,9 @@ def _choose_kv(model, mesh_axes, strategy, held, capacity) -> tuple[str, str]:
         bytes_held = held[Alternative(mesh_axes, strategy, layout.kv_fallback)]
         candidates.append(
             policy.KVCandidate(
-                layout, ADAM_STATE_FACTOR * bytes_held, bytes_held / ideal
+                layout,
+                _state_need(model, options, bytes_held),
+                bytes_held / ideal,
             )
         )
     chosen, reason = policy.choose_kv_layout(

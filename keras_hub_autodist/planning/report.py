@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from keras_hub_autodist.errors import option
 from keras_hub_autodist.planning import memory
 from keras_hub_autodist.planning import sharding
+from keras_hub_autodist.planning import step_memory
 from keras_hub_autodist.planning.device_memory import DEVICE_MEMORY_ENV
 from keras_hub_autodist.planning.device_memory import DEVICE_MEMORY_GB_ENV
 from keras_hub_autodist.planning.device_memory import MEMORY_ASSUMED
@@ -49,34 +50,162 @@ def memory_note(plan: PlanRecord) -> str:
     return "given"
 
 
-def fit_advice(plan: PlanRecord) -> list[str]:
-    """What would make a plan that does not fit fit, most useful first."""
-    need = memory.training_bytes_per_device(plan, "adam")
-    ratio = need / max(1, plan.device_memory_bytes)
-    model = plan.mesh_axes.model_axis or "model"
-    advice = [f"put about {math.ceil(ratio)}x as many devices on the '{model}' axis"]
-    if plan.strategy != "fsdp" and plan.mesh_axes.size(plan.batch_axis) > 1:
+# The LoRA rank the advice proposes (keras-hub's examples use 4).
+ADVISED_LORA_RANK = 4
+
+
+def fit_advice(
+    plan: PlanRecord,
+    batch_size: int | None = None,
+    sequence_length: int | None = None,
+    optimizer: str = "adam",
+    platform: str = "gpu",
+) -> list[str]:
+    """What would make a plan that does not fit fit on its devices, in order
+    of cost: LoRA, rematerialization, `fsdp`, a smaller batch or sequence,
+    bfloat16 weights; each one named only when the estimate says it alone
+    makes the run fit (`step_memory.step_estimate`). When none does, how
+    many more devices the model axis needs. Last, how to check the estimate
+    by compiling.
+    """
+    capacity = plan.device_memory_bytes
+
+    def need(**changes):
+        options = dict(
+            batch_size=batch_size, sequence_length=sequence_length, lora_rank=None
+        )
+        options.update(changes)
+        shard = options.pop("shard", 1)
+        scale = options.pop("scale", 1)
+        remat = options.pop("remat", plan.remat)
+        estimate = step_memory.step_estimate(
+            plan.replace(remat=remat) if remat != plan.remat else plan,
+            options["batch_size"],
+            options["sequence_length"],
+            optimizer,
+            platform=platform,
+            lora_rank=options["lora_rank"] or plan.lora_rank,
+        )
+        state = estimate.total_bytes - estimate.activations
+        return scale * (state / shard + estimate.activations)
+
+    advice = []
+    if plan.lora_rank is None and need(lora_rank=ADVISED_LORA_RANK) <= capacity:
+        advice.append(
+            f"fine-tune with LoRA ({option('lora_rank', str(ADVISED_LORA_RANK))}, "
+            f"`backbone.enable_lora({ADVISED_LORA_RANK})`): only its kernels "
+            "carry gradients and optimizer state"
+        )
+    if batch_size is not None and plan.remat is None and need(remat="full") <= capacity:
+        advice.append(
+            f"rematerialize: {option('remat', repr('full'))} recomputes each "
+            "block's activations in the backward pass instead of keeping them"
+        )
+    batch_devices = plan.mesh_axes.size(plan.batch_axis)
+    if (
+        plan.strategy != "fsdp"
+        and batch_devices > 1
+        and need(shard=batch_devices) <= capacity
+    ):
         advice.append(
             f"use {option('strategy', repr('fsdp'))} to shard weights and "
             f"optimizer state over '{plan.batch_axis}' too"
         )
-    if plan.dtype in ("float32", "float64"):
+    if batch_size is not None and sequence_length is not None:
+        smaller = _smaller_step(need, capacity, batch_size, sequence_length)
+        if smaller:
+            advice.append(smaller)
+    if plan.dtype in ("float32", "float64") and need(scale=0.5) <= capacity:
         advice.append(
             f"load with {option('dtype', repr('bfloat16'))} to halve every byte"
+        )
+    if not advice:
+        model = plan.mesh_axes.model_axis or "model"
+        ratio = need() / max(1, capacity)
+        advice.append(
+            f"nothing fits on these {plan.mesh_axes.num_devices} devices; "
+            f"put about {math.ceil(ratio)}x as many devices on the '{model}' axis"
         )
     if plan.device_memory_source == MEMORY_ASSUMED:
         advice.append(
             f"if your devices have more than "
-            f"{format_bytes(plan.device_memory_bytes)}, say so with "
-            f"{option('device_memory')}"
+            f"{format_bytes(capacity)}, say so with {option('device_memory')}"
         )
     advice.append(
         "check this estimate against the compiled step: "
         "`keras_hub_autodist.compiled_memory(plan, batch_size, sequence_length)` "
-        "(`plan ... "
-        "--batch B --seq S --compiled` on the command line)"
+        "(`plan ... --batch B --seq S --compiled` on the command line)"
     )
     return advice
+
+
+def _smaller_step(need, capacity, batch_size, sequence_length) -> str:
+    """The largest halving of the batch, else of the sequence, that fits."""
+    batch = batch_size
+    while batch > 1:
+        batch //= 2
+        if need(batch_size=batch) <= capacity:
+            return f"a smaller batch: {batch} sequences of {sequence_length} tokens"
+    sequence = sequence_length
+    while sequence > 1:
+        sequence //= 2
+        if need(sequence_length=sequence) <= capacity:
+            return f"shorter sequences: {batch_size} x {sequence} tokens"
+    return ""
+
+
+def memory_verdict(
+    plan: PlanRecord,
+    batch_size: int | None = None,
+    sequence_length: int | None = None,
+    optimizer: str = "adam",
+    platform: str = "gpu",
+) -> tuple[bool, step_memory.StepEstimate, str]:
+    """The one fit verdict: `fits` is `estimate.total_bytes <=
+    plan.device_memory_bytes`, with the estimate and the verdict as a line.
+
+    Without `batch_size` and `sequence_length` the estimate counts weights,
+    gradients and optimizer state alone, and the line says so.
+
+    Example:
+    ```python
+    fits, estimate, line = memory_verdict(plan, 1, 256)
+    ```
+    """
+    estimate = step_memory.step_estimate(
+        plan, batch_size, sequence_length, optimizer, platform=platform
+    )
+    capacity = plan.device_memory_bytes
+    fits = estimate.total_bytes <= capacity
+    training = f"LoRA rank {plan.lora_rank} fine-tune" if plan.lora_rank else "training"
+    what = (
+        f"{training} step of {batch_size} x {sequence_length} tokens with {optimizer}"
+        if estimate.covers == step_memory.STEP
+        else f"{training} with {optimizer}, weights+grads+optimizer state only "
+        "(no activations: give a batch and sequence length to count them)"
+    )
+    share = estimate.total_bytes / max(1, capacity)
+    device = f" {plan.device_name}" if plan.device_name else ""
+    if fits:
+        line = (
+            f"fits: yes, {what} takes {format_bytes(estimate.total_bytes)}, "
+            f"{share:.0%} of each{device} device's {format_bytes(capacity)}"
+        )
+    else:
+        where = (
+            "even the parameters alone do not fit; "
+            if plan.max_device_bytes > capacity
+            else ""
+        )
+        line = (
+            f"fits: NO, {what} needs {format_bytes(estimate.total_bytes)} per "
+            f"device, {share:.1f}x the {format_bytes(capacity)} of each{device} "
+            f"device; {where}to fit: "
+            + "; or ".join(
+                fit_advice(plan, batch_size, sequence_length, optimizer, platform)
+            )
+        )
+    return fits, estimate, line
 
 
 def summary(plan: PlanRecord) -> str:
@@ -85,6 +214,7 @@ def summary(plan: PlanRecord) -> str:
     axes = plan.mesh_axes
     mesh_reason = f"; {plan.mesh_reason}" if plan.mesh_reason else ""
     training = memory.training_bytes_per_device(plan)
+    device = f" per {plan.device_name}" if plan.device_name else ""
     lines = [
         f"preset: {plan.preset} ({plan.backbone_class}, {plan.architecture})",
         f"mesh: {axes.describe()} (batch axis: {axes.batch_axis}, model "
@@ -93,38 +223,23 @@ def summary(plan: PlanRecord) -> str:
         + f"{mesh_reason})",
         f"strategy: {plan.strategy} ({plan.strategy_reason})",
         f"sequence parallel: {sequence_parallel_note(plan)}",
+        "fine-tuning: "
+        + (f"LoRA rank {plan.lora_rank}" if plan.lora_rank else "full")
+        + f", rematerialization: {step_memory.remat_mode(plan.remat) or 'off'}",
         f"parameters: {plan.num_parameters:,} ({plan.dtype}), "
         f"{size(plan.total_bytes)} in all",
         f"per device: {size(plan.max_device_bytes)} of parameters (ideal "
         f"{size(plan.ideal_device_bytes)}), about {size(training)} to "
-        f"train with Adam, of {size(plan.device_memory_bytes)} "
+        f"train with Adam, of {size(plan.device_memory_bytes)}{device} "
         f"({memory_note(plan)})",
         f"fallbacks: {len(plan.fallbacks)} weights in "
         f"{len({row.pattern for row in plan.fallbacks})} rows of the table",
     ]
     share = training / max(1, plan.device_memory_bytes)
-    if memory.fits(plan):
-        tight = (
-            ", which leaves little room for activations"
-            if share > AUTO_TP_MEMORY_SHARE
-            else ", before activations"
-        )
-        lines.append(
-            f"fits: yes, weights+grads+Adam take {share:.0%} of each "
-            f"device's memory{tight}"
-        )
-    else:
-        where = (
-            "even the parameters alone do not fit; "
-            if plan.max_device_bytes > plan.device_memory_bytes
-            else "the parameters alone fit (inference), training does not; "
-        )
-        lines.append(
-            f"fits: NO, training with Adam needs {size(training)} per "
-            f"device, {share:.1f}x "
-            f"the {size(plan.device_memory_bytes)} available; {where}to "
-            "fit: " + "; or ".join(fit_advice(plan))
-        )
+    _, _, verdict = memory_verdict(plan)
+    if share > AUTO_TP_MEMORY_SHARE and memory.fits(plan):
+        verdict += ", which leaves little room for activations"
+    lines.append(verdict)
     return "\n".join(lines)
 
 
