@@ -24,6 +24,13 @@ import os
 # (keras not imported, KERAS_BACKEND unset), choose JAX. No effect otherwise.
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from keras_hub_autodist import quiet  # noqa: E402
+
+# TensorFlow's C++ start-up notices (keras-hub imports TensorFlow) and
+# Orbax's warning of every single-process checkpoint save kept off stderr.
+quiet.quiet_tensorflow_start()
+quiet.quiet_orbax_merge_notice()
+
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402
 from keras_hub_autodist.errors import ArgumentError  # noqa: E402
 from keras_hub_autodist.errors import AutodistError  # noqa: E402

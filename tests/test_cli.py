@@ -107,6 +107,8 @@ print("RESULT", after_help, after_plan, statuses)
     # The first process builds with keras-hub; the second reads the cache.
     assert first == ["RESULT [] ['jax', 'keras', 'keras_hub', 'tensorflow'] [0, 0, 0]"]
     assert again == ["RESULT [] [] [0, 0, 0]"], runs[1].stdout[-2000:]
+    # Neither prints TensorFlow's native start-up notices (the first imports it).
+    assert runs[0].stderr == "", runs[0].stderr
     assert runs[1].stderr == ""
 
 
