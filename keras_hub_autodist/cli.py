@@ -388,10 +388,20 @@ def _one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _closed_pipe() -> int:
+    """The reader of stdout went away (`... | head -1`): stop quietly, as the
+    Python documentation advises, with stdout sent to devnull so that the
+    interpreter's last flush finds no closed pipe either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `keras-hub-autodist` command.
 
-    Returns the exit status: 0, or 2 after printing a one-line error.
+    Returns the exit status: 0; 2 after printing a one-line error; 1, silently,
+    when the reader of stdout closed it (`... | head -1`).
 
     Example:
     ```python
@@ -407,9 +417,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_step_flags(args)
             if args.compiled:
                 _use_virtual_devices_for(args.mesh)
-            return _run_plan(args)
-        _use_virtual_devices_without_accelerator()
-        return _run_demo(args)
+            status = _run_plan(args)
+        else:
+            _use_virtual_devices_without_accelerator()
+            status = _run_demo(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        return _closed_pipe()
     except (AutodistError, *USER_ERRORS) as error:
         print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
