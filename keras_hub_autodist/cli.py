@@ -264,7 +264,7 @@ def _run_plan(args) -> int:
         device_memory=args.device_memory,
         num_devices=args.devices,
     )
-    print(result)
+    print(as_flags(str(result)))
     if args.batch is not None:
         print(_step_memory(result, args))
     return 0
@@ -358,15 +358,19 @@ FLAGS = {
     "device_mesh": "--mesh",
 }
 _KEYWORD = re.compile(r"`([a-z_]+)=([^`]*)`")
+# An option named bare, as a message's `Received: name=value` part names it.
+_BARE_KEYWORD = re.compile(r"(?<![\w`-])([a-z_]+)=")
 
 
 def as_flags(message: str) -> str:
     """`message` with the options it names as keywords named as this
-    command's flags.
+    command's flags, in its advice and in its `Received:` part.
 
     Example:
     >>> as_flags("pass `batch_axis=`, e.g. `device_mesh={'batch': 1, 'model': 8}`")
     'pass `--batch-axis`, e.g. `--mesh batch=1,model=8`'
+    >>> as_flags("Received: device_memory=0, preset='x'")
+    "Received: --device-memory 0, preset='x'"
     """
 
     def flag(match):
@@ -380,7 +384,16 @@ def as_flags(message: str) -> str:
             value = ",".join(f"{axis}={size}" for axis, size in sizes)
         return f"`{FLAGS[name]} {value.strip(chr(39))}`"
 
-    return _KEYWORD.sub(flag, message)
+    def bare(match):
+        name = match.group(1)
+        return f"{FLAGS[name]} " if name in FLAGS else match.group(0)
+
+    advice, received, values = message.partition("Received:")
+    return (
+        _KEYWORD.sub(flag, advice)
+        + received
+        + _BARE_KEYWORD.sub(bare, _KEYWORD.sub(flag, values))
+    )
 
 
 def _one_line(error: BaseException) -> str:

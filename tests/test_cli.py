@@ -168,6 +168,17 @@ def test_device_memory_flag(capsys):
     assert "of 80.00 GiB (given)" in out and "fits: yes" in out
 
 
+def test_plan_output_names_flags(capsys, monkeypatch):
+    for name in ("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB",):
+        monkeypatch.delenv(name, raising=False)
+    status, out, _ = run(
+        ["plan", str(REAL_PRESETS / "gemma_2b"), "--mesh", "batch=2,model=4"], capsys
+    )
+    assert status == 0
+    assert "give yours with `--device-memory`" in out, out
+    assert "device_memory=" not in out
+
+
 def test_messages_name_flags_from_the_cli(capsys):
     status, _, err = run(
         ["plan", str(REAL_PRESETS / "gemma_2b"), "--mesh", "model=8"], capsys
@@ -208,6 +219,11 @@ def test_messages_name_flags_from_the_cli(capsys):
         (
             ["plan", "GPT2", "--mesh", "batch=2"],
             "no layout for GPT2Backbone",
+        ),
+        (["plan", "./no/such/preset", "--mesh", "batch=2"], "No such folder: "),
+        (
+            ["plan", "PRESET", "--mesh", "batch=8", "--devices", "8"],
+            "Received: --devices 8, --mesh",
         ),
     ],
 )
