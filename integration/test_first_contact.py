@@ -32,7 +32,7 @@ def _environment(tmp_path):
 
 def test_demo_stderr_has_no_log_lines(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "keras_hub_autodist", "demo", "--steps", "1"],
+        [sys.executable, "-m", "keras_hub_autodist", "demo", "--steps", "24"],
         capture_output=True,
         text=True,
         env=_environment(tmp_path),
@@ -59,3 +59,26 @@ def test_plan_into_a_closed_pipe_ends_quietly(tmp_path):
     assert "Broken pipe" not in err and "Traceback" not in err, err
     assert err == "", err
     assert process.returncode == 1
+
+
+def test_keras_imported_first_on_another_backend_is_a_backend_error(tmp_path):
+    preset = build_tiny_gemma_preset(str(tmp_path / "tiny_gemma"))
+    script = f"""
+import keras  # KERAS_BACKEND unset: Keras chooses TensorFlow
+import keras_hub
+import keras_hub_autodist
+try:
+    keras_hub.models.CausalLM.from_preset({preset!r}, device_mesh={{"batch": 1}})
+except keras_hub_autodist.BackendError as error:
+    print("BackendError:", error)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=_environment(tmp_path),
+        timeout=600,
+    )
+    assert "BackendError: " in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "Received: backend='tensorflow'" in done.stdout
+    assert "KERAS_BACKEND=jax" in done.stdout and "restart" in done.stdout

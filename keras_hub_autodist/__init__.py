@@ -77,6 +77,7 @@ _LAZY = {
     "ResumableCheckpoint": "keras_hub_autodist.training.resumable",
     "compiled_memory": "keras_hub_autodist.planning.compiled_step",
     "CompiledMemory": "keras_hub_autodist.planning.compiled_step",
+    "summary": "keras_hub_autodist.summary_line",
 }
 
 __all__ = [
@@ -114,6 +115,7 @@ __all__ = [
     "ResumableCheckpoint",
     "SaveTargetError",
     "StrategyError",
+    "summary",
     "UnplannedWeightError",
     "UnplannedWeightWarning",
     "UnsupportedArchitectureError",

@@ -123,7 +123,8 @@ class LayoutPlan(PlanRecord):
         return report.fit_advice(self)
 
     def summary(self) -> str:
-        """Per-device totals, one line each, and whether the plan fits."""
+        """Per-device totals, one line each, and whether the plan fits
+        (`keras_hub_autodist.summary(plan)` gives the one-line form)."""
         return report.summary(self)
 
     def table_groups(self) -> dict[tuple, list[Weight]]:
