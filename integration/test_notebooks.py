@@ -11,6 +11,7 @@ end with a better completion than it started with.
 """
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -69,15 +70,16 @@ def test_notebook_runs_in_a_fresh_venv_and_its_outputs_are_current(
     outputs = text_of(notebook)
     assert "per device:" in outputs  # the plan was printed
     before, after = _completions(outputs)
-    assert after != before and after.startswith(before[: len("the quick brown")])
+    assert after != before and after.startswith("the quick brown")
     assert demo.TARGET.split()[3] in after  # "fox": it learned the sentence
 
 
 def _completions(outputs: str) -> tuple[str, str]:
-    lines = outputs.splitlines()
-    before = [line for line in lines if line.startswith("before fine-tuning:")][-1]
-    after = [line for line in lines if line.startswith("after fine-tuning:")][-1]
-    return before.split(":", 1)[1].strip(), after.split(":", 1)[1].strip()
+    """The last completions printed before and after fine-tuning."""
+    before = re.findall(r"before fine-tuning: *'([^']*)'", outputs)
+    after = re.findall(r"after fine-tuning: *'([^']*)'", outputs)
+    assert before and after, outputs[-2000:]
+    return before[-1], after[-1]
 
 
 def test_both_kaggle_notebooks_exist():
