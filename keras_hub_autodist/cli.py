@@ -122,16 +122,16 @@ def parse_devices(text: str) -> int:
 
 
 def parse_steps(text: str) -> int:
-    """Parse the demo's positive number of epochs (`--steps 3`).
+    """Parse the demo's positive number of fine-tuning steps (`--steps 48`).
 
     Example:
-    >>> parse_steps("3")
-    3
+    >>> parse_steps("48")
+    48
     """
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(
-            "--steps takes a positive number of epochs of fine-tuning, e.g. "
-            f"3. Received: {text!r}"
+            "--steps takes a positive number of fine-tuning steps (batches), "
+            f"e.g. 48. Received: {text!r}"
         )
     return int(text)
 
@@ -246,7 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES)
     demo.add_argument(
-        "--steps", type=parse_steps, default=3, help="epochs of fine-tuning"
+        "--steps",
+        type=parse_steps,
+        default=None,
+        help="optimizer steps (batches) of fine-tuning (default 48)",
     )
     return parser
 
@@ -330,10 +333,14 @@ def _use_virtual_devices_for(mesh) -> None:
 
 
 def _run_demo(args) -> int:
+    from keras_hub_autodist.demo import STEPS
     from keras_hub_autodist.demo import run_demo
 
     run_demo(
-        preset=args.preset, mesh=args.mesh, strategy=args.strategy, steps=args.steps
+        preset=args.preset,
+        mesh=args.mesh,
+        strategy=args.strategy,
+        steps=STEPS if args.steps is None else args.steps,
     )
     return 0
 
