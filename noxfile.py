@@ -80,7 +80,10 @@ def multihost(session):
 
 @nox.session
 def notebooks(session):
-    """Execute docs/notebooks end to end with their tiny-preset parameters."""
+    """Execute docs/notebooks end to end with their tiny-preset parameters,
+    each in a fresh virtualenv installed by its own install cell (pointed at
+    this checkout's wheel), and check their committed outputs are current
+    (`python integration/notebook_runner.py` rewrites them)."""
     session.install("-e", ".[dev]")
     session.run(
         "python", "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"

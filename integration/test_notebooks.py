@@ -1,50 +1,85 @@
-"""The Kaggle notebooks run end to end, with their tiny-preset parameters.
+"""The Kaggle notebooks run end to end in a fresh virtualenv, installed by
+their own install cell (pointed at this checkout's wheel), and their
+committed outputs are current.
 
 Run by the `notebooks` nox session: each notebook is executed in a fresh
-kernel (nbclient), so its parameter cell sets the virtual devices before JAX
-starts. Outputs are not written back.
+kernel of a new virtualenv that sees the heavy dependencies but not this
+package (venvs.bare_venv); the install cell's `%pip install` installs the
+wheel, offline. The committed notebook must have the same structure of
+outputs (streams, images; not their text or timings), and the tiny run must
+end with a better completion than it started with.
 """
 
 import os
-import pathlib
+import re
+import subprocess
 
 import pytest
+import venvs
+from notebook_runner import NOTEBOOKS
+from notebook_runner import execute
+from notebook_runner import structure
+from notebook_runner import text_of
+from notebook_runner import with_install_source
+
+from keras_hub_autodist import demo
 
 pytestmark = pytest.mark.notebooks
+KERNEL = "fresh-venv"
 
-NOTEBOOKS = sorted(
-    (pathlib.Path(__file__).resolve().parents[1] / "docs" / "notebooks").glob("*.ipynb")
-)
+
+@pytest.fixture(scope="module")
+def fresh_kernel(tmp_path_factory):
+    """A Jupyter kernel of a bare virtualenv, and this checkout's wheel."""
+    python = venvs.bare_venv(tmp_path_factory)
+    prefix = os.path.dirname(os.path.dirname(python))
+    subprocess.run(
+        [python, "-m", "ipykernel", "install", "--prefix", prefix, "--name", KERNEL],
+        check=True,
+        capture_output=True,
+    )
+    wheel = venvs.build_wheel(tmp_path_factory)
+    env = {
+        "JUPYTER_PATH": os.path.join(prefix, "share", "jupyter"),
+        "PIP_NO_INDEX": "1",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+    return python, wheel, env
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(path, tmp_path):
+def test_notebook_runs_in_a_fresh_venv_and_its_outputs_are_current(
+    path, fresh_kernel, tmp_path
+):
     import nbformat
-    from nbclient import NotebookClient
 
-    notebook = nbformat.read(path, as_version=4)
-    env_backup = dict(os.environ)
-    # The kernel must start JAX itself: no device flags inherited from pytest.
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "KAGGLE_USERNAME", "KAGGLE_KEY"):
-        os.environ.pop(name, None)
-    try:
-        NotebookClient(
-            notebook,
-            timeout=600,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(tmp_path)}},
-        ).execute()
-    finally:
-        os.environ.clear()
-        os.environ.update(env_backup)
-    outputs = "".join(
-        out.get("text", "")
-        for cell in notebook.cells
-        if cell.cell_type == "code"
-        for out in cell.get("outputs", [])
+    python, wheel, env = fresh_kernel
+    committed = nbformat.read(path, as_version=4)
+    notebook = with_install_source(committed, wheel.as_uri())
+    execute(notebook, kernel_name=KERNEL, cwd=str(tmp_path), env=env)
+    installed = subprocess.run(
+        [python, "-m", "pip", "show", "keras-hub-autodist"],
+        capture_output=True,
+        text=True,
     )
+    assert installed.returncode == 0, "the install cell did not install the wheel"
+    assert structure(notebook) == structure(committed), (
+        "the committed outputs are stale: run "
+        "`python integration/notebook_runner.py` and commit the notebooks"
+    )
+    outputs = text_of(notebook)
     assert "per device:" in outputs  # the plan was printed
-    assert "the quick brown" in outputs  # the completion was printed
+    before, after = _completions(outputs)
+    assert after != before and after.startswith("the quick brown")
+    assert demo.TARGET.split()[3] in after  # "fox": it learned the sentence
+
+
+def _completions(outputs: str) -> tuple[str, str]:
+    """The last completions printed before and after fine-tuning."""
+    before = re.findall(r"before fine-tuning: *'([^']*)'", outputs)
+    after = re.findall(r"after fine-tuning: *'([^']*)'", outputs)
+    assert before and after, outputs[-2000:]
+    return before[-1], after[-1]
 
 
 def test_both_kaggle_notebooks_exist():

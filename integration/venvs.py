@@ -37,8 +37,9 @@ def pip_install(python, *args):
     )
 
 
-def fresh_venv(tmp_path_factory):
-    """A new virtual environment with a non-editable install of this package.
+def bare_venv(tmp_path_factory):
+    """A new virtual environment that sees the running one's packages (the
+    heavy dependencies) but not this package.
 
     Returns:
         The path of the venv's `python`.
@@ -50,6 +51,11 @@ def fresh_venv(tmp_path_factory):
     purelib = site.stdout.strip()
     with open(os.path.join(purelib, "_outer_dependencies.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def build_wheel(tmp_path_factory) -> pathlib.Path:
+    """This checkout built as a wheel (no dependencies); its path."""
     wheel_dir = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
@@ -65,7 +71,19 @@ def fresh_venv(tmp_path_factory):
         ],
         check=True,
     )
-    wheel = next(wheel_dir.glob("keras_hub_autodist-*.whl"))
-    pip_install(python, str(wheel))
-    assert os.path.exists(os.path.join(purelib, "keras_hub_autodist.pth"))
+    return next(wheel_dir.glob("keras_hub_autodist-*.whl"))
+
+
+def fresh_venv(tmp_path_factory):
+    """A new virtual environment with a non-editable install of this package.
+
+    Returns:
+        The path of the venv's `python`.
+    """
+    python = bare_venv(tmp_path_factory)
+    pip_install(python, str(build_wheel(tmp_path_factory)))
+    purelib = run(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    assert os.path.exists(
+        os.path.join(purelib.stdout.strip(), "keras_hub_autodist.pth")
+    )
     return python

@@ -24,6 +24,13 @@ import os
 # (keras not imported, KERAS_BACKEND unset), choose JAX. No effect otherwise.
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from keras_hub_autodist import quiet  # noqa: E402
+
+# TensorFlow's C++ start-up notices (keras-hub imports TensorFlow) and
+# Orbax's warning of every single-process checkpoint save kept off stderr.
+quiet.quiet_tensorflow_start()
+quiet.quiet_orbax_merge_notice()
+
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402
 from keras_hub_autodist.errors import ArgumentError  # noqa: E402
 from keras_hub_autodist.errors import AutodistError  # noqa: E402
@@ -70,6 +77,7 @@ _LAZY = {
     "ResumableCheckpoint": "keras_hub_autodist.training.resumable",
     "compiled_memory": "keras_hub_autodist.planning.compiled_step",
     "CompiledMemory": "keras_hub_autodist.planning.compiled_step",
+    "summary": "keras_hub_autodist.summary_line",
 }
 
 __all__ = [
@@ -107,6 +115,7 @@ __all__ = [
     "ResumableCheckpoint",
     "SaveTargetError",
     "StrategyError",
+    "summary",
     "UnplannedWeightError",
     "UnplannedWeightWarning",
     "UnsupportedArchitectureError",

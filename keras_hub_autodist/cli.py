@@ -125,16 +125,16 @@ def parse_devices(text: str) -> int:
 
 
 def parse_steps(text: str) -> int:
-    """Parse the demo's positive number of epochs (`--steps 3`).
+    """Parse the demo's positive number of fine-tuning steps (`--steps 48`).
 
     Example:
-    >>> parse_steps("3")
-    3
+    >>> parse_steps("48")
+    48
     """
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(
-            "--steps takes a positive number of epochs of fine-tuning, e.g. "
-            f"3. Received: {text!r}"
+            "--steps takes a positive number of fine-tuning steps (batches), "
+            f"e.g. 48. Received: {text!r}"
         )
     return int(text)
 
@@ -287,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES)
     demo.add_argument(
-        "--steps", type=parse_steps, default=3, help="epochs of fine-tuning"
+        "--steps",
+        type=parse_steps,
+        default=None,
+        help="optimizer steps (batches) of fine-tuning (default 48)",
     )
     return parser
 
@@ -453,10 +456,14 @@ def _use_virtual_devices_for(mesh) -> None:
 
 
 def _run_demo(args) -> int:
+    from keras_hub_autodist.demo import STEPS
     from keras_hub_autodist.demo import run_demo
 
     run_demo(
-        preset=args.preset, mesh=args.mesh, strategy=args.strategy, steps=args.steps
+        preset=args.preset,
+        mesh=args.mesh,
+        strategy=args.strategy,
+        steps=STEPS if args.steps is None else args.steps,
     )
     return 0
 
@@ -483,15 +490,19 @@ FLAGS = {
     "device_mesh": "--mesh",
 }
 _KEYWORD = re.compile(r"`([a-z_]+)=([^`]*)`")
+# An option named bare, as a message's `Received: name=value` part names it.
+_BARE_KEYWORD = re.compile(r"(?<![\w`-])([a-z_]+)=")
 
 
 def as_flags(message: str) -> str:
     """`message` with the options it names as keywords named as this
-    command's flags.
+    command's flags, in its advice and in its `Received:` part.
 
     Example:
     >>> as_flags("pass `batch_axis=`, e.g. `device_mesh={'batch': 1, 'model': 8}`")
     'pass `--batch-axis`, e.g. `--mesh batch=1,model=8`'
+    >>> as_flags("Received: device_memory=0, preset='x'")
+    "Received: --device-memory 0, preset='x'"
     """
 
     def flag(match):
@@ -505,7 +516,16 @@ def as_flags(message: str) -> str:
             value = ",".join(f"{axis}={size}" for axis, size in sizes)
         return f"`{FLAGS[name]} {value.strip(chr(39))}`"
 
-    return _KEYWORD.sub(flag, message)
+    def bare(match):
+        name = match.group(1)
+        return f"{FLAGS[name]} " if name in FLAGS else match.group(0)
+
+    advice, received, values = message.partition("Received:")
+    return (
+        _KEYWORD.sub(flag, advice)
+        + received
+        + _BARE_KEYWORD.sub(bare, _KEYWORD.sub(flag, values))
+    )
 
 
 def _one_line(error: BaseException) -> str:
@@ -513,10 +533,20 @@ def _one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _closed_pipe() -> int:
+    """The reader of stdout went away (`... | head -1`): stop quietly, as the
+    Python documentation advises, with stdout sent to devnull so that the
+    interpreter's last flush finds no closed pipe either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `keras-hub-autodist` command.
 
-    Returns the exit status: 0, or 2 after printing a one-line error.
+    Returns the exit status: 0; 2 after printing a one-line error; 1, silently,
+    when the reader of stdout closed it (`... | head -1`).
 
     Example:
     ```python
@@ -532,9 +562,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_step_flags(args)
             if args.compiled:
                 _use_virtual_devices_for(args.mesh)
-            return _run_plan(args)
-        _use_virtual_devices_without_accelerator()
-        return _run_demo(args)
+            status = _run_plan(args)
+        else:
+            _use_virtual_devices_without_accelerator()
+            status = _run_demo(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        return _closed_pipe()
     except (AutodistError, *USER_ERRORS) as error:
         print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE

@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 
 from keras_hub_autodist.devices import describe_devices
 from keras_hub_autodist.tiny_tokenizers import llama3_vocabulary
 from keras_hub_autodist.tiny_tokenizers import sentencepiece_proto
+from keras_hub_autodist.words import counted
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -30,12 +32,11 @@ SENTENCES = [
 ]
 
 # The fine-tune: LoRA of rank 16 on the query and value kernels (a quarter of
-# the tiny model's hidden size), Adam at 3e-2, 16 steps per epoch. Three
-# epochs (the CLI's default) make the tiny Gemma complete PROMPT with
-# TARGET; about 20 steps are enough, so one epoch is not.
+# the tiny model's hidden size), Adam at 3e-2. The default 48 steps make
+# the tiny Gemma complete PROMPT with TARGET (about 16 are enough).
 LORA_RANK = 16
 LEARNING_RATE = 3e-2
-STEPS_PER_EPOCH = 16
+STEPS = 48
 PROMPT = "the quick brown"
 TARGET = SENTENCES[0]
 MAX_LENGTH = 12
@@ -68,12 +69,19 @@ def build_tiny_gemma_preset(path: str, *, seed: int = 0) -> str:
     return _save_tiny_causal_lm(path, seed, "Gemma", tokenizer, **TINY_GEMMA)
 
 
-def build_tiny_llama3_preset(path: str, *, seed: int = 0) -> str:
+def build_tiny_llama3_preset(
+    path: str, *, seed: int = 0, sentences: Sequence[str] = ()
+) -> str:
     """Save a tiny Llama 3 CausalLM (GQA 8/2, untied) as a preset in `path`.
+
+    Its tokenizer splits text into letters, and keeps the words of
+    `sentences` whole (`SENTENCES` for a model that can learn them in a few
+    dozen steps).
 
     Args:
         path: a folder to create.
         seed: the seed of the random weights.
+        sentences: text whose words get tokens of their own.
 
     Example:
     ```python
@@ -82,7 +90,7 @@ def build_tiny_llama3_preset(path: str, *, seed: int = 0) -> str:
     """
     import keras_hub
 
-    vocabulary, merges = llama3_vocabulary()
+    vocabulary, merges = llama3_vocabulary(sentences)
     tokenizer = keras_hub.models.Llama3Tokenizer(vocabulary=vocabulary, merges=merges)
     return _save_tiny_causal_lm(
         path,
@@ -116,26 +124,13 @@ def _save_tiny_causal_lm(path, seed, family, tokenizer, **backbone_config) -> st
 
 
 def describe_plan(plan) -> str:
-    """The plan's table and summary, fallbacks counted as the table shows them.
-
-    The table has one row per weight of every layer, so the fallbacks are
-    counted in table rows, with the weights they cover.
+    """The plan's table and summary, as `keras-hub-autodist plan` prints them
+    (fallbacks counted in the table's rows, with the weights they cover).
 
     Args:
         plan: a `keras_hub_autodist.LayoutPlan`.
     """
-    keys = [key for key in plan.table_groups() if key[3]]
-    summary = [
-        line
-        for line in plan.summary().splitlines()
-        if not line.startswith("fallbacks:")
-    ]
-    weights = len(plan.fallbacks)
-    summary.append(
-        f"fallbacks: {len(keys)} table row{'' if len(keys) == 1 else 's'} "
-        f"({weights} weight{'' if weights == 1 else 's'}), noted in the table"
-    )
-    return plan.table() + "\n\n" + "\n".join(summary)
+    return str(plan)
 
 
 def _cycle(texts: list[str], count: int) -> list[str]:
@@ -159,8 +154,8 @@ def _check_steps(steps) -> None:
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise DemoError(
-            "The demo fine-tunes for a positive number of epochs; pass "
-            f"{option('steps')} 1 or more (3 by default). Received: "
+            "The demo fine-tunes for a positive number of steps; pass "
+            f"{option('steps')} 1 or more ({STEPS} by default). Received: "
             f"steps={steps!r}"
         )
 
@@ -169,7 +164,7 @@ def run_demo(
     preset: str | None = None,
     mesh=None,
     strategy: str = "auto",
-    steps: int = 3,
+    steps: int = STEPS,
     prompt: str = PROMPT,
 ) -> dict:
     """Plan, LoRA fine-tune and generate on a mesh; print as it goes.
@@ -182,12 +177,13 @@ def run_demo(
         mesh: a mapping such as `{"batch": 2, "model": 4}`; `None` uses that
             mapping for the embedded preset and `"auto"` otherwise.
         strategy: `"auto"`, `"tp"` or `"fsdp"`.
-        steps: epochs of LoRA fine-tuning, of `STEPS_PER_EPOCH` steps each,
-            over the demo sentences.
+        steps: optimizer steps of LoRA fine-tuning (batches) over the demo
+            sentences, in one epoch.
         prompt: the text to complete.
 
     Returns:
-        A dict with the `plan`, the training `losses` (one per epoch), the
+        A dict with the `plan`, the training `losses` (of the epoch), the
+        optimizer `steps` taken, the
         `loss_before` and `loss_after` on the demo sentences, and the
         `completion_before` and `completion` (after) of `prompt`.
 
@@ -235,13 +231,12 @@ def run_demo(
         print(f"  completion of {prompt!r}: {before!r}")
         print(
             f"\nLoRA fine-tuning (rank {LORA_RANK}, Adam {LEARNING_RATE:g}): "
-            f"{steps} epoch{'' if steps == 1 else 's'} of {STEPS_PER_EPOCH} "
-            f"steps, batches of {batch}"
+            f"{counted(steps, 'step')}, batches of {batch}"
         )
         history = lm.fit(
-            _cycle(SENTENCES, STEPS_PER_EPOCH * batch),
+            _cycle(SENTENCES, steps * batch),
             batch_size=batch,
-            epochs=steps,
+            epochs=1,
             shuffle=False,
             verbose=2,
         )
@@ -249,18 +244,19 @@ def run_demo(
         completion = lm.generate(prompt, max_length=MAX_LENGTH)
         print(f"\nAfter fine-tuning: {_describe_scores(loss_after, accuracy_after)}")
         print(f"  completion of {prompt!r}: {completion!r}")
-        epochs = f"{steps} epoch{'' if steps == 1 else 's'}"
+        taken = counted(steps, "step")
         if TARGET in completion:
-            print(f"After {epochs}, {prompt!r} completes to the demo sentence.")
+            print(f"After {taken}, {prompt!r} completes to the demo sentence.")
         elif embedded and prompt == PROMPT:
             print(
-                f"After {epochs}, not yet the demo sentence {TARGET!r}: the "
-                "default of 3 epochs gets there."
+                f"After {taken}, not yet the demo sentence {TARGET!r}: the "
+                f"default of {STEPS} steps gets there."
             )
         assert keras.distribution.distribution() is None
     return {
         "plan": plan,
         "losses": history.history["loss"],
+        "steps": int(lm.optimizer.iterations.numpy()),
         "loss_before": loss_before,
         "loss_after": loss_after,
         "completion_before": before,

@@ -6,16 +6,22 @@ imported, and so does the startup hook installed with the package (which
 loads this file by path, standard library only, without importing the
 package). Callbacks run once each, in the order given, after the module
 has executed; a callback that raises never breaks the user's import.
+`while_importing` runs a module's first import inside a context manager
+(the package filters TensorFlow's start-up notices that way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 # Module name -> {callback name: callback}, waiting for the first import.
 _waiting: dict[str, dict[str, Callable[[], None]]] = {}
+# Module name -> a factory of the context its first import runs in.
+_around: dict[str, Callable[[], AbstractContextManager]] = {}
 
 
 def when_imported(module: str, name: str, callback: Callable[[], None]) -> None:
@@ -31,6 +37,26 @@ def when_imported(module: str, name: str, callback: Callable[[], None]) -> None:
         _run(module, {name: callback})
         return
     _waiting.setdefault(module, {})[name] = callback
+    _install_finder()
+
+
+def while_importing(module: str, context: Callable[[], AbstractContextManager]) -> None:
+    """Run the first import of `module` inside `context()`, unless it is
+    imported already. A second context for the same module replaces the
+    first.
+
+    Example:
+    ```python
+    while_importing("tensorflow", quiet.native_stderr_filtered)
+    ```
+    """
+    if module in sys.modules:
+        return
+    _around[module] = context
+    _install_finder()
+
+
+def _install_finder() -> None:
     if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
@@ -58,7 +84,8 @@ class _Loader:
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
+        with _around.pop(self._module, contextlib.nullcontext)():
+            self._loader.exec_module(module)
         _run(self._module, _waiting.pop(self._module, {}))
 
     def __getattr__(self, name):
@@ -70,7 +97,7 @@ class _Finder:
     module that callbacks wait for."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in _waiting:
+        if name not in _waiting and name not in _around:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):

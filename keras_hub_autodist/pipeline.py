@@ -44,6 +44,7 @@ from keras_hub_autodist.reading.dtypes import is_quantized
 from keras_hub_autodist.reading.presets import cached_kaggle_snapshot
 from keras_hub_autodist.reading.presets import is_network_error
 from keras_hub_autodist.reading.presets import read_preset_config
+from keras_hub_autodist.summary_line import print_summary
 from keras_hub_autodist.training.binding import bind
 
 # The attribute of the plugin's `from_preset` wrapper that holds keras-hub's
@@ -56,9 +57,15 @@ def require_jax_backend() -> None:
     backend = keras.config.backend()
     if backend != "jax":
         raise BackendError(
-            "keras_hub_autodist distributes models with JAX sharding; set "
-            "KERAS_BACKEND=jax before importing keras. Received: "
-            f"backend={backend!r}"
+            "keras_hub_autodist distributes models with JAX sharding, but "
+            f"Keras runs on {backend!r}: Keras was imported before "
+            "keras_hub_autodist could choose JAX (or KERAS_BACKEND names "
+            "another backend), and its backend can't change once it is "
+            "imported. Set KERAS_BACKEND=jax before Keras is imported "
+            "(`export KERAS_BACKEND=jax`, or `os.environ['KERAS_BACKEND'] = "
+            "'jax'` / `import keras_hub_autodist` first in the script or the "
+            "notebook's first cell), then restart the Python process or "
+            f"kernel. Received: backend={backend!r}"
         )
 
 
@@ -211,8 +218,10 @@ def from_preset(
             stacklevel=2,
         )
         model = load(snapshot)
-    # 6. Bound to its distribution.
-    return bind(model, distribution, layout_plan)
+    # 6. Bound to its distribution, and one line on what was done.
+    model = bind(model, distribution, layout_plan)
+    print_summary(layout_plan)
+    return model
 
 
 def _quantized_preset_error(preset, error: ValueError) -> PresetError:

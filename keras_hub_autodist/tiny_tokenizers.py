@@ -5,6 +5,7 @@ BPE vocabulary for Llama 3."""
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 
 
 def sentencepiece_proto(sentences, vocab_size: int = 64) -> bytes:
@@ -45,8 +46,10 @@ def sentencepiece_proto(sentences, vocab_size: int = 64) -> bytes:
     return model.getvalue()
 
 
-def llama3_vocabulary() -> tuple[dict, list]:
-    """A byte-level BPE vocabulary and merges for lowercase text, for Llama 3.
+def llama3_vocabulary(sentences: Sequence[str] = ()) -> tuple[dict, list]:
+    """A byte-level BPE vocabulary and merges for lowercase text, for Llama 3:
+    letters, a few pairs, and the words of `sentences` whole (each built by
+    merging its letters left to right, with and without a leading space).
 
     Example:
     >>> vocabulary, merges = llama3_vocabulary()
@@ -64,4 +67,12 @@ def llama3_vocabulary() -> tuple[dict, list]:
         "<|eot_id|>",
     ]
     merges = ["Ġ t", "Ġ a", "t h", "Ġt h", "i n", "e r"]
+    words = sorted({word for sentence in sentences for word in sentence.split()})
+    for piece in [form for word in words for form in (word, "Ġ" + word)]:
+        for end in range(2, len(piece) + 1):
+            merge = f"{piece[: end - 1]} {piece[end - 1]}"
+            if merge not in merges:
+                merges.append(merge)
+            if piece[:end] not in tokens:
+                tokens.append(piece[:end])
     return {t: i for i, t in enumerate(tokens + special)}, merges

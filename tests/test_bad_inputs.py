@@ -48,8 +48,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             ["plan", "PRESET", "--mesh", f"batch=2,model={10**12}"],
             f"A mesh spans at most {MAX_DEVICES} (2**20) devices",
         ),
-        (["demo", "--steps", "0"], "--steps takes a positive number of epochs"),
-        (["demo", "--steps", "-3"], "--steps takes a positive number of epochs"),
+        (
+            ["demo", "--steps", "0"],
+            "--steps takes a positive number of fine-tuning",
+        ),
+        (
+            ["demo", "--steps", "-3"],
+            "--steps takes a positive number of fine-tuning",
+        ),
     ],
     ids=[
         "huge-device-memory",

@@ -107,6 +107,8 @@ print("RESULT", after_help, after_plan, statuses)
     # The first process builds with keras-hub; the second reads the cache.
     assert first == ["RESULT [] ['jax', 'keras', 'keras_hub', 'tensorflow'] [0, 0, 0]"]
     assert again == ["RESULT [] [] [0, 0, 0]"], runs[1].stdout[-2000:]
+    # Neither prints TensorFlow's native start-up notices (the first imports it).
+    assert runs[0].stderr == "", runs[0].stderr
     assert runs[1].stderr == ""
 
 
@@ -166,6 +168,17 @@ def test_device_memory_flag(capsys):
     assert "of 80.00 GiB (given)" in out and "fits: yes" in out
 
 
+def test_plan_output_names_flags(capsys, monkeypatch):
+    for name in ("KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB",):
+        monkeypatch.delenv(name, raising=False)
+    status, out, _ = run(
+        ["plan", str(REAL_PRESETS / "gemma_2b"), "--mesh", "batch=2,model=4"], capsys
+    )
+    assert status == 0
+    assert "give yours with `--device-memory`" in out, out
+    assert "device_memory=" not in out
+
+
 def test_messages_name_flags_from_the_cli(capsys):
     status, _, err = run(
         ["plan", str(REAL_PRESETS / "gemma_2b"), "--mesh", "model=8"], capsys
@@ -206,6 +219,11 @@ def test_messages_name_flags_from_the_cli(capsys):
         (
             ["plan", "GPT2", "--mesh", "batch=2"],
             "no layout for GPT2Backbone",
+        ),
+        (["plan", "./no/such/preset", "--mesh", "batch=2"], "No such folder: "),
+        (
+            ["plan", "PRESET", "--mesh", "batch=8", "--devices", "8"],
+            "Received: --devices 8, --mesh",
         ),
     ],
 )

@@ -4,6 +4,7 @@ an error that names it; the cache folder follows the XDG spec."""
 import importlib.util
 import io
 import os
+import sys
 import warnings
 
 import keras_hub
@@ -87,6 +88,25 @@ def test_the_progress_switch(monkeypatch, setting, tty, shown):
     monkeypatch.setenv(progress.PROGRESS_ENV, setting)
     assert progress.progress_enabled(None) is shown
     assert progress.progress_enabled(not shown) is (not shown)  # the keyword wins
+
+
+@pytest.mark.parametrize("setting, shown", [("", True), ("off", False), ("1", True)])
+def test_the_progress_bar_is_on_in_a_jupyter_kernel(monkeypatch, setting, shown):
+    """Off a terminal (a kernel's stderr is no tty), a notebook shows the bar
+    by default; the switch still turns it off."""
+    import types
+
+    stream = io.StringIO()
+    stream.isatty = lambda: False
+    monkeypatch.setattr("sys.stderr", stream)
+    monkeypatch.setenv(progress.PROGRESS_ENV, setting)
+    shell = types.SimpleNamespace(kernel=object())
+    monkeypatch.setitem(
+        sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell)
+    )
+    assert progress.progress_enabled(None) is shown
+    shell.kernel = None  # a terminal IPython: no kernel
+    assert progress.progress_enabled(None) is (setting == "1")
 
 
 @pytest.mark.parametrize("setting", ["maybe", "2", "offf"])

@@ -240,7 +240,7 @@ def test_str_is_a_readable_table():
     assert (
         "per device:" in text
         and "strategy:" in text
-        and "fallbacks: 36 weights" in text
+        and "(36 weights), noted in the table" in text
     )
 
 
@@ -654,3 +654,12 @@ def test_a_fallback_to_another_dimension_records_it():
         "num_key_value_heads=8 does not divide by model=16: sharded "
         "head_dim=128 over 'model' instead ("
     )
+
+
+def test_counts_have_their_noun_in_the_right_number():
+    preset = str(REAL_PRESETS / "gemma_2b")
+    one = keras_hub_autodist.plan(preset, "auto", num_devices=1)
+    assert "auto over 1 device:" in one.summary(), one.summary()
+    assert "fallbacks: none" in one.summary()
+    many = keras_hub_autodist.plan(preset, "auto", num_devices=8)
+    assert "auto over 8 devices:" in many.summary()

@@ -121,7 +121,7 @@ def test_cli_prints_table_and_totals(capsys):
             ["plan", "x", "--mesh", "batch=2", "--strategy", "zero"],
             "invalid choice: 'zero'",
         ),
-        (["plan", "/no/such/preset", "--mesh", "batch=8"], "Can't read `config.json`"),
+        (["plan", "/no/such/preset", "--mesh", "batch=8"], "No such folder: "),
         (["plan", "PRESET", "--mesh", "batch=2,model=4,x=1,y=1"], "have no role"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],

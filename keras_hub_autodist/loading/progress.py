@@ -1,7 +1,8 @@
-"""The progress bar of a sharded load: one line on a terminal, silent
-otherwise. `progress=` decides; without it, `$KERAS_HUB_AUTODIST_PROGRESS`
-(an on/off switch, `environment.py`) turns it on (even off a terminal) or
-off."""
+"""The progress bar of a sharded load: one line on a terminal or in a
+Jupyter notebook (whose kernel redraws a `\r` line in place, as Keras'
+`Progbar` relies on), silent otherwise. `progress=` decides; without it,
+`$KERAS_HUB_AUTODIST_PROGRESS` (an on/off switch, `environment.py`) turns it
+on (anywhere) or off."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def _mib(n: float) -> str:
 def progress_enabled(progress: bool | None) -> bool:
     """Whether to show a progress bar: `progress` if given, else what
     `$KERAS_HUB_AUTODIST_PROGRESS` says (`1`/`on`/`yes`...: shown, even off a
-    terminal; `0`/`off`/`no`...: never), else on a terminal only.
+    terminal; `0`/`off`/`no`...: never), else on a terminal or in a Jupyter
+    kernel (`in_jupyter_kernel`).
 
     Raises:
         EnvironmentVariableError: `$KERAS_HUB_AUTODIST_PROGRESS` is neither
@@ -72,4 +74,21 @@ def progress_enabled(progress: bool | None) -> bool:
     setting = read_switch(PROGRESS_ENV)
     if setting is not None:
         return setting
-    return sys.stderr.isatty()
+    return sys.stderr.isatty() or in_jupyter_kernel()
+
+
+def in_jupyter_kernel() -> bool:
+    """Whether this process is a Jupyter kernel (IPython with a kernel),
+    asked without importing IPython.
+
+    Example:
+    >>> in_jupyter_kernel()
+    False
+    """
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    try:
+        shell = get_ipython() if get_ipython is not None else None
+    except Exception:
+        return False
+    return getattr(shell, "kernel", None) is not None

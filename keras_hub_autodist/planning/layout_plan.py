@@ -138,8 +138,23 @@ class LayoutPlan(PlanRecord):
         return report.fit_advice(self, batch_size, sequence_length, optimizer, platform)
 
     def summary(self) -> str:
-        """Per-device totals, one line each, and whether the plan fits."""
+        """Per-device totals, one line each, and whether the plan fits
+        (`keras_hub_autodist.summary(plan)` gives the one-line form)."""
         return report.summary(self)
+
+    def plot(self, weight: str | None = None):
+        """A matplotlib figure of the planned memory per device and of
+        `weight`'s shards on the mesh (default: the largest weight); see
+        `keras_hub_autodist.planning.plot`. Needs matplotlib.
+
+        Example:
+        ```python
+        plan.plot("decoder_block_0/attention/query/kernel")
+        ```
+        """
+        from keras_hub_autodist.planning.plot import plot
+
+        return plot(self, weight)
 
     def table_groups(self) -> dict[tuple, list[Weight]]:
         """The rows grouped as `table()` shows them (`report.table_groups`)."""

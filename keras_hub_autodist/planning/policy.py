@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_hub_autodist.planning.device_memory import GIB
+from keras_hub_autodist.words import counted
 
 # Under strategy "auto", "tp" is chosen while parameters, gradients and the
 # two Adam moments take at most this share of a device's memory; the rest is
@@ -250,10 +251,10 @@ def choose_mesh(
     for mesh, need in zip(mesh_candidates(num_devices), tp_training_bytes):
         if leaves_room_for_activations(need, capacity):
             return mesh, (
-                f"auto over {num_devices} devices: the largest batch axis "
+                f"auto over {counted(num_devices, 'device')}: the largest batch axis "
                 f"whose tp plan fits {_budget(capacity, source)}"
             )
     return {"batch": 1, "model": num_devices}, (
-        f"auto over {num_devices} devices: no tp plan fits "
+        f"auto over {counted(num_devices, 'device')}: no tp plan fits "
         f"{_budget(capacity, source)}, so every device is on the model axis"
     )

@@ -17,6 +17,7 @@ from keras_hub_autodist.planning.device_memory import MEMORY_ASSUMED
 from keras_hub_autodist.planning.device_memory import MEMORY_ENV
 from keras_hub_autodist.planning.device_memory import MEMORY_REPORTED
 from keras_hub_autodist.planning.policy import AUTO_TP_MEMORY_SHARE
+from keras_hub_autodist.words import counted
 
 if TYPE_CHECKING:
     from keras_hub_autodist.architectures.weight import Weight
@@ -232,8 +233,7 @@ def summary(plan: PlanRecord) -> str:
         f"{size(plan.ideal_device_bytes)}), about {size(training)} to "
         f"train with Adam, of {size(plan.device_memory_bytes)}{device} "
         f"({memory_note(plan)})",
-        f"fallbacks: {len(plan.fallbacks)} weights in "
-        f"{len({row.pattern for row in plan.fallbacks})} rows of the table",
+        fallback_line(plan),
     ]
     share = training / max(1, plan.device_memory_bytes)
     _, _, verdict = memory_verdict(plan)
@@ -256,6 +256,21 @@ def sequence_parallel_note(plan: PlanRecord) -> str:
     return (
         f"on: {len(plan.sequence_parallel_outputs)} residual-stream layer "
         f"outputs sharded {spec} on [batch, sequence, hidden]"
+    )
+
+
+def fallback_line(plan: PlanRecord) -> str:
+    """The summary's count of fallbacks, in the rows the table shows (the
+    same weight of every layer is one row) and the weights they cover.
+
+    Example: `fallbacks: 3 table rows (5 weights), noted in the table`.
+    """
+    rows = [key for key in table_groups(plan) if key[3]]
+    if not rows:
+        return "fallbacks: none"
+    return (
+        f"fallbacks: {counted(len(rows), 'table row')} "
+        f"({counted(len(plan.fallbacks), 'weight')}), noted in the table"
     )
 
 

@@ -74,6 +74,8 @@ def _loader_for(preset):
         if isinstance(error, ValueError) and (
             "no config.json" in str(error) or "Unknown preset" in str(error)
         ):
+            if not os.path.exists(os.path.expanduser(preset)):
+                raise _no_such_folder(preset) from error
             raise PresetError(
                 f"Can't read `{CONFIG_FILE}` from the preset. Pass a folder "
                 f"that contains `{CONFIG_FILE}`, an `hf://` or `kaggle://` "
@@ -101,6 +103,18 @@ def _loader_for(preset):
                 f"preset={preset!r}"
             ) from error
         raise
+
+
+def _no_such_folder(preset: str) -> PresetError:
+    """A preset that is no folder here, nor a handle or built-in name."""
+    as_path = os.path.abspath(os.path.expanduser(preset))
+    return PresetError(
+        f"No such folder: {as_path!r}, and {preset!r} is no `hf://` or "
+        "`kaggle://` handle nor a built-in preset name either. Check the "
+        "path (relative paths start from the current directory, "
+        f"{os.getcwd()!r}), or pass a handle or a built-in name such as "
+        f"'gemma_2b_en'. Received: preset={preset!r}"
+    )
 
 
 def _unconvertible(preset, model_type) -> UnsupportedArchitectureError:

@@ -1,0 +1,183 @@
+"""Quiet logs: TensorFlow's C++ start-up notices, and Orbax's one warning of
+every single-process checkpoint save, kept off stderr; nothing else hidden.
+
+keras-hub imports TensorFlow (for its tokenizers), and TensorFlow's shared
+libraries log through absl as they load, before anything reads
+`TF_CPP_MIN_LOG_LEVEL` (`cudart_stub.cc] Could not find cuda drivers`,
+`cpu_feature_guard.cc] This TensorFlow binary is optimized...`, cuDNN
+factory registrations on GPU machines). `native_stderr_filtered` runs the
+import of TensorFlow with the process's stderr (file descriptor 2) caught,
+then writes back every line but the absl lines whose severity (`I`, `W`,
+`E`; never `F`) is below `TF_CPP_MIN_LOG_LEVEL`, the threshold TensorFlow
+itself applies once it has started. A user who sets `TF_CPP_MIN_LOG_LEVEL=0`
+sees every line; the package sets it to `DEFAULT_TF_LOG_LEVEL` only when it
+is unset.
+
+Orbax warns "Skipping merge of OCDBT checkpoints: No per-process OCDBT
+checkpoint subdirs found" on every save by one process, where there are no
+per-process folders to merge: `OrbaxMergeNotice` drops that record, and
+only in a single-process run (with several processes, missing folders are
+worth a warning).
+
+Standard library only (the package's import stays cheap).
+
+Example:
+>>> absl_severity("I0000 00:00:1796188109.244303   14276 cudart_stub.cc:31] x")
+0
+>>> absl_severity("Traceback (most recent call last):") is None
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+
+TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+# Errors and warnings of TensorFlow's C++ start-up hidden, fatal ones shown.
+DEFAULT_TF_LOG_LEVEL = "3"
+# absl's line prefix letter -> TensorFlow's log level of that severity.
+SEVERITIES = {"I": 0, "W": 1, "E": 2, "F": 3}
+# `I0000 00:00:1796188109.244303   14276 cudart_stub.cc:31] ...`: before
+# absl starts, the seconds field counts from the epoch.
+_ABSL_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^\]]+\] ")
+# Lines that continue an absl line rather than start one.
+CONTINUATIONS = ("To enable the following instructions:",)
+# absl's notice before its first line; dropped with the lines it announces.
+ABSL_PREAMBLE = (
+    "WARNING: All log messages before absl::InitializeLog() is called are "
+    "written to STDERR"
+)
+# The Orbax message dropped in a single-process run (its format string).
+ORBAX_MERGE_NOTICE = "Skipping merge of OCDBT checkpoints: No per-process OCDBT"
+
+
+def absl_severity(line: str) -> int | None:
+    """TensorFlow's log level of an absl C++ log line, None for other lines.
+
+    Example:
+    >>> absl_severity("E0000 00:00:17.1 99 cuda_dnn.cc:8310] Unable to register")
+    2
+    """
+    match = _ABSL_LINE.match(line)
+    return None if match is None else SEVERITIES[match.group(1)]
+
+
+def tf_log_level(environ=None) -> int:
+    """The `TF_CPP_MIN_LOG_LEVEL` in force (TensorFlow's default 0 when
+    unset or not a number).
+
+    Example:
+    >>> tf_log_level({"TF_CPP_MIN_LOG_LEVEL": "2"})
+    2
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(TF_LOG_LEVEL, "0").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def kept_lines(text: str, min_level: int) -> str:
+    """`text` without the absl lines below `min_level` (and absl's preamble
+    when a line after it was dropped). Fatal lines are always kept.
+
+    Example:
+    >>> kept_lines("I0000 00:00:1.2 7 a.cc:1] noise\\nkept\\n", 1)
+    'kept\\n'
+    """
+    lines = text.splitlines(keepends=True)
+    kept, previous_dropped = [], False
+    for index, line in enumerate(lines):
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        dropped = (
+            _dropped(line, min_level)
+            or (previous_dropped and line.startswith(CONTINUATIONS))
+            or (line.rstrip("\n") == ABSL_PREAMBLE and _dropped(following, min_level))
+        )
+        if not dropped:
+            kept.append(line)
+        previous_dropped = dropped
+    return "".join(kept)
+
+
+def _dropped(line: str, min_level: int) -> bool:
+    severity = absl_severity(line)
+    return severity is not None and severity < min(min_level, SEVERITIES["F"])
+
+
+@contextlib.contextmanager
+def native_stderr_filtered() -> Iterator[None]:
+    """Run the body with file descriptor 2 caught, then write back what
+    `kept_lines` keeps at the `TF_CPP_MIN_LOG_LEVEL` in force.
+
+    Nothing is caught when the level is 0 or stderr has no descriptor.
+
+    Example:
+    ```python
+    with native_stderr_filtered():
+        import tensorflow
+    ```
+    """
+    min_level = tf_log_level()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        saved = None
+    if min_level == 0 or saved is None:
+        if saved is not None:
+            os.close(saved)
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        _flush_stderr()
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            _flush_stderr()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = kept_lines(caught.read().decode(errors="replace"), min_level)
+            if text:
+                os.write(2, text.encode())
+
+
+def _flush_stderr() -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+
+
+class OrbaxMergeNotice(logging.Filter):
+    """Drops Orbax's "Skipping merge of OCDBT checkpoints" warning of a
+    single-process save; passes every other record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if ORBAX_MERGE_NOTICE not in str(record.msg):
+            return True
+        jax = sys.modules.get("jax")
+        try:
+            return jax is None or jax.process_count() > 1
+        except Exception:
+            return True
+
+
+def quiet_tensorflow_start() -> None:
+    """Default `TF_CPP_MIN_LOG_LEVEL` to `DEFAULT_TF_LOG_LEVEL` when unset,
+    and filter TensorFlow's import (`native_stderr_filtered`) unless
+    TensorFlow is imported already."""
+    from keras_hub_autodist.on_import import while_importing
+
+    os.environ.setdefault(TF_LOG_LEVEL, DEFAULT_TF_LOG_LEVEL)
+    while_importing("tensorflow", native_stderr_filtered)
+
+
+def quiet_orbax_merge_notice() -> None:
+    """Put `OrbaxMergeNotice` on absl's logger (once)."""
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, OrbaxMergeNotice) for f in absl_logger.filters):
+        absl_logger.addFilter(OrbaxMergeNotice())

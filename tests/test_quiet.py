@@ -1,0 +1,93 @@
+"""Quiet logs: TensorFlow's native start-up notices below the log level and
+Orbax's single-process merge warning are dropped; nothing else is."""
+
+import logging
+import os
+import subprocess
+import sys
+
+from keras_hub_autodist import quiet
+
+CUDART = (
+    "I0000 00:00:1796188109.244303   14276 cudart_stub.cc:31] Could not find "
+    "cuda drivers on your machine, GPU will not be used.\n"
+)
+CPU_GUARD = (
+    "I0000 00:00:1796188437.889720   16128 cpu_feature_guard.cc:227] This "
+    "TensorFlow binary is optimized to use available CPU instructions.\n"
+    "To enable the following instructions: AVX2 FMA, in other operations, "
+    "rebuild TensorFlow with the appropriate compiler flags.\n"
+)
+CUDNN = (
+    "E0000 00:00:1796188109.3   14276 cuda_dnn.cc:8310] Unable to register "
+    "cuDNN factory\n"
+)
+FATAL = "F0000 00:00:1796188109.3   14276 a.cc:1] check failed\n"
+PREAMBLE = quiet.ABSL_PREAMBLE + "\n"
+
+
+def test_lines_below_the_level_are_dropped_with_their_preamble():
+    text = PREAMBLE + CUDART + CPU_GUARD + "a user's own line\n" + CUDNN + FATAL
+    assert quiet.kept_lines(text, 3) == "a user's own line\n" + FATAL
+    assert quiet.kept_lines(text, 2) == "a user's own line\n" + CUDNN + FATAL
+
+
+def test_a_preamble_before_kept_lines_stays():
+    text = PREAMBLE + CUDNN
+    assert quiet.kept_lines(text, 1) == text
+
+
+def test_a_continuation_line_of_a_kept_line_stays():
+    text = "To enable the following instructions: printed by the user\n"
+    assert quiet.kept_lines(text, 3) == text
+
+
+def test_native_stderr_of_the_body_is_filtered(monkeypatch, tmp_path):
+    # A child process: its file descriptor 2 is a file this test reads.
+    script = (
+        "import os\n"
+        "from keras_hub_autodist import quiet\n"
+        "with quiet.native_stderr_filtered():\n"
+        f"    os.write(2, {(PREAMBLE + CUDART + 'kept' + chr(10)).encode()!r})\n"
+        "os.write(2, b'after\\n')\n"
+    )
+    for level, expected in (("3", "kept\nafter\n"), ("0", None)):
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": level}
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        if expected is None:
+            assert CUDART in done.stderr and done.stderr.endswith("after\n")
+        else:
+            assert done.stderr == expected
+
+
+def test_only_the_single_process_orbax_merge_notice_is_dropped():
+    notice = logging.LogRecord(
+        "absl",
+        logging.WARNING,
+        __file__,
+        1,
+        "[process=%s][thread=%s] Skipping merge of OCDBT checkpoints: No"
+        " per-process OCDBT checkpoint subdirs found in %s, ",
+        (0, "MainThread", "/tmp/x"),
+        None,
+    )
+    other = logging.LogRecord(
+        "absl", logging.WARNING, __file__, 1, "a warning", (), None
+    )
+    import jax  # noqa: F401  (the filter asks JAX for the process count)
+
+    flt = quiet.OrbaxMergeNotice()
+    assert not flt.filter(notice)
+    assert flt.filter(other)
+    assert any(
+        isinstance(f, quiet.OrbaxMergeNotice) for f in logging.getLogger("absl").filters
+    )
+
+
+def test_the_users_log_level_is_kept(monkeypatch):
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
+    quiet.quiet_tensorflow_start()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"
