@@ -338,8 +338,8 @@ def test_reserved_shards_are_the_placeholders_buffers():
 def test_a_cpu_load_reads_into_the_buffers_reserved_while_building(
     tmp_path, monkeypatch
 ):
-    """Every sharded weight's shards are the reserved buffers themselves:
-    faulted in while keras-hub built the model, filled by the reads."""
+    """Every weight's shards are its placeholder's buffers themselves,
+    filled by the reads."""
     path = backbone_preset(tmp_path / "bf16", tiny_presets.GEMMA_MQA, dtype="bfloat16")
     single = keras_hub.models.Backbone.from_preset(path)
     taken = set()

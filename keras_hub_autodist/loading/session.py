@@ -184,8 +184,8 @@ class _Session:
         # True inside keras-hub's `port_weight` without a hook: safetensors
         # reads give a `LazySafetensor`.
         self.lazy_safetensors = False
-        # On CPU, the host buffers of the values to come, faulted in while
-        # the model is built.
+        # On CPU, the placeholders' host buffers, which their values are
+        # read into.
         self.reserved_shards = transfer.ReservedShards()
 
     def executor(self) -> concurrent.futures.Executor:
@@ -274,8 +274,7 @@ class _Session:
         on_device = transfer.casts_on_device(stored, wanted, sharding)
         moved = stored if on_device else wanted
         on_cpu = transfer.on_cpu(sharding)
-        # On CPU: the buffers of its deleted placeholder, faulted in while
-        # the model was built.
+        # On CPU: the buffers of its deleted placeholder.
         buffers = (
             self.reserved_shards.take(id(variable), shape, moved, sharding)
             if on_cpu

@@ -8,11 +8,10 @@ devices (`device_cast`), so a bfloat16 checkpoint costs the same transfer
 into a float32 model as into a bfloat16 one.
 
 Fresh host memory is dear on CPU: the kernel zeroes each page as it is
-first touched, which costs more than copying the file's bytes into it.
-The buffers of each placeholder made while keras-hub builds the model are
-the ones its variable's value will be read into (`ReservedShards`), and one
-thread faults them in while the build runs on the main thread; the reads
-then only copy.
+first touched, which costs more than copying the file's bytes into it. The
+buffers of each placeholder made while keras-hub builds the model are the
+ones its variable's value will be read into (`ReservedShards`): one mapping
+per variable, whose pages the reading threads fault in as they fill them.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import queue
 import sys
 import threading
 
@@ -32,7 +30,6 @@ import numpy as np
 from keras_hub_autodist.loading.file_reads import BUFFER_ALIGNMENT
 from keras_hub_autodist.loading.file_reads import aligned_empty
 from keras_hub_autodist.loading.file_reads import local_shape
-from keras_hub_autodist.loading.file_reads import populate
 
 
 def _glibc_malloc_trim():
@@ -176,21 +173,19 @@ class _Reservation:
             view = self.memory[start : start + size].view(dtype).reshape(local)
             self.buffers.append(view)
             start += step
-        self.taken = False
 
 
 class ReservedShards:
     """On CPU, each placeholder's host buffers are the ones its variable's
-    value will be read into, faulted in ahead.
+    value will be read into.
 
-    `placeholder` is called as keras-hub builds the model on the main
-    thread: the devices adopt fresh zero buffers as the placeholder's
-    shards, and a thread of this object faults them in meanwhile
-    (`populate`, outside the GIL, a few MiB at a time so that the main
-    thread's own mappings are not held up). Once the placeholder is
-    deleted, `take` hands its buffers to the reads of the real value. `close`
-    stops the faulting and forgets what was not taken (a placeholder still
-    alive keeps its own buffers).
+    `placeholder` is called as keras-hub builds the model: the devices adopt
+    fresh, untouched zero buffers as the placeholder's shards, kept under
+    the variable's key. Once the placeholder is deleted, `take` hands them
+    to the reads of the real value, whose threads fault the pages in as
+    they fill them. So a variable maps its memory once, and no page is
+    touched before its bytes arrive. `close` forgets what was not taken (a
+    placeholder still alive keeps its own buffers).
 
     Example:
     ```python
@@ -202,15 +197,9 @@ class ReservedShards:
     ```
     """
 
-    # Bytes faulted in by one call, between which the thread checks whether
-    # the reads took the buffers over.
-    FAULT_IN_BYTES = 4 * 1024**2
-
     def __init__(self):
         self._reserved = {}
         self._lock = threading.Lock()
-        self._queue = queue.SimpleQueue()
-        self._thread = None
 
     def placeholder(self, key, shape, dtype, sharding) -> jax.Array:
         """`placeholder(shape, dtype, sharding)`; on CPU its buffers are kept
@@ -222,14 +211,6 @@ class ReservedShards:
         array = to_devices(shape, sharding, reservation.buffers)
         with self._lock:
             self._reserved[key] = reservation
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._fault_in,
-                    name="keras_hub_autodist_fault_in",
-                    daemon=True,
-                )
-                self._thread.start()
-        self._queue.put(reservation)
         return array
 
     def take(self, key, shape, dtype, sharding) -> list[np.ndarray] | None:
@@ -238,31 +219,15 @@ class ReservedShards:
         shape, dtype and sharding."""
         with self._lock:
             reservation = self._reserved.pop(key, None)
-            if reservation is None:
-                return None
-            reservation.taken = True  # its reads fault in what is left
-        if reservation.key != (tuple(shape), numpy_dtype(dtype), sharding):
+        if reservation is None or reservation.key != (
+            tuple(shape),
+            numpy_dtype(dtype),
+            sharding,
+        ):
             return None
         return reservation.buffers
 
     def close(self) -> None:
-        """Stop faulting in and forget every reservation not taken."""
+        """Forget every reservation not taken."""
         with self._lock:
-            for reservation in self._reserved.values():
-                reservation.taken = True  # not faulted in any more
             self._reserved.clear()
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
-
-    def _fault_in(self) -> None:
-        while True:
-            reservation = self._queue.get()
-            if reservation is None:
-                return
-            memory = reservation.memory
-            for start in range(0, memory.nbytes, self.FAULT_IN_BYTES):
-                if reservation.taken:
-                    break
-                populate(memory, start, min(memory.nbytes, start + self.FAULT_IN_BYTES))
