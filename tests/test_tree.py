@@ -13,7 +13,16 @@ TESTS_README = pathlib.Path(__file__).resolve().parent / "README.md"
 # The stages in data-path order; a module may import from its own row and
 # the rows above it. Top-level modules not named here are entries.
 STAGES = (
-    ("errors", "environment", "compat", "on_import", "devices", "tiny_tokenizers"),
+    (
+        "errors",
+        "environment",
+        "compat",
+        "on_import",
+        "devices",
+        "tiny_tokenizers",
+        "words",
+        "quiet",
+    ),
     ("reading",),
     ("architectures",),
     ("planning",),
