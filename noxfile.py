@@ -1,5 +1,5 @@
 """Sessions: `tests` (default), `integration`, `multihost`, `notebooks`, `lint`,
-and `bench` (not run by CI).
+`docs` (the site, strict), and `bench` (not run by CI).
 
 Run with `nox` (the uv backend makes sessions start in seconds):
 
@@ -106,3 +106,20 @@ def lint(session):
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def docs(session):
+    """Build the documentation site from docs/ (mkdocs.yml) in strict mode:
+    a broken link, a missing anchor or a page left out of the nav fails it.
+    The API reference is read from the docstrings without importing the
+    package."""
+    session.install("mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(pathlib.Path(session.create_tmp()) / "site"),
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )

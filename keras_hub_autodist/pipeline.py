@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import keras
 
@@ -83,19 +85,19 @@ def original_from_preset(cls):
 
 
 def from_preset(
-    cls,
+    cls: type,
     preset: str,
     *,
-    device_mesh,
+    device_mesh: keras.distribution.DeviceMesh | Mapping[str, int] | str,
     strategy: str = "auto",
     batch_axis: str | None = None,
     model_axis: str | None = None,
     progress: bool | None = None,
     strict: bool = True,
     sequence_parallel: bool = False,
-    remat=None,
-    **kwargs,
-):
+    remat: str | Mapping | None = None,
+    **kwargs: Any,
+) -> keras.Model:
     """Load `cls` from `preset`, laid out on `device_mesh` and bound to it.
 
     Each weight goes straight into its shards: no device ever holds more

@@ -17,9 +17,14 @@ keras_hub_autodist.summary(lm)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from keras_hub_autodist.planning import memory
 from keras_hub_autodist.planning.device_memory import GIB
 from keras_hub_autodist.planning.plan_record import PlanRecord
+
+if TYPE_CHECKING:
+    import keras
 
 
 def summary_line(plan: PlanRecord) -> str:
@@ -42,7 +47,7 @@ def summary_line(plan: PlanRecord) -> str:
     )
 
 
-def summary(model_or_plan) -> str:
+def summary(model_or_plan: keras.Model | PlanRecord) -> str:
     """The one-line summary of a model bound by `from_preset(device_mesh=)`,
     or of a `LayoutPlan`.
 

@@ -569,7 +569,7 @@ def attach_load_stats(model, stats: LoadStats) -> None:
     object.__setattr__(model, _LOAD_STATS_ATTR, stats)
 
 
-def load_stats(model) -> LoadStats | None:
+def load_stats(model: keras.Model) -> LoadStats | None:
     """What the sharded load of `model` did, or `None` if it had none.
 
     Args:

@@ -20,12 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+from typing import TYPE_CHECKING
 
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.planning.step_memory import OPTIMIZERS
 from keras_hub_autodist.planning.step_memory import check_lora_rank
 from keras_hub_autodist.planning.step_memory import check_sizes
+
+if TYPE_CHECKING:
+    import keras
+
+    from keras_hub_autodist.planning.plan_record import PlanRecord
 
 MIB = 1024**2
 
@@ -286,14 +293,14 @@ def _abstract(variable, sharding):
 
 
 def compiled_memory(
-    plan,
+    plan: PlanRecord,
     batch_size: int,
     sequence_length: int,
-    optimizer="adam",
+    optimizer: str = "adam",
     *,
     model_class: type | None = None,
-    preset=None,
-    device_mesh=None,
+    preset: str | os.PathLike | None = None,
+    device_mesh: keras.distribution.DeviceMesh | None = None,
     lora_rank: int | None = None,
 ) -> CompiledMemory:
     """Compile a plan's training step ahead of time; XLA's bytes per device.

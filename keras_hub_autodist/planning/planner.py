@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
+from typing import Any
 
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import option
@@ -50,16 +53,16 @@ class Alternative:
 
 
 def plan(
-    preset,
-    device_mesh,
+    preset: str | os.PathLike | Mapping,
+    device_mesh: keras.distribution.DeviceMesh | Mapping[str, int] | str,
     *,
     strategy: str = "auto",
     batch_axis: str | None = None,
     model_axis: str | None = None,
-    dtype=None,
+    dtype: str | None = None,
     device_memory: int | str | None = None,
     lora_rank: int | None = None,
-    remat=None,
+    remat: str | Mapping | None = None,
     sequence_parallel: bool = False,
     strict: bool = True,
     num_devices: int | None = None,
@@ -146,7 +149,11 @@ def plan(
     return plan_model(weights, mesh, options)
 
 
-def get_layout_map(preset, device_mesh, **options) -> keras.distribution.LayoutMap:
+def get_layout_map(
+    preset: str | os.PathLike | Mapping,
+    device_mesh: keras.distribution.DeviceMesh | Mapping[str, int] | str,
+    **options: Any,
+) -> keras.distribution.LayoutMap:
     """A config-aware `LayoutMap` for users who keep their own scope.
 
     The drop-in for `GemmaBackbone.get_layout_map(mesh)`: it reads the

@@ -51,7 +51,7 @@ _WRAPPED_ATTR = "__keras_hub_autodist_scoped__"
 class Binding(NamedTuple):
     """What `distribution_of(model)` returns.
 
-    Args:
+    Attributes:
         distribution: the `keras.distribution.ModelParallel` of the model.
         plan: the `LayoutPlan` its weights were laid out with.
     """
@@ -60,7 +60,7 @@ class Binding(NamedTuple):
     plan: LayoutPlan
 
 
-def distribution_of(model) -> Binding:
+def distribution_of(model: keras.Model) -> Binding:
     """The distribution and plan a model was loaded with.
 
     Args:
