@@ -5,6 +5,8 @@ bound keras-hub Task pads it with zero-weight rows, and the trained weights
 equal a single-device run.
 """
 
+import warnings
+
 import keras
 import keras_hub
 import numpy as np
@@ -102,9 +104,22 @@ def test_generate_inputs_by_keyword(preset):
     lm = keras_hub.models.GemmaCausalLM.from_preset(preset, device_mesh=MESH)
     lm.compile(sampler="greedy")
     prompts = ["the quick brown", "a mesh has", "the quick"]
-    by_keyword = lm.generate(inputs=prompts, max_length=6)
-    assert by_keyword == lm.generate(prompts, max_length=6)
+    with pytest.warns(UserWarning, match="3 prompts are padded to 4") as said:
+        by_keyword = lm.generate(inputs=prompts, max_length=6)
+        assert by_keyword == lm.generate(prompts, max_length=6)
+    assert len([w for w in said if "padded" in str(w.message)]) == 1  # once
     assert len(by_keyword) == 3
+
+
+def test_padding_a_fit_is_said_once_with_its_sizes(preset):
+    lm = causal_lm(preset, device_mesh=MESH)
+    x, y = data(preset, 6)
+    with pytest.warns(UserWarning, match=r"fit: batches of 6 rows are padded to 8"):
+        lm.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        lm.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    assert not [w for w in again if "padded" in str(w.message)]  # said already
 
 
 def test_backbone_partial_validation_fails_before_training(preset):

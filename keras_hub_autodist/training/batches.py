@@ -13,6 +13,8 @@ import contextlib
 import contextvars
 import functools
 import math
+import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -253,6 +255,51 @@ def predict_unpadded(predict, multiple, x=None, batch_size=None, **kwargs):
     return keras.tree.map_structure(lambda leaf: np.asarray(leaf)[keep], outputs)
 
 
+# Per model, the methods whose padding was already said.
+_PADDING_SAID = weakref.WeakKeyDictionary()
+
+
+def warn_padding(model, method: str, rows: int | None, multiple: int) -> None:
+    """Warn, once per model and method, that batches of `rows` rows are
+    padded to a multiple of `multiple` (nothing when they divide, or when
+    `rows` is unknown).
+
+    Example:
+    >>> import warnings
+    >>> class Model: pass
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_padding(Model(), "fit", 3, 4)
+    >>> "batches of 3 rows are padded to 4" in str(caught[0].message)
+    True
+    """
+    if rows is None or multiple <= 1 or rows % multiple == 0:
+        return
+    said = _PADDING_SAID.setdefault(model, set())
+    if method in said:
+        return
+    said.add(method)
+    target = -(-rows // multiple) * multiple
+    if method == "generate":
+        what = (
+            f"generate: {rows} prompts are padded to {target} (a multiple of "
+            f"the {multiple} devices of the batch axis); the extra outputs "
+            "are dropped."
+        )
+    else:
+        what = (
+            f"{method}: batches of {rows} rows are padded to {target} rows (a "
+            f"multiple of the {multiple} devices of the batch axis) with "
+            "zero-weight rows: results are those of the real rows, but the "
+            "padded ones cost compute."
+        )
+    warnings.warn(
+        f"{what} A batch size that is a multiple of {multiple} avoids it.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 def padding_preprocess(preprocess_samples, model, multiple: int):
     """Wrap a task's `preprocess_samples` so that it pads every batch.
 
@@ -356,6 +403,7 @@ def generate_padded(generate, distribution, inputs, *args, **kwargs):
     count = sample_count(prompts) if not hasattr(prompts, "element_spec") else None
     if size == 1 or count is None or count % size == 0:
         return generate(inputs, *args, **kwargs)
+    warn_padding(getattr(generate, "__self__", generate), "generate", count, size)
     target = -(-count // size) * size
     if isinstance(prompts, (list, tuple)) and all(isinstance(p, str) for p in prompts):
         padded = list(prompts) + [prompts[-1]] * (target - count)

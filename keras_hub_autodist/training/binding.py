@@ -38,6 +38,7 @@ from keras_hub_autodist.training.batches import predict_unpadded
 from keras_hub_autodist.training.batches import requested_rows
 from keras_hub_autodist.training.batches import rows_multiple
 from keras_hub_autodist.training.batches import sample_count
+from keras_hub_autodist.training.batches import warn_padding
 from keras_hub_autodist.training.placement import place_state
 from keras_hub_autodist.training.restore import note_compiled
 from keras_hub_autodist.training.restore import restore
@@ -99,6 +100,9 @@ def _feeding(name, method, bound, args, kwargs):
     (unless keras-hub's preprocessing pads them), run in the scope."""
     if not bound.padded:
         check_batch(bound.distribution, name, args, kwargs)
+    elif name in ("fit", "evaluate", "predict"):
+        rows = requested_rows(name, args, kwargs)
+        warn_padding(bound.model, name, rows, bound.multiple)
     with bound.distribution.scope():
         return method(*args, **kwargs)
 
