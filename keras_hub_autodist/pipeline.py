@@ -27,6 +27,7 @@ from typing import Any
 
 import keras
 
+from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import ModelClassError
@@ -36,6 +37,7 @@ from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
 from keras_hub_autodist.loading.verify import verify_layouts
 from keras_hub_autodist.planning.compiled_step import remat_scope
+from keras_hub_autodist.planning.options import PLAN_ONLY_KEYWORDS
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.options import progress_option
 from keras_hub_autodist.planning.planner import plan_model
@@ -145,6 +147,12 @@ def from_preset(
         device_mesh={"batch": 2, "model": 4})
     ```
     """
+    for name in set(kwargs) & set(PLAN_ONLY_KEYWORDS):
+        raise ArgumentError(
+            f"`{name}=` is an option of `keras_hub_autodist.plan()` (the "
+            f"memory answer), not of `from_preset`: {PLAN_ONLY_KEYWORDS[name]}. "
+            f"Received: {name}={kwargs[name]!r}"
+        )
     options = PlanOptions(
         strategy=strategy,
         batch_axis=batch_axis,

@@ -6,6 +6,10 @@ import dataclasses
 import inspect
 import pathlib
 
+import keras_hub
+import pytest
+
+import keras_hub_autodist
 from keras_hub_autodist import pipeline
 from keras_hub_autodist import plugin
 from keras_hub_autodist.planning import options
@@ -55,3 +59,15 @@ def test_the_startup_hooks_guard_rejects_every_distribution_keyword():
         if isinstance(node, ast.Assign) and node.targets[0].id == "MESH_KEYWORDS"
     ]
     assert keywords == ("device_mesh",) + options.DISTRIBUTION_KEYWORDS
+
+
+@pytest.mark.parametrize("name, value", [("lora_rank", 4), ("device_memory", 2**30)])
+def test_from_preset_refuses_an_option_of_plan_alone_with_what_to_do(
+    tiny_presets_dir, name, value
+):
+    with pytest.raises(keras_hub_autodist.ArgumentError, match=rf"Received: {name}="):
+        keras_hub.models.Backbone.from_preset(
+            tiny_presets_dir["gemma_mqa"],
+            device_mesh={"batch": 2, "model": 4},
+            **{name: value},
+        )

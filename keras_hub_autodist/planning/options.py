@@ -37,6 +37,9 @@ class Option:
             `plan()`).
         from_preset: whether `from_preset(device_mesh=...)` takes it (the
             plugin passes every other keyword on to keras-hub).
+        instead: for an option of `plan()` alone that keras-hub's
+            `from_preset` does not take either: what a load does instead
+            (`from_preset` refuses it with this).
     """
 
     name: str
@@ -44,6 +47,7 @@ class Option:
     doc: str
     planning: bool = True
     from_preset: bool = True
+    instead: str | None = None
 
 
 OPTIONS = (
@@ -61,6 +65,7 @@ OPTIONS = (
         None,
         "bytes per device; default: asked of the devices or the environment.",
         from_preset=False,
+        instead="a load has the devices' own memory",
     ),
     Option(
         "lora_rank",
@@ -69,6 +74,7 @@ OPTIONS = (
         "LoRA kernels carry gradients and optimizer state (default `None`: "
         "full fine-tuning).",
         from_preset=False,
+        instead="load, then call `lm.backbone.enable_lora(rank)`",
     ),
     Option(
         "remat",
@@ -100,6 +106,8 @@ OPTIONS = (
 )
 # The keywords `from_preset(device_mesh=...)` takes besides `device_mesh`.
 DISTRIBUTION_KEYWORDS = tuple(o.name for o in OPTIONS if o.from_preset)
+# Options of `plan()` that a load refuses → what it does instead.
+PLAN_ONLY_KEYWORDS = {o.name: o.instead for o in OPTIONS if o.instead}
 # The keywords of `plan()` besides the preset and the mesh, and the fields of
 # `PlanOptions` (a test ties the dataclass to this list).
 PLANNING_KEYWORDS = tuple(o.name for o in OPTIONS if o.planning)
