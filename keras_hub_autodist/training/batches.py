@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 from keras_hub_autodist.errors import BatchSizeError
+from keras_hub_autodist.words import counted
 
 # Keras' default batch size for arrays passed without `batch_size`.
 KERAS_DEFAULT_BATCH_SIZE = 32
@@ -282,13 +283,16 @@ def warn_padding(model, method: str, rows: int | None, multiple: int) -> None:
     target = -(-rows // multiple) * multiple
     if method == "generate":
         what = (
-            f"generate: {rows} prompts are padded to {target} (a multiple of "
+            f"generate: {counted(rows, 'prompt')} {'is' if rows == 1 else 'are'} "
+            f"padded to {target} "
+            "(a multiple of "
             f"the {multiple} devices of the batch axis); the extra outputs "
             "are dropped."
         )
     else:
         what = (
-            f"{method}: batches of {rows} rows are padded to {target} rows (a "
+            f"{method}: batches of {counted(rows, 'row')} are padded to "
+            f"{target} rows (a "
             f"multiple of the {multiple} devices of the batch axis) with "
             "zero-weight rows: results are those of the real rows, but the "
             "padded ones cost compute."
