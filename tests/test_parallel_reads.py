@@ -208,7 +208,9 @@ def test_reads_cast_to_the_dtype_asked(tmp_path, monkeypatch, stored, wanted):
         assert part.tobytes() == expected.tobytes(), index
 
 
-def placeholder_without_transfer(shape, dtype, sharding):
+def placeholder_without_transfer(shape, dtype, sharding, buffers=None):
+    """Zeros made on the devices: nothing crosses from the host (the reads
+    then fill `buffers`, which no placeholder adopted)."""
     return transfer.device_zeros(
         tuple(shape), transfer.numpy_dtype(dtype).name, sharding
     )()

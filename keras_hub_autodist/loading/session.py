@@ -158,10 +158,6 @@ def _backend_sharding(layout):
     return getattr(layout, "backend_layout", layout)
 
 
-def _slice_key(index: tuple, shape: tuple) -> tuple:
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
 class _Session:
     """The state of one sharded load (one thread, one `from_preset`)."""
 
@@ -265,7 +261,7 @@ class _Session:
         wanted = transfer.numpy_dtype(compat.variable_dtype(variable))
         shape = tuple(variable.shape)
         indices = sharding.addressable_devices_indices_map(shape)
-        keys = [_slice_key(index, shape) for index in indices.values()]
+        keys = [transfer.slice_bounds(index, shape) for index in indices.values()]
         unique, first = {}, {}  # slice key -> index, its first device's position
         for position, (key, index) in enumerate(zip(keys, indices.values())):
             unique.setdefault(key, index)

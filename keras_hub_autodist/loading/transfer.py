@@ -94,7 +94,9 @@ def aligned_copy(values: np.ndarray) -> np.ndarray:
     return copy
 
 
-def _slice_bounds(index: tuple, shape: tuple) -> tuple:
+def slice_bounds(index: tuple, shape: tuple) -> tuple:
+    """`(start, stop)` per dimension of `index` in an array of `shape`: one
+    key for the indices of a slice however they are written."""
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
@@ -130,28 +132,30 @@ def to_devices(shape: tuple, sharding, values: list) -> jax.Array:
     # the next of that index's values.
     queues = {}
     for index, value in zip(indices.values(), values):
-        bounds = _slice_bounds(index, shape)
+        bounds = slice_bounds(index, shape)
         queues.setdefault(bounds, collections.deque()).append(value)
     return jax.make_array_from_callback(
-        shape, sharding, lambda index: queues[_slice_bounds(index, shape)].popleft()
+        shape, sharding, lambda index: queues[slice_bounds(index, shape)].popleft()
     )
 
 
-def placeholder(shape, dtype, sharding) -> jax.Array:
+def placeholder(shape, dtype, sharding, buffers=None) -> jax.Array:
     """Zeros laid out as `sharding`: each device allocates only its shard.
 
-    On accelerators they are made on the devices. On CPU each shard is a
-    fresh aligned host buffer the device adopts without a copy, so its
-    pages are never touched before the real values replace it.
+    On accelerators they are made on the devices. On CPU each shard is an
+    aligned host buffer of zeros the device adopts without a copy (`buffers`,
+    one per addressable device, or fresh ones), so its pages are never
+    touched before the real values replace it.
     """
     dtype = numpy_dtype(dtype)
     shape = tuple(shape)
     if not on_cpu(sharding):
         return device_zeros(shape, dtype.name, sharding)()
-    buffers = [
-        aligned_empty(local_shape(index, shape), dtype, zeros=True)
-        for index in sharding.addressable_devices_indices_map(shape).values()
-    ]
+    if buffers is None:
+        buffers = [
+            aligned_empty(local_shape(index, shape), dtype, zeros=True)
+            for index in sharding.addressable_devices_indices_map(shape).values()
+        ]
     return to_devices(shape, sharding, buffers)
 
 
@@ -208,7 +212,7 @@ class ReservedShards:
             return placeholder(shape, dtype, sharding)
         shape, dtype = tuple(shape), numpy_dtype(dtype)
         reservation = _Reservation(shape, dtype, sharding)
-        array = to_devices(shape, sharding, reservation.buffers)
+        array = placeholder(shape, dtype, sharding, reservation.buffers)
         with self._lock:
             self._reserved[key] = reservation
         return array
