@@ -147,7 +147,7 @@ def from_preset(
         device_mesh={"batch": 2, "model": 4})
     ```
     """
-    for name in set(kwargs) & set(PLAN_ONLY_KEYWORDS):
+    for name in sorted(set(kwargs) & set(PLAN_ONLY_KEYWORDS)):
         raise ArgumentError(
             f"`{name}=` is an option of `keras_hub_autodist.plan()` (the "
             f"memory answer), not of `from_preset`: {PLAN_ONLY_KEYWORDS[name]}. "
