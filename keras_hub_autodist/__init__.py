@@ -46,6 +46,7 @@ from keras_hub_autodist.errors import MeshError  # noqa: E402
 from keras_hub_autodist.errors import ModelClassError  # noqa: E402
 from keras_hub_autodist.errors import MultiprocessSaveError  # noqa: E402
 from keras_hub_autodist.errors import NotBoundError  # noqa: E402
+from keras_hub_autodist.errors import PaddingWarning  # noqa: E402
 from keras_hub_autodist.errors import PlanError  # noqa: E402
 from keras_hub_autodist.errors import PlanInputError  # noqa: E402
 from keras_hub_autodist.errors import PluginOffError  # noqa: E402
@@ -117,6 +118,7 @@ __all__ = [
     "StrategyError",
     "summary",
     "UnplannedWeightError",
+    "PaddingWarning",
     "UnplannedWeightWarning",
     "UnsupportedArchitectureError",
     "Weight",
@@ -134,22 +136,20 @@ _MOVED_MODULES = {"step_memory": "keras_hub_autodist.planning.step_memory"}
 
 def __getattr__(name):
     if name in _DEPRECATED:
-        import warnings
+        from keras_hub_autodist.errors import warn
 
-        warnings.warn(
+        warn(
             f"`keras_hub_autodist.{name}` is deprecated; use "
             f"`keras_hub_autodist.{_DEPRECATED[name]}`.",
             DeprecationWarning,
-            stacklevel=2,
         )
         return globals()[_DEPRECATED[name]]
     if name in _MOVED_MODULES:
-        import warnings
+        from keras_hub_autodist.errors import warn
 
-        warnings.warn(
+        warn(
             f"`keras_hub_autodist.{name}` is deprecated; use `{_MOVED_MODULES[name]}`.",
             DeprecationWarning,
-            stacklevel=2,
         )
         return importlib.import_module(_MOVED_MODULES[name])
     module = _LAZY.get(name)

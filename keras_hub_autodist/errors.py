@@ -11,6 +11,23 @@ flags (`--batch-axis`) when it prints an error.
 
 from __future__ import annotations
 
+import inspect
+import os
+import sys
+import warnings
+
+# The packages a warning is raised through on its way from the user's call:
+# it names the first line outside them, the user's own.
+_WRAPPED_PACKAGES = (
+    "keras_hub_autodist",
+    "keras_hub",
+    "keras",
+    "jax",
+    "optree",
+    "orbax",
+    "tensorflow",
+)
+
 
 class AutodistError(Exception):
     """Base class of every error raised by `keras_hub_autodist`."""
@@ -145,6 +162,12 @@ class UnplannedWeightWarning(UserWarning):
     """With `strict=False`: weights that match no rule stay replicated."""
 
 
+class PaddingWarning(UserWarning):
+    """A bound model pads a batch (or prompts) to a multiple of the batch
+    axis: results are those of the real rows, the padded ones cost compute.
+    Said once per model and method; filter this category to silence it."""
+
+
 class DemoError(AutodistError, ValueError):
     """An argument of the demo (`run_demo`, `keras-hub-autodist demo`) is
     invalid."""
@@ -169,3 +192,34 @@ class EnvironmentVariableError(AutodistError, ValueError):
 class MultiprocessSaveError(AutodistError, RuntimeError):
     """Another process failed while the processes were saving a model
     together; this one stopped instead of waiting for it."""
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn with the line of the user's code that led here.
+
+    A warning raised deep inside a load, a save or a bound model's `fit`
+    names the first frame outside this package and the libraries it runs
+    through (keras, keras-hub, jax, ...), so the user sees their own line
+    instead of ours, and Python's "once per location" filter counts theirs.
+
+    Args:
+        message: what happened and how to avoid it.
+        category: the warning's class.
+    """
+    internal = tuple(
+        os.path.dirname(module.__file__) + os.sep
+        for name in _WRAPPED_PACKAGES
+        if (module := sys.modules.get(name)) is not None
+        and getattr(module, "__file__", None)
+    )
+    frame = inspect.currentframe().f_back
+    level = 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(internal)
+        or frame.f_code.co_filename.startswith("<frozen ")
+    ):
+        frame = frame.f_back
+        level += 1
+    if frame is None:  # nothing of the user's on this thread's stack
+        level = 1
+    warnings.warn(message, category, stacklevel=level + 1)

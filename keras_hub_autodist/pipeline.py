@@ -21,7 +21,6 @@ Each step takes the previous step's value and never calls back up.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +31,7 @@ from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PresetError
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.loading.progress import progress_enabled
 from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
@@ -222,10 +222,9 @@ def from_preset(
         snapshot = cached_kaggle_snapshot(preset) if is_network_error(error) else None
         if snapshot is None:
             raise
-        warnings.warn(
+        warn(
             f"keras_hub_autodist: the network is unreachable; loading {preset} "
             f"from kagglehub's cache at {snapshot}.",
-            stacklevel=2,
         )
         model = load(snapshot)
     # 6. Bound to its distribution, and one line on what was done.

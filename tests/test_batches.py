@@ -114,8 +114,12 @@ def test_generate_inputs_by_keyword(preset):
 def test_padding_a_fit_is_said_once_with_its_sizes(preset):
     lm = causal_lm(preset, device_mesh=MESH)
     x, y = data(preset, 6)
-    with pytest.warns(UserWarning, match=r"fit: batches of 6 rows are padded to 8"):
+    with pytest.warns(
+        keras_hub_autodist.PaddingWarning, match=r"fit: batches of 6 rows are padded to 8"
+    ) as said:
         lm.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    # It names the user's line, not one inside keras or this package.
+    assert [w.filename for w in said if "padded" in str(w.message)] == [__file__]
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")
         lm.fit(x, y, batch_size=6, epochs=1, verbose=0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import types
-import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
 
@@ -14,6 +13,7 @@ from keras_hub_autodist.architectures.weight import Weight
 from keras_hub_autodist.errors import UnplannedWeightError
 from keras_hub_autodist.errors import UnplannedWeightWarning
 from keras_hub_autodist.errors import option
+from keras_hub_autodist.errors import warn
 
 # The config fields behind each logical axis, for fallback notes
 # ("num_key_value_heads=1 does not divide ..."): keras-hub's decoder
@@ -319,10 +319,9 @@ def unplanned_weight_error(
 def warn_unplanned(backbone_class: str, architecture: str, unmatched) -> None:
     """Warn (`UnplannedWeightWarning`) that `unmatched` weights (`"path
     shape"`) stay replicated because `strict=False`."""
-    warnings.warn(
+    warn(
         f"keras_hub_autodist: {len(unmatched)} weights of {backbone_class} "
         f"match no rule of the {architecture!r} architecture and stay "
         f"replicated on every device (strict=False): {', '.join(unmatched[:10])}",
         UnplannedWeightWarning,
-        stacklevel=4,
     )

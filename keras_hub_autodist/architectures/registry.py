@@ -32,12 +32,12 @@ listed in `KNOWN_SUBCLASSES` with its registered base.
 from __future__ import annotations
 
 import functools
-import warnings
 from importlib import metadata
 
 from keras_hub_autodist.architectures.base import DOCS_ADDING_AN_ARCHITECTURE
 from keras_hub_autodist.architectures.base import Architecture
 from keras_hub_autodist.errors import UnsupportedArchitectureError
+from keras_hub_autodist.errors import warn
 
 ENTRY_POINT_GROUP = "keras_hub_autodist.architectures"
 # The built-in families: backbone class name -> "module:object" of the
@@ -87,7 +87,7 @@ def _registrations() -> dict[str, tuple[metadata.EntryPoint, str]]:
         kept, kept_source = previous
         if kept.value == entry_point.value:
             continue  # the same architecture registered twice: no conflict
-        warnings.warn(
+        warn(
             f"keras_hub_autodist: two architectures are registered "
             f"for {entry_point.name!r}: {kept.value} ({kept_source}) and "
             f"{entry_point.value} ({_source_of(entry_point)}). Using "
@@ -96,7 +96,6 @@ def _registrations() -> dict[str, tuple[metadata.EntryPoint, str]]:
             "ones. To lay out a built-in family differently, register your "
             "architecture for a subclass of its backbone. Received: entry point "
             f"{entry_point.name} = {entry_point.value}",
-            stacklevel=2,
         )
     return found
 
@@ -108,11 +107,10 @@ def _load(name: str) -> Architecture | None:
         architecture = entry_point.load()
     except Exception as error:  # a broken plugin must not break the others
         _failed[name] = f"{entry_point.value} ({type(error).__name__}: {error})"
-        warnings.warn(
+        warn(
             f"keras_hub_autodist: the architecture {name!r} "
             f"({entry_point.value}, {source}) failed to load and is skipped: "
             f"{type(error).__name__}: {error}",
-            stacklevel=3,
         )
         return None
     if isinstance(architecture, type):

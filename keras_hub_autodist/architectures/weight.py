@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.reading.dtypes import itemsize
 
 LOGICAL_AXES = (
@@ -83,10 +83,9 @@ class Weight:
     @property
     def axes(self) -> tuple[str, ...]:
         """Deprecated name of `logical_axes`."""
-        warnings.warn(
+        warn(
             "`Weight.axes` is deprecated; use `Weight.logical_axes`.",
             DeprecationWarning,
-            stacklevel=2,
         )
         return self.logical_axes
 

@@ -10,9 +10,8 @@ planned shape.
 
 from __future__ import annotations
 
-import warnings
-
 from keras_hub_autodist.architectures.weight import Weight
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.planning import compiled_step
 from keras_hub_autodist.planning import memory
 from keras_hub_autodist.planning import report
@@ -87,11 +86,10 @@ class LayoutPlan(PlanRecord):
         keras_hub_autodist.compiled_memory(plan, 8, 2048, "adam").peak_bytes
         ```
         """
-        warnings.warn(
+        warn(
             "`LayoutPlan.compiled_memory(...)` is deprecated; call "
             "`keras_hub_autodist.compiled_memory(plan, ...)`.",
             DeprecationWarning,
-            stacklevel=2,
         )
         return compiled_step.compiled_memory(
             self, batch_size, sequence_length, optimizer, **options

@@ -71,12 +71,12 @@ import errno
 import json
 import os
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from keras_hub_autodist.errors import SavePermissionError
 from keras_hub_autodist.errors import SaveTargetError
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.saving.folders import OURS
 from keras_hub_autodist.saving.folders import entries
 from keras_hub_autodist.saving.folders import flock
@@ -171,13 +171,12 @@ def save_atomically(
             _check_replaceable(target, staging, lock, preset_dir)
     with contextlib.ExitStack() as stack:
         if reason is not None:
-            warnings.warn(
+            warn(
                 f"Saving into {target!r} in place, as keras-hub does, because "
                 f"{reason}. If the process dies while the files are moved in, "
                 f"the folder has no {CONFIG_FILE} (no loader accepts it) until "
                 "the next save into it completes the move; old and new files "
                 "are never mixed in a folder that has one.",
-                stacklevel=3,
             )
             stack.enter_context(writable_while(target))
             try:
@@ -427,11 +426,10 @@ def _retire(old, target):
     replaced = format_entries(old) | {n for n in list_names(old) if n.startswith(OURS)}
     kept = _carry_over(old, target, replaced)
     if kept:
-        warnings.warn(
+        warn(
             f"Saved the preset into {target!r}, but {len(kept)} entries of the "
             f"folder it replaced could not be moved into it: {kept[:5]}. They "
             f"are kept in {old!r}; move them into {target!r} by hand.",
-            stacklevel=4,
         )
         return
     remove_tree(old)

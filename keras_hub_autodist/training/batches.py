@@ -13,13 +13,14 @@ import contextlib
 import contextvars
 import functools
 import math
-import warnings
 import weakref
 
 import keras
 import numpy as np
 
 from keras_hub_autodist.errors import BatchSizeError
+from keras_hub_autodist.errors import PaddingWarning
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.words import counted
 
 # Keras' default batch size for arrays passed without `batch_size`.
@@ -297,10 +298,9 @@ def warn_padding(model, method: str, rows: int | None, multiple: int) -> None:
             "zero-weight rows: results are those of the real rows, but the "
             "padded ones cost compute."
         )
-    warnings.warn(
+    warn(
         f"{what} A batch size that is a multiple of {multiple} avoids it.",
-        UserWarning,
-        stacklevel=4,
+        PaddingWarning,
     )
 
 

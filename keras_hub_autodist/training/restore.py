@@ -26,7 +26,6 @@ distribution:
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -36,6 +35,7 @@ import jax
 from keras_hub_autodist import compat
 from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import RestoreError
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.training import fingerprint as fingerprints
 from keras_hub_autodist.training.fingerprint import Fingerprint
 from keras_hub_autodist.training.placement import place_state
@@ -322,11 +322,10 @@ def _warn_skipped(path, skipped, chosen, move):
             + ", so that new checkpoints can be written there; nothing was deleted."
         )
     reasons = "; ".join(f"{os.path.basename(f)}: {why}" for f, why in skipped)
-    warnings.warn(
+    warn(
         f"Skipped the damaged newest checkpoint(s) {', '.join(names)} of "
         f"{path!r} ({reasons}) and restored step {chosen.step}, the last "
         f"complete one.{moved}",
-        stacklevel=4,
     )
 
 
@@ -394,9 +393,8 @@ def note_compiled(model) -> None:
     restored = getattr(model, _RESTORED_ATTR, None)
     if restored is not None and restored is not fingerprints.model_optimizer(model):
         object.__setattr__(model, _RESTORED_ATTR, None)
-        warnings.warn(
+        warn(
             "`compile` replaced the optimizer whose state `load_weights` "
             "restored: training starts with a fresh optimizer. To resume, "
             "call `compile` first, then `load_weights`.",
-            stacklevel=3,
         )

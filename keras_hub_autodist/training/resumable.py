@@ -16,7 +16,6 @@ import contextlib
 import itertools
 import logging
 import os
-import warnings
 
 import jax
 import keras
@@ -25,6 +24,7 @@ from keras_hub_autodist import compat
 from keras_hub_autodist.errors import CheckpointOptionError
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.errors import RestoreError
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.training import fingerprint as fingerprints
 from keras_hub_autodist.training import global_random
 from keras_hub_autodist.training.batches import fed_rows
@@ -426,12 +426,11 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         the first batch is checked there (`_check_batch_size`)."""
         saved = chosen.fingerprint.training
         if saved is None:
-            warnings.warn(
+            warn(
                 f"The checkpoint {chosen.folder!r} does not record the batch "
                 "size and batches per epoch it was taken with (an older save, "
                 "or Keras' `OrbaxCheckpoint`): make sure this `fit` has those "
                 "of the interrupted run, or it resumes on other samples.",
-                stacklevel=2,
             )
             return
         error = fingerprints.training_error(

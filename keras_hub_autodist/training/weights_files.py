@@ -34,11 +34,11 @@ import contextlib
 import contextvars
 import json
 import os
-import warnings
 import zipfile
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.errors import RestoreError
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.saving.weight_stores import root_datasets_written
 from keras_hub_autodist.training import fingerprint as fingerprints
 from keras_hub_autodist.training.fingerprint import Fingerprint
@@ -149,9 +149,8 @@ def _read_h5(file, source: str, datasets: dict) -> Fingerprint | None:
             try:
                 found = Fingerprint.from_json(text)
             except ValueError as error:
-                warnings.warn(
+                warn(
                     f"{source} holds {error}: it is checked by its datasets alone.",
-                    stacklevel=5,
                 )
 
         def visit(name, item):
@@ -220,11 +219,10 @@ def check_optimizer_state(model, saved: int, source: str) -> bool:
     has_slots = saved > UNBUILT_OPTIMIZER_VARIABLES
     if optimizer is None:
         if has_slots:
-            warnings.warn(
+            warn(
                 f"{source} holds optimizer state ({saved} variables) but the "
                 "model is not compiled: only its weights are restored. To "
                 "resume training, call `compile` first, then `load_weights`.",
-                stacklevel=5,
             )
         return False
     if not has_slots:
@@ -319,13 +317,12 @@ def check_weights_file(model, path: str) -> bool:
     optimizer = fingerprints.model_optimizer(model)
     if not restored:
         if current_rank and optimizer is not None:
-            warnings.warn(
+            warn(
                 f"The model has LoRA of rank {current_rank}: Keras zeroes the "
                 f"LoRA kernels when it loads {path!r} (a weights file holds "
                 "them merged into the kernels), and with both LoRA factors "
                 "zero their gradients are zero: LoRA won't train. Call "
                 "`load_weights` before `enable_lora`.",
-                stacklevel=4,
             )
         return False
     if saved_rank or current_rank:
