@@ -53,6 +53,7 @@ from keras_hub_autodist.errors import PluginOffError  # noqa: E402
 from keras_hub_autodist.errors import PresetError  # noqa: E402
 from keras_hub_autodist.errors import RestoreError  # noqa: E402
 from keras_hub_autodist.errors import SaveTargetError  # noqa: E402
+from keras_hub_autodist.errors import SequenceLengthError  # noqa: E402
 from keras_hub_autodist.errors import StrategyError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
@@ -87,6 +88,7 @@ __all__ = [
     "AutodistError",
     "BackendError",
     "BatchSizeError",
+    "SequenceLengthError",
     "Binding",
     "CheckpointOptionError",
     "compiled_memory",

@@ -200,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES)
     plan.add_argument("--batch-axis", default=None, help="if not batch/data")
     plan.add_argument("--model-axis", default=None, help="if not model/tensor")
+    plan.add_argument(
+        "--context-axis",
+        default=None,
+        help="the axis that splits each sequence, if not context",
+    )
     plan.add_argument("--dtype", default=None, help="e.g. bfloat16")
     plan.add_argument(
         "--device-memory",
@@ -330,6 +335,7 @@ def _answer(args) -> dict:
         strategy=args.strategy,
         batch_axis=args.batch_axis,
         model_axis=args.model_axis,
+        context_axis=args.context_axis,
         dtype=args.dtype,
         device_memory=args.device or args.device_memory,
         lora_rank=args.lora_rank,
@@ -480,6 +486,7 @@ def _prepare_environment() -> None:
 FLAGS = {
     "batch_axis": "--batch-axis",
     "model_axis": "--model-axis",
+    "context_axis": "--context-axis",
     "strategy": "--strategy",
     "dtype": "--dtype",
     "device_memory": "--device-memory",

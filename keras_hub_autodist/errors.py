@@ -158,6 +158,11 @@ class CheckpointOptionError(RestoreError, TypeError):
     for the checks it replaces keep working."""
 
 
+class SequenceLengthError(AutodistError, ValueError):
+    """A batch's sequence length doesn't divide the context axis that
+    splits it."""
+
+
 class UnplannedWeightWarning(UserWarning):
     """With `strict=False`: weights that match no rule stay replicated."""
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-
-from keras_hub_autodist.errors import warn
 
 # Module name -> {callback name: callback}, waiting for the first import.
 _waiting: dict[str, dict[str, Callable[[], None]]] = {}
@@ -67,9 +66,12 @@ def _run(module: str, callbacks: dict[str, Callable[[], None]]) -> None:
         try:
             callback()
         except Exception as error:  # never break the user's import
-            warn(
+            # Standard library only: the startup hook loads this module
+            # without importing the package (`errors.warn` would).
+            warnings.warn(
                 f"keras-hub-autodist: {name} failed after `import {module}`: "
                 f"{type(error).__name__}: {error}",
+                stacklevel=3,
             )
 
 

@@ -37,6 +37,7 @@ from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
 from keras_hub_autodist.loading.verify import verify_layouts
 from keras_hub_autodist.planning.compiled_step import remat_scope
+from keras_hub_autodist.planning.distribution import plan_distribution
 from keras_hub_autodist.planning.options import PLAN_ONLY_KEYWORDS
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.options import progress_option
@@ -94,6 +95,7 @@ def from_preset(
     strategy: str = "auto",
     batch_axis: str | None = None,
     model_axis: str | None = None,
+    context_axis: str | None = None,
     progress: bool | None = None,
     strict: bool = True,
     sequence_parallel: bool = False,
@@ -116,6 +118,8 @@ def from_preset(
         strategy: `"auto"`, `"tp"` or `"fsdp"` (see `plan()`).
         batch_axis: the mesh axis that splits batches.
         model_axis: the mesh axis that shards weights.
+        context_axis: the mesh axis that splits each sequence (context
+            parallelism), if not `context` (see `plan()`).
         progress: show a progress bar while loading; by default what
             `$KERAS_HUB_AUTODIST_PROGRESS` says (`1`/`0`, `on`/`off`...), else
             on a terminal only.
@@ -157,6 +161,7 @@ def from_preset(
         strategy=strategy,
         batch_axis=batch_axis,
         model_axis=model_axis,
+        context_axis=context_axis,
         dtype=kwargs.get("dtype"),
         sequence_parallel=sequence_parallel,
         strict=strict,
@@ -178,12 +183,7 @@ def from_preset(
     layout_plan = plan_model(weights, resolved, options)
     mesh = resolved.build()
     plan_seconds = time.perf_counter() - planning_started
-    distribution = keras.distribution.ModelParallel(
-        layout_map=layout_plan.layout_map(mesh),
-        batch_dim_name=layout_plan.batch_axis,
-        # Each process feeds its process-local batch (see docs/multihost.md).
-        auto_shard_dataset=False,
-    )
+    distribution = plan_distribution(layout_plan, mesh)
     # 4-5. Load inside the distribution, each weight checked as it is made;
     # then the built model checked against the plan.
     check = WeightCheck(layout_plan, strict=options.strict)

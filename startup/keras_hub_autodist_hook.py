@@ -39,6 +39,7 @@ MESH_KEYWORDS = (
     "strategy",
     "batch_axis",
     "model_axis",
+    "context_axis",
     "remat",
     "progress",
     "strict",

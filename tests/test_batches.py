@@ -115,7 +115,8 @@ def test_padding_a_fit_is_said_once_with_its_sizes(preset):
     lm = causal_lm(preset, device_mesh=MESH)
     x, y = data(preset, 6)
     with pytest.warns(
-        keras_hub_autodist.PaddingWarning, match=r"fit: batches of 6 rows are padded to 8"
+        keras_hub_autodist.PaddingWarning,
+        match=r"fit: batches of 6 rows are padded to 8",
     ) as said:
         lm.fit(x, y, batch_size=6, epochs=1, verbose=0)
     # It names the user's line, not one inside keras or this package.

@@ -224,6 +224,7 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
     import keras
 
     from keras_hub_autodist import compat
+    from keras_hub_autodist.planning.distribution import plan_distribution
 
     backbone_cls, config = _backbone_config(plan, preset)
     task_cls = model_class or default_task_class(backbone_cls)
@@ -232,11 +233,7 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
             "model_class is the keras-hub task class to train, e.g. "
             f"keras_hub.models.GemmaCausalLM. Received: model_class={task_cls!r}"
         )
-    distribution = keras.distribution.ModelParallel(
-        layout_map=plan.layout_map(mesh),
-        batch_dim_name=plan.batch_axis,
-        auto_shard_dataset=False,
-    )
+    distribution = plan_distribution(plan, mesh)
     with distribution.scope():
         with compat.deferred_variables(), remat_scope(plan.remat):
             backbone = backbone_cls.from_config(config)

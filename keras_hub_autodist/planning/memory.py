@@ -69,7 +69,9 @@ def activation_bytes_per_device(
     dimensions, MLP terms by those of each up-projection's `mlp` and
     `expert` dimensions, logits by those of the output embedding's vocabulary;
     the residual stream is replicated over the model axis, or split over
-    it with `sequence_parallel`. Gradients
+    it with `sequence_parallel`. A context axis of `c` devices divides `s`
+    by `c` in every term but the keys and values, which attention gathers
+    whole (the scores are `b·H·(s/c)·s`). Gradients
     and optimizer state are not included (`training_bytes_per_device`).
 
     Args:

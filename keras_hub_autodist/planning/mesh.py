@@ -11,6 +11,9 @@ A mesh axis has one of four roles:
 - the **expert** axis (optional, the axis named `expert`): mixtures of
   experts put their experts on it (expert parallelism); other weights are
   replicated over it and input batches are not split over it.
+- the **context** axis (optional, the axis named `context`): the tokens of
+  each sequence are split over it (context parallelism); attention gathers
+  the keys and values over it. With `"fsdp"` weights are sharded over it too.
 
 Roles are given by name, never by position.
 """
@@ -32,6 +35,7 @@ from keras_hub_autodist.errors import option
 BATCH_AXIS_NAMES = ("batch", "data")
 MODEL_AXIS_NAMES = ("model", "tensor")
 EXPERT_AXIS_NAMES = ("expert",)
+CONTEXT_AXIS_NAMES = ("context",)
 # The most devices a mesh may span: far beyond the largest machines built
 # (tens of thousands of chips), and small enough that planning for it (which
 # tries every divisor of the device count) stays quick.
@@ -51,6 +55,8 @@ class MeshAxes:
             `None`.
         expert_axis: the axis that shards the experts of a mixture of
             experts, or `None` (then the model axis does).
+        context_axis: the axis that splits each sequence (context
+            parallelism), or `None`.
 
     Example:
     >>> axes = resolve_mesh_axes({"model": 4, "batch": 2})
@@ -64,6 +70,7 @@ class MeshAxes:
     model_axis: str | None
     hidden_axis: str | None
     expert_axis: str | None = None
+    context_axis: str | None = None
 
     def size(self, axis: str | None) -> int:
         """Size of a mesh axis (1 for `None`)."""
@@ -348,13 +355,15 @@ def resolve_mesh_axes(
     *,
     batch_axis: str | None = None,
     model_axis: str | None = None,
+    context_axis: str | None = None,
 ) -> MeshAxes:
     """Give every axis of `device_mesh` a role.
 
     The batch axis is the one named `batch` (or `data`) unless `batch_axis`
     names another; the model axis is `model` (or `tensor`) unless
     `model_axis` names another. An axis named `expert` shards the experts of
-    mixtures of experts. One remaining axis becomes the hidden axis (2D
+    mixtures of experts; the axis named `context` (or `context_axis`) splits
+    each sequence. One remaining axis becomes the hidden axis (2D
     tensor parallelism); more than one is an error.
 
     Args:
@@ -362,6 +371,7 @@ def resolve_mesh_axes(
             name to size.
         batch_axis: name of the batch axis, if not `batch`/`data`.
         model_axis: name of the model axis, if not `model`/`tensor`.
+        context_axis: name of the context axis, if not `context`.
 
     Returns:
         A `MeshAxes`.
@@ -371,6 +381,8 @@ def resolve_mesh_axes(
     'tensor'
     >>> resolve_mesh_axes({"batch": 2, "expert": 2, "model": 2}).expert_axis
     'expert'
+    >>> resolve_mesh_axes({"batch": 2, "context": 4}).context_axis
+    'context'
     """
     if isinstance(device_mesh, MeshArgument):
         names, shape = device_mesh.axis_names, device_mesh.shape
@@ -392,18 +404,35 @@ def resolve_mesh_axes(
             "axis. Give the two roles different axes. Received: mesh axes "
             f"({received})"
         )
+    if context_axis is not None and context_axis in (batch, model_axis):
+        raise MeshError(
+            f"{option('context_axis', repr(context_axis))} is also the "
+            f"{'batch' if context_axis == batch else 'model'} axis. Give the "
+            f"roles different axes. Received: mesh axes ({received})"
+        )
+    context = _pick(
+        [n for n in names if n not in (batch, model_axis)],
+        context_axis,
+        CONTEXT_AXIS_NAMES,
+        "context",
+        "context_axis",
+    )
     model = _pick(
-        [n for n in names if n != batch],
+        [n for n in names if n not in (batch, context)],
         model_axis,
         MODEL_AXIS_NAMES,
         "model",
         "model_axis",
     )
     expert = next(
-        (n for n in EXPERT_AXIS_NAMES if n in names and n not in (batch, model)),
+        (
+            n
+            for n in EXPERT_AXIS_NAMES
+            if n in names and n not in (batch, model, context)
+        ),
         None,
     )
-    rest = [n for n in names if n not in (batch, model, expert)]
+    rest = [n for n in names if n not in (batch, model, expert, context)]
     if model is None and rest:
         raise MeshError(
             f"Mesh axis {rest[0]!r} has no role: it is neither the batch "
@@ -414,15 +443,16 @@ def resolve_mesh_axes(
     if len(rest) > 1:
         raise MeshError(
             f"Mesh axes {rest} have no role. A mesh has one batch axis, one "
-            "model axis, optionally an `expert` axis, and at most one more "
-            "axis (a second model axis that shards the hidden dimension). "
+            "model axis, optionally an `expert` and a `context` axis, and at "
+            "most one more axis (a second model axis that shards the hidden "
+            "dimension). "
             "Merge or drop the extra axes, or "
             f"name the roles with {option('batch_axis')}/"
             f"{option('model_axis')}. "
             f"Received: mesh axes ({received})"
         )
     hidden = rest[0] if rest else None
-    return MeshAxes(names, shape, batch, model, hidden, expert)
+    return MeshAxes(names, shape, batch, model, hidden, expert, context)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,11 @@ OPTIONS = (
     Option("batch_axis", None, "mesh axis of the batch, if not `batch`/`data`."),
     Option("model_axis", None, "mesh axis of the weights, if not `model`/`tensor`."),
     Option(
+        "context_axis",
+        None,
+        "mesh axis that splits each sequence (context parallelism), if not `context`.",
+    ),
+    Option(
         "dtype",
         None,
         "the dtype (policy) the model is loaded with; keras-hub's own keyword.",
@@ -128,6 +133,8 @@ class PlanOptions:
             `batch`/`data`.
         model_axis: the mesh axis that shards weights, if not
             `model`/`tensor`.
+        context_axis: the mesh axis that splits each sequence, if not
+            `context`.
         dtype: the dtype (policy) the model will be loaded with; `None`: the
             preset's.
         device_memory: bytes per device, or a named device of
@@ -150,6 +157,7 @@ class PlanOptions:
     strategy: str = "auto"
     batch_axis: str | None = None
     model_axis: str | None = None
+    context_axis: str | None = None
     dtype: Any = None
     device_memory: int | str | None = None
     lora_rank: int | None = None
@@ -163,7 +171,7 @@ class PlanOptions:
                 f"Unknown strategy. Use one of {list(STRATEGY_CHOICES)}. "
                 f"Received: strategy={self.strategy!r}"
             )
-        for name in ("batch_axis", "model_axis"):
+        for name in ("batch_axis", "model_axis", "context_axis"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise MeshError(

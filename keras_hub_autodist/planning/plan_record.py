@@ -94,6 +94,10 @@ class PlanRecord:
         (`Architecture.sequence_parallel_outputs`), on `[batch, sequence,
         hidden]`, is pinned
 
+        - `(batch axis, context axis, None)` when the mesh has a context
+          axis of more than one device (context parallelism); the outputs
+          of the key and value projections are then also pinned, with the
+          whole sequence on each device (`sharding.gathered_key_value_spec`);
         - `(batch axis, model axis, None)` when the plan is sequence
           parallel and its model axis has more than one device;
         - `(batch axis, None, None)` under `"fsdp"` with a batch axis of
@@ -113,7 +117,12 @@ class PlanRecord:
         # ('batch', 'model', None)
         ```
         """
-        spec = None
+        spec = sharding.context_activation_spec(self.mesh_axes)
+        if spec is not None:
+            return {
+                **{pattern: spec for pattern in self.sequence_parallel_outputs},
+                **self._gathered_key_value_layouts(),
+            }
         if self.sequence_parallel:
             spec = sharding.sequence_parallel_spec(self.mesh_axes)
         if spec is None and self.strategy == "fsdp":
@@ -121,6 +130,30 @@ class PlanRecord:
         if spec is None:
             return {}
         return {pattern: spec for pattern in self.sequence_parallel_outputs}
+
+    def _gathered_key_value_layouts(self) -> dict[str, tuple]:
+        """`<key/value layer>/output` → its gathered layout: one key per
+        rule of key/value kernels, or one per layer where layers under one
+        rule got different layouts."""
+        by_pattern: dict[str, dict[str, tuple]] = {}
+        for row in self.rows:
+            if "kv_heads" in row.logical_axes and row.path.endswith("/kernel"):
+                output = row.path[: -len("kernel")] + "output"
+                spec = sharding.gathered_key_value_spec(row, self.mesh_axes)
+                by_pattern.setdefault(row.pattern, {})[output] = spec
+        layouts = {}
+        for pattern, outputs in by_pattern.items():
+            specs = set(outputs.values())
+            if len(specs) == 1 and pattern.endswith("/kernel"):
+                layouts[pattern[: -len("kernel")] + "output"] = specs.pop()
+            else:
+                layouts.update({re.escape(p): s for p, s in outputs.items()})
+        return layouts
+
+    @property
+    def context_axis(self) -> str | None:
+        """The mesh axis that splits each sequence, or `None`."""
+        return self.mesh_axes.context_axis
 
     @property
     def batch_axis(self) -> str:

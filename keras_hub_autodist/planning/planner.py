@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
 from keras_hub_autodist.planning import policy
 from keras_hub_autodist.planning import sharding
@@ -59,6 +60,7 @@ def plan(
     strategy: str = "auto",
     batch_axis: str | None = None,
     model_axis: str | None = None,
+    context_axis: str | None = None,
     dtype: str | None = None,
     device_memory: int | str | None = None,
     lora_rank: int | None = None,
@@ -96,6 +98,9 @@ def plan(
         batch_axis: the mesh axis that splits batches, if not `batch`/`data`.
         model_axis: the mesh axis that shards weights, if not
             `model`/`tensor`.
+        context_axis: the mesh axis that splits each sequence (context
+            parallelism: tokens, activations and attention's queries are
+            split over it; keys and values are gathered), if not `context`.
         dtype: the dtype (policy) the model will be loaded with; defaults to
             the preset's.
         device_memory: per-device bytes, or a named device such as `"t4"`,
@@ -137,6 +142,7 @@ def plan(
         strategy=strategy,
         batch_axis=batch_axis,
         model_axis=model_axis,
+        context_axis=context_axis,
         dtype=dtype,
         device_memory=device_memory,
         lora_rank=lora_rank,
@@ -245,7 +251,10 @@ def resolve_mesh(
         capacity, source = None, None
     # The mesh is checked before its devices are asked for their memory.
     axes = resolve_mesh_axes(
-        argument, batch_axis=options.batch_axis, model_axis=options.model_axis
+        argument,
+        batch_axis=options.batch_axis,
+        model_axis=options.model_axis,
+        context_axis=options.context_axis,
     )
     if capacity is None:
         capacity, source = device_memory_info(devices or (), options.device_memory)
@@ -296,6 +305,15 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
     """
     mesh_axes = mesh.axes
     capacity = mesh.device_memory_bytes
+    if options.sequence_parallel and mesh_axes.size(mesh_axes.context_axis) > 1:
+        raise StrategyError(
+            "sequence_parallel=True splits the residual stream's sequence over "
+            "the model axis, and the context axis "
+            f"{mesh_axes.context_axis!r} already splits every sequence: use "
+            "one of them. Drop `sequence_parallel=True` (the context axis "
+            "splits more: attention and logits too). Received: "
+            f"sequence_parallel=True, mesh axes ({mesh_axes.describe()})"
+        )
     strategies = (
         sharding.STRATEGIES if options.strategy == "auto" else (options.strategy,)
     )

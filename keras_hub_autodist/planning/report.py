@@ -221,8 +221,10 @@ def summary(plan: PlanRecord) -> str:
         f"mesh: {axes.describe()} (batch axis: {axes.batch_axis}, model "
         f"axis: {axes.model_axis}, hidden axis: {axes.hidden_axis}"
         + (f", expert axis: {axes.expert_axis}" if axes.expert_axis else "")
+        + (f", context axis: {axes.context_axis}" if axes.context_axis else "")
         + f"{mesh_reason})",
         f"strategy: {plan.strategy} ({plan.strategy_reason})",
+        f"context parallel: {context_parallel_note(plan)}",
         f"sequence parallel: {sequence_parallel_note(plan)}",
         "fine-tuning: "
         + (f"LoRA rank {plan.lora_rank}" if plan.lora_rank else "full")
@@ -241,6 +243,21 @@ def summary(plan: PlanRecord) -> str:
         verdict += ", which leaves little room for activations"
     lines.append(verdict)
     return "\n".join(lines)
+
+
+def context_parallel_note(plan: PlanRecord) -> str:
+    """Whether the plan splits each sequence over a context axis, and how."""
+    axes = plan.mesh_axes
+    if axes.context_axis is None:
+        return "off (no context axis)"
+    size = axes.size(axes.context_axis)
+    if size == 1:
+        return f"off: the context axis ({axes.context_axis}) has one device"
+    return (
+        f"on: each sequence split over '{axes.context_axis}' into {size} "
+        "blocks (tokens, activations, queries and logits); keys and values "
+        "gathered whole for attention"
+    )
 
 
 def sequence_parallel_note(plan: PlanRecord) -> str:

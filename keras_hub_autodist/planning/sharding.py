@@ -16,6 +16,13 @@ When the preferred dimension does not divide by the axis size the next one in
 `MODEL_FALLBACKS` is tried, else the weight is replicated over that axis. The
 planner records each fallback with its reason.
 
+Context parallelism: the context axis splits each sequence, so weights are
+replicated over it under `"tp"`; under `"fsdp"` it shards one more free
+dimension of each weight, as the batch axis does (ZeRO-3 over batch x
+context). Activations follow the tokens (`context_activation_spec`), and the
+outputs of the key/value projections are gathered over it
+(`gathered_key_value_spec`).
+
 Mixtures of experts: a weight with an `expert` dimension (one slice per
 expert) puts its experts on the model axis when their count divides it
 (expert parallelism; its `mlp` dimension then stays whole), else its `mlp`
@@ -93,6 +100,61 @@ def sequence_parallel_spec(mesh_axes) -> tuple[str | None, ...] | None:
     if model_axis is None or mesh_axes.size(model_axis) <= 1:
         return None
     return (mesh_axes.batch_axis, model_axis, None)
+
+
+def context_activation_spec(mesh_axes) -> tuple[str | None, ...] | None:
+    """The layout of a `[batch, sequence, hidden]` activation under context
+    parallelism, or `None` when the mesh has no context axis of more than
+    one device.
+
+    The tokens of each sequence stay split over the context axis through
+    every sequence-wise layer (norms, MLP, residual adds, logits), the batch
+    over the batch axis.
+
+    Example:
+    >>> from keras_hub_autodist.planning.mesh import resolve_mesh_axes
+    >>> context_activation_spec(resolve_mesh_axes({"batch": 2, "context": 4}))
+    ('batch', 'context', None)
+    """
+    context_axis = mesh_axes.context_axis
+    if mesh_axes.size(context_axis) <= 1:
+        return None
+    return (mesh_axes.batch_axis, context_axis, None)
+
+
+def gathered_key_value_spec(kernel, mesh_axes) -> tuple[str | None, ...]:
+    """The layout of a key or value projection's output under context
+    parallelism: the whole sequence on every device of the context axis.
+
+    The output of a projection is `[batch, sequence]` followed by the
+    kernel's dimensions other than `embed` (the contracted one), e.g.
+    `[batch, sequence, kv_heads, head_dim]`. Those keep the mesh axes the
+    kernel has (the model axis on the heads), but for the batch and context
+    axes, which `"fsdp"` puts on weights and which are gathered where a
+    weight is used. Pinning the sequence whole gathers the keys and values
+    over the context axis (MaxText's `all_gather` strategy): each device
+    then attends its block of queries to the whole sequence.
+
+    Args:
+        kernel: the key or value kernel's `Weight`, with its `spec`.
+        mesh_axes: the plan's `MeshAxes`.
+
+    Example:
+    >>> from keras_hub_autodist.architectures.weight import Weight
+    >>> from keras_hub_autodist.planning.mesh import resolve_mesh_axes
+    >>> axes = resolve_mesh_axes({"batch": 1, "context": 4, "model": 2})
+    >>> kv = Weight("k", "k", (2, 16, 8), ("kv_heads", "embed", "head_dim"),
+    ...     spec=("model", None, None))
+    >>> gathered_key_value_spec(kv, axes)
+    ('batch', None, 'model', None)
+    """
+    gathered = (mesh_axes.batch_axis, mesh_axes.context_axis)
+    kept = tuple(
+        None if axis in gathered else axis
+        for logical, axis in zip(kernel.logical_axes, kernel.spec)
+        if logical != "embed"
+    )
+    return (mesh_axes.batch_axis, None, *kept)
 
 
 def fsdp_activation_spec(mesh_axes) -> tuple[str | None, ...] | None:
@@ -228,8 +290,8 @@ class AxisRole:
     """One mesh axis role and the weight dimensions it may shard.
 
     Args:
-        role: the `MeshAxes` role, `"model"`, `"expert"`, `"hidden"` or
-            `"batch"`.
+        role: the `MeshAxes` role, `"model"`, `"expert"`, `"hidden"`,
+            `"batch"` or `"context"`.
         strategies: the strategies under which it applies.
         candidates: `(weight, mesh_axes, kv_fallback) -> (wanted,
             logical axes in order)`, or `None` when the weight has nothing
@@ -249,6 +311,7 @@ AXIS_ROLES = (
     AxisRole("expert", STRATEGIES, _expert_candidates),
     AxisRole("hidden", STRATEGIES, _hidden_candidates),
     AxisRole("batch", ("fsdp",), _batch_candidates),
+    AxisRole("context", ("fsdp",), _batch_candidates),
 )
 
 

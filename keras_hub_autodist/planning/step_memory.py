@@ -304,7 +304,11 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         return math.prod(
             axes.size(axis)
             for axis, logical in zip(row.spec, row.logical_axes)
-            if axis and axis != axes.batch_axis and logical in logicals
+            # fsdp's batch and context axes are gathered where weights are
+            # used: they split no activation of the weight.
+            if axis
+            and axis not in (axes.batch_axis, axes.context_axis)
+            and logical in logicals
         )
 
     def first(condition):
@@ -324,7 +328,10 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     output = vocab[-1]
     layers = sum(1 for r in plan.rows if r.pattern == query.pattern)
     b = batch_size / axes.size(axes.batch_axis)
-    s = sequence_length
+    # With a context axis each device holds its block of every sequence;
+    # only the keys and values are gathered whole for attention.
+    s = sequence_length / axes.size(axes.context_axis)
+    whole = sequence_length
     d = dim(output, "embed")
     h = dim(query, "head_dim")
     heads = dim(query, "heads")
@@ -342,8 +349,8 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     return {
         "stream": layers * b * s * d / split,
         "attention": layers
-        * (b * s * heads * h / q_shards + b * s * kv_heads * h / kv_shards),
-        "scores": layers * b * heads * s * s / shards(query, {"heads"}),
+        * (b * s * heads * h / q_shards + b * whole * kv_heads * h / kv_shards),
+        "scores": layers * b * heads * s * whole / shards(query, {"heads"}),
         "mlp": sum(b * s * dim(r, "mlp") * experts(r) / shards(r) for r in ups),
         "experts": sum(
             b * s * d * experts(r) / shards(r, {"expert"})

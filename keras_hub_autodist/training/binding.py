@@ -26,6 +26,7 @@ import keras
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.errors import NotBoundError
+from keras_hub_autodist.planning.distribution import decoding
 from keras_hub_autodist.planning.layout_plan import LayoutPlan
 from keras_hub_autodist.saving.atomic import save_atomically
 from keras_hub_autodist.saving.gathering import save_from_every_process
@@ -151,7 +152,7 @@ def _generating(name, method, bound, args, kwargs):
     if not args and kwargs.get("inputs") is None:
         return _in_scope(name, method, bound, args, kwargs)
     inputs = args[0] if args else kwargs.pop("inputs")
-    with bound.distribution.scope():
+    with bound.distribution.scope(), decoding():
         return generate_padded(method, bound.distribution, inputs, *args[1:], **kwargs)
 
 

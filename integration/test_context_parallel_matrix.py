@@ -1,0 +1,152 @@
+"""Context parallelism on every family: training, `predict`, `generate`,
+saving and the compiled memory (tests/test_context_parallel.py checks the
+plans and trains one case).
+
+Training equals one device's (losses to rtol 1e-5, SGD weights to 1e-5),
+`predict` gives its logits (atol 1e-4), and the train step's token ids are
+split on the sequence over the context axis. Sequences of 16 tokens make 4
+blocks of 4 on a context axis of 4, so causal masks, Gemma 3's sliding
+window (4 tokens) and RoPE positions all cross block boundaries.
+"""
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tiny_presets
+from equivalence import assert_same_generate
+from equivalence import assert_same_training
+from equivalence import batch_for
+from equivalence import mesh_id
+
+import keras_hub_autodist
+from keras_hub_autodist import SequenceLengthError
+
+pytestmark = pytest.mark.slow
+
+SEQUENCE = 16
+MESHES = [
+    {"batch": 2, "context": 4},
+    {"batch": 1, "context": 4, "model": 2},
+]
+# Gemma (one key/value head), Llama 3 (grouped heads, untied embeddings) and
+# Gemma 3 (sliding window, local/global layers, query/key norms).
+CAUSAL_LMS = ["gemma_mqa", "llama3_untied", "gemma3_text"]
+# Every other family, MoE included, on the mesh with all three roles:
+# preset name -> its CausalLM class.
+FAMILIES = {
+    **{name: spec[1] for name, spec in tiny_presets.DENSE_FAMILIES.items()},
+    **{
+        tiny_presets.moe_preset_name(family, 8): spec[1]
+        for family, spec in tiny_presets.MOE_FAMILIES.items()
+    },
+}
+
+
+def token_ids_specs(lm, batch):
+    """The layouts of the token ids the train step gets, one per batch."""
+    seen = []
+    step = lm.train_function
+
+    def recording(state, batches):
+        batches = list(batches)
+        seen.extend(tuple(x["token_ids"].sharding.spec) for x, *_ in batches)
+        return step(state, iter(batches))
+
+    lm.train_function = recording
+    try:
+        lm.train_on_batch(*batch)
+    finally:
+        lm.train_function = step
+    return seen
+
+
+def single_device_logits(preset, x, task=keras_hub.models.CausalLM):
+    lm = task.from_preset(preset, preprocessor=None)
+    return np.asarray(lm.predict(x, verbose=0))
+
+
+def assert_context_parallel_matches(preset, mesh, task=keras_hub.models.CausalLM):
+    gemma4 = "gemma4" in preset
+    batch = batch_for(preset, sequence_length=SEQUENCE, position_ids=gemma4)
+    logits_before = single_device_logits(preset, batch[0], task)
+    lm = task.from_preset(preset, preprocessor=None, device_mesh=mesh)
+    np.testing.assert_allclose(
+        np.asarray(lm.predict(batch[0], verbose=0)), logits_before, atol=1e-4
+    )
+    lm = assert_same_training(preset, task=task, batch=batch, device_mesh=mesh)
+    assert token_ids_specs(lm, batch) == [("batch", "context")]
+    return lm
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=mesh_id)
+@pytest.mark.parametrize("name", CAUSAL_LMS)
+def test_training_and_predict_match_one_device(tiny_presets_dir, name, mesh):
+    assert_context_parallel_matches(tiny_presets_dir[name], mesh)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_matches_one_device(tiny_presets_dir, name):
+    assert_context_parallel_matches(tiny_presets_dir[name], MESHES[1], FAMILIES[name])
+
+
+def test_fsdp_over_batch_and_context_matches_one_device(tiny_presets_dir):
+    preset = tiny_presets_dir["llama3_untied"]
+    batch = batch_for(preset, sequence_length=SEQUENCE)
+    lm = assert_same_training(
+        preset, batch=batch, device_mesh={"batch": 2, "context": 4}, strategy="fsdp"
+    )
+    plan = keras_hub_autodist.distribution_of(lm).plan
+    assert any("context" in row.spec for row in plan.rows)
+
+
+@pytest.mark.parametrize("name", ["gemma_mqa", "llama3_untied"])
+def test_generate_gives_the_tokens_of_one_device(tiny_presets_dir, name):
+    assert_same_generate(tiny_presets_dir[name], MESHES[1])
+
+
+def test_a_sequence_the_axis_does_not_divide_is_refused_before_compute(
+    tiny_presets_dir,
+):
+    preset = tiny_presets_dir["gemma_mqa"]
+    lm = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh=MESHES[0]
+    )
+    lm.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    before = [np.asarray(w.value) for w in lm.weights]
+    with pytest.raises(SequenceLengthError, match=r"a multiple of 4.*\(8, 6\)"):
+        lm.train_on_batch(*batch_for(preset, sequence_length=6))
+    for weight, value in zip(lm.weights, before):
+        np.testing.assert_array_equal(np.asarray(weight.value), value)
+
+
+def test_a_preset_saved_from_a_context_mesh_reloads_anywhere(
+    tiny_presets_dir, tmp_path
+):
+    preset = tiny_presets_dir["llama3_untied"]
+    batch = batch_for(preset, sequence_length=SEQUENCE)
+    lm = assert_same_training(preset, batch=batch, device_mesh=MESHES[1])
+    lm.save_to_preset(str(tmp_path / "saved"))
+    trained = np.asarray(lm.predict(batch[0], verbose=0))
+    for mesh in ({"batch": 2, "model": 4}, None):
+        kwargs = {"device_mesh": mesh} if mesh else {}
+        again = keras_hub.models.CausalLM.from_preset(
+            str(tmp_path / "saved"), preprocessor=None, **kwargs
+        )
+        np.testing.assert_allclose(
+            np.asarray(again.predict(batch[0], verbose=0)), trained, atol=1e-4
+        )
+
+
+def test_compiled_peak_at_4096_tokens_on_8_devices(tiny_presets_dir):
+    """Tiny weights, so the peak is the sequence: XLA's compiled peak per
+    device of the training step at 1 x 4096 tokens, context=8 against one
+    device, at most 0.30x."""
+    preset = tiny_presets_dir["gemma_mqa"]
+    peaks = {}
+    for mesh in ({"batch": 1}, {"batch": 1, "context": 8}):
+        plan = keras_hub_autodist.plan(preset, mesh)
+        memory = keras_hub_autodist.compiled_memory(plan, 1, 4096, "sgd")
+        peaks[len(mesh)] = memory.peak_bytes
+    assert peaks[2] <= 0.30 * peaks[1], peaks
+    assert keras.distribution.distribution() is None

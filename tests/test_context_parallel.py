@@ -1,0 +1,158 @@
+"""Context parallelism: the `context` mesh axis splits each sequence.
+
+Roles, plans, layouts and the data layout here, with one training run;
+integration/test_context_parallel_matrix.py trains every family on context
+meshes, generates, saves and checks the compiled memory.
+"""
+
+import re
+
+import keras
+import pytest
+from equivalence import assert_same_training
+from equivalence import batch_for
+from equivalence import vocabulary_size
+
+import keras_hub_autodist
+from keras_hub_autodist import MeshError
+from keras_hub_autodist import SequenceLengthError
+from keras_hub_autodist import StrategyError
+from keras_hub_autodist.planning.distribution import ContextParallel
+from keras_hub_autodist.planning.distribution import decoding
+from keras_hub_autodist.planning.mesh import resolve_mesh_axes
+
+CONTEXT = {"batch": 2, "context": 4}
+CONTEXT_MODEL = {"batch": 1, "context": 4, "model": 2}
+
+
+def device_mesh(mapping):
+    devices = keras.distribution.list_devices()
+    return keras.distribution.DeviceMesh(
+        tuple(mapping.values()), tuple(mapping), devices
+    )
+
+
+def test_the_axis_named_context_or_given_takes_the_role():
+    axes = resolve_mesh_axes({"batch": 2, "context": 2, "model": 2})
+    assert (axes.batch_axis, axes.context_axis, axes.model_axis) == (
+        "batch",
+        "context",
+        "model",
+    )
+    assert axes.hidden_axis is None
+    named = resolve_mesh_axes({"batch": 2, "seq": 4}, context_axis="seq")
+    assert named.context_axis == "seq" and named.model_axis is None
+    assert resolve_mesh_axes({"batch": 2, "model": 4}).context_axis is None
+    with pytest.raises(MeshError, match=r"`context_axis='batch'` is also the batch"):
+        resolve_mesh_axes({"batch": 2, "model": 4}, context_axis="batch")
+    with pytest.raises(MeshError, match=r"Received: context_axis='seq'"):
+        resolve_mesh_axes({"batch": 2, "model": 4}, context_axis="seq")
+
+
+def test_plan_pins_the_stream_and_gathers_keys_and_values(tiny_presets_dir):
+    preset = tiny_presets_dir["llama3_untied"]
+    plan = keras_hub_autodist.plan(preset, CONTEXT_MODEL)
+    layouts = plan.activation_layouts()
+    assert layouts["sequence_output_layernorm/output"] == ("batch", "context", None)
+    kv_outputs = {k: v for k, v in layouts.items() if "key" in k or "value" in k}
+    assert kv_outputs, layouts
+    kv_rows = [r for r in plan.rows if "kv_heads" in r.logical_axes]
+    for row in kv_rows:
+        output = row.path[: -len("kernel")] + "output"
+        (key,) = [k for k in kv_outputs if re.fullmatch(k, output)]
+        # [batch, whole sequence, kv heads as the kernel has them, head_dim]
+        heads = row.spec[row.logical_axes.index("kv_heads")]
+        assert kv_outputs[key] == ("batch", None, heads, None), (row.path, row.spec)
+    # Weights: replicated over the context axis under tp.
+    assert all("context" not in row.spec for row in plan.rows)
+    summary = plan.summary()
+    assert "context parallel: on: each sequence split over 'context' into 4" in summary
+    assert "context axis: context" in summary
+    # The layout map Keras gets holds them, without clashing with weights.
+    layout_map = plan.layout_map(device_mesh(CONTEXT_MODEL))
+    assert tuple(layout_map["sequence_output_layernorm/output"].axes) == (
+        "batch",
+        "context",
+        None,
+    )
+
+
+def test_fsdp_shards_weights_over_batch_and_context(tiny_presets_dir):
+    preset = tiny_presets_dir["gemma_mqa"]
+    plan = keras_hub_autodist.plan(preset, {"batch": 2, "context": 4}, strategy="fsdp")
+    embedding = next(r for r in plan.rows if r.path.endswith("embeddings"))
+    assert set(embedding.spec) - {None} == {"batch", "context"}, embedding.spec
+    tp = keras_hub_autodist.plan(preset, {"batch": 2, "context": 4}, strategy="tp")
+    assert plan.max_device_bytes < tp.max_device_bytes / 4
+
+
+def test_the_estimate_splits_activations_over_the_context_axis(tiny_presets_dir):
+    preset = tiny_presets_dir["gemma_mqa"]
+    one = keras_hub_autodist.plan(preset, {"batch": 1, "model": 1})
+    split = keras_hub_autodist.plan(preset, {"batch": 1, "context": 8})
+    ratio = split.activation_bytes_per_device(
+        1, 4096
+    ) / one.activation_bytes_per_device(1, 4096)
+    # Everything but the gathered keys and values is split 8 ways.
+    assert 1 / 8 <= ratio < 0.2, ratio
+    assert split.activation_layouts() and not one.activation_layouts()
+
+
+def test_a_context_axis_of_one_device_changes_nothing(tiny_presets_dir):
+    preset = tiny_presets_dir["gemma_mqa"]
+    plan = keras_hub_autodist.plan(preset, {"batch": 8, "context": 1})
+    assert plan.activation_layouts() == {}
+    assert "context parallel: off: the context axis (context) has one" in (
+        plan.summary()
+    )
+
+
+def test_sequence_parallel_and_a_context_axis_are_refused(tiny_presets_dir):
+    with pytest.raises(StrategyError, match=r"use one of them.*sequence_parallel"):
+        keras_hub_autodist.plan(
+            tiny_presets_dir["gemma_mqa"], CONTEXT_MODEL, sequence_parallel=True
+        )
+
+
+def test_data_is_split_on_the_sequence_except_while_decoding():
+    mesh = device_mesh(CONTEXT)
+    distribution = ContextParallel(
+        layout_map=keras.distribution.LayoutMap(mesh),
+        batch_dim_name="batch",
+        context_dim_name="context",
+    )
+    assert tuple(distribution.get_data_layout((4, 16)).axes) == ("batch", "context")
+    assert tuple(distribution.get_data_layout((4, 16, 8)).axes) == (
+        "batch",
+        "context",
+        None,
+    )
+    assert tuple(distribution.get_data_layout((4,)).axes) == ("batch",)
+    with decoding():
+        assert tuple(distribution.get_data_layout((4, 16)).axes) == ("batch", None)
+    with pytest.raises(SequenceLengthError, match=r"a multiple of 4.*\(4, 6\)"):
+        distribution.get_data_layout((4, 6))
+
+
+def test_training_matches_one_device_with_tokens_split(tiny_presets_dir):
+    """Gemma (one key/value head) on batch=2 x context=4: the losses and
+    weights of one device, and the train step gets its token ids split on
+    the sequence over the context axis."""
+    preset = tiny_presets_dir["gemma_mqa"]
+    batch = batch_for(preset, sequence_length=16)
+    lm = assert_same_training(preset, batch=batch, device_mesh=CONTEXT)
+    seen = []
+    step = lm.train_function
+
+    def recording(state, batches):
+        # The batches Keras feeds the step, as it placed them on the mesh.
+        batches = list(batches)
+        seen.extend(x["token_ids"].sharding.spec for x, *_ in batches)
+        return step(state, iter(batches))
+
+    lm.train_function = recording
+    lm.train_on_batch(*batch)
+    assert [tuple(spec) for spec in seen] == [("batch", "context")]
+    logits = lm.predict(batch[0], verbose=0)
+    rows = len(batch[0]["token_ids"])
+    assert logits.shape == (rows, 16, vocabulary_size(preset))
