@@ -1,6 +1,7 @@
 """`python -m bench`: regenerate docs/benchmarks.md and docs/img/*.png.
 
-`python -m bench --only loading` runs section 4 alone and prints it.
+`python -m bench --only loading` runs section 4 alone and prints it;
+`python -m bench --only context` the context-parallelism part of section 2.
 
 Runs on 8 virtual CPU devices (set here, before JAX starts) in well under
 20 minutes on a 2-core CPU. Every number in the document comes from this run.
@@ -21,6 +22,7 @@ import time  # noqa: E402
 
 import keras_hub_autodist  # noqa: E402, F401
 from bench import comms  # noqa: E402
+from bench import context  # noqa: E402
 from bench import env  # noqa: E402
 from bench import generation  # noqa: E402
 from bench import loading  # noqa: E402
@@ -46,6 +48,22 @@ def only_loading() -> int:
     return 0
 
 
+def only_context() -> int:
+    """`python -m bench --only context`: the context-parallelism section
+    alone, printed, its plot written to docs/img."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        result = context.run(models.save_presets(root))
+    (DOCS / "img").mkdir(exist_ok=True)
+    print(json.dumps(result, indent=1, default=str))
+    print("\n".join(report.context_section(result, DOCS / "img")))
+    print(f"context section in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+ONLY = {"loading": only_loading, "context": only_context}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--accelerator" in argv:  # the one-accelerator run instead
@@ -53,13 +71,13 @@ def main(argv=None):
 
         return accelerator.main([a for a in argv if a != "--accelerator"])
     if argv:
-        if argv != ["--only", "loading"]:
+        if len(argv) != 2 or argv[0] != "--only" or argv[1] not in ONLY:
             print(
-                "usage: python -m bench [--only loading | --accelerator ...]; "
-                f"received: {argv}"
+                "usage: python -m bench [--only loading | --only context | "
+                f"--accelerator ...]; received: {argv}"
             )
             return 2
-        return only_loading()
+        return ONLY[argv[1]]()
     started = time.perf_counter()
     stamp = env.describe()
     results = {"stamp": stamp}
@@ -73,6 +91,8 @@ def main(argv=None):
         results["comms"] = comms.run(paths)
         print("sequence parallelism...", flush=True)
         results["seqpar"] = seqpar.run(paths)
+        print("context parallelism...", flush=True)
+        results["context"] = context.run(paths)
         print("step time...", flush=True)
         results["steptime"] = steptime.run(paths)
         print("generation...", flush=True)

@@ -18,10 +18,9 @@ The needs that have no public API:
   and from keras-hub's safetensors loader, so that a weight can be read
   slice by slice instead of whole.
 - The abstract build creates a backbone's variables inside a
-  `keras.StatelessScope(initialize_variables=False)`; Keras then keeps them
-  in a process-wide list of uninitialized variables, which a later stateless
-  scope would initialize (allocating the whole model). They are taken off
-  that list again.
+  `keras.StatelessScope(initialize_variables=False)`; they are taken off
+  Keras' process-wide list of uninitialized variables, which a later
+  stateless scope would initialize (allocating the whole model).
 """
 
 from __future__ import annotations
@@ -48,16 +47,14 @@ TOUCHPOINTS = (
     ("keras_hub.src.utils.preset_utils", "KerasPresetLoader"),
     ("keras_hub.src.utils.transformers.preset_loader", "TransformersPresetLoader"),
     ("keras_hub.src.utils.transformers.safetensor_utils", "SafetensorLoader"),
-    # Instance attributes `_layout`, `_value` (variables) and
-    # `_initial_epoch` (models): tests/test_checkpointing.py checks them on
-    # live objects.
+    # `_layout`, `_value` (variables), `_initial_epoch` (models): checked
+    # on live objects by tests/test_checkpointing.py.
     ("keras.src.backend.common.variables", "Variable"),
     ("keras.src.trainers.trainer", "Trainer"),
     ("keras.src.callbacks.orbax_checkpoint", "OrbaxCheckpoint._save_checkpoint"),
     ("keras.src.backend.common.global_state", "set_global_attribute"),
     ("keras.src.random.seed_generator", "GLOBAL_SEED_GENERATOR"),
-    # Saving from several processes: the HDF5 weight stores Keras' writers
-    # create by these module-level names, swapped during a save.
+    # Saves from several processes swap the stores Keras' writers create.
     ("keras.src.saving.saving_lib", "ShardedH5IOStore"),
     ("keras.src.saving.saving_lib", "H5IOStore.make"),
     # ... and the optimizer's writer, which fetches each value itself.
@@ -66,6 +63,8 @@ TOUCHPOINTS = (
     *(("keras_hub.src.utils.preset_utils", name) for name in PRESET_FORMAT_NAMES),
     # Checking a weights file against a model: the walk Keras' writers make.
     ("keras.src.saving.saving_lib", "_save_state"),
+    ("keras.src.layers.layer", "Layer._flatten_layers"),
+    ("keras.src.backend.jax.nn", "_can_use_flash_attention"),
 )
 
 
@@ -223,6 +222,11 @@ def safetensor_utils_module():
 VARIABLE_INITIALIZE_METHOD = "_initialize_with_initializer"
 
 
+def sublayers(model) -> list:
+    """Every layer nested in `model`, depth first."""
+    return list(model._flatten_layers(include_self=False))
+
+
 def variable_layout(variable):
     """The layout (`TensorLayout` or JAX sharding) Keras gave `variable`
     under a distribution, or `None` (`variable._layout`)."""
@@ -330,14 +334,12 @@ def orbax_save_now(callback, logs=None) -> None:
 
 # --- Resume: Keras' global random state -----------------------------------------
 
-# Keras keeps the `SeedGenerator` that `keras.random` functions draw from when
-# given no seed as a process-wide attribute, created on first use.
-
 
 def global_seed_generator_or_none():
-    """Keras' global `keras.random.SeedGenerator`, or None while nothing has
-    drawn from it (reading it does not create one: creating one draws its
-    seed from Python's `random`)."""
+    """Keras' global `keras.random.SeedGenerator` (a process-wide attribute
+    that `keras.random` functions given no seed draw from), or None while
+    nothing has drawn from it (reading it does not create one: creating one
+    draws its seed from Python's `random`)."""
     from keras.src.backend.common import global_state
     from keras.src.random import seed_generator
 
@@ -355,15 +357,11 @@ def set_global_seed_generator(generator) -> None:
 # --- Patches: every change this package makes to Keras and keras-hub ----------
 
 WHILE_LOADING = "while a sharded load runs in some thread"
-WHILE_SAVING = (
-    "while a save from several processes, or a bound model's `save_weights` "
-    "or `save`, runs in some thread"
-)
+WHILE_SAVING = "while a multi-process save or a bound save_weights/save runs"
 WHILE_ACTIVE = "from `activate()` (or the startup hook's guard) to `deactivate()`"
 MODEL_LIFETIME = "for the life of the bound model"
-WHILE_SKIPPING = (
-    "from the start of a `ResumableCheckpoint`'s `fit` to its first trained batch"
-)
+WHILE_SKIPPING = "from a `ResumableCheckpoint` fit's start to its first trained batch"
+WHILE_CONTEXT = "while a `ContextParallel` distribution's scope is entered"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +406,11 @@ _BACKBONE, _TASK = "keras_hub.models.Backbone", "keras_hub.models.Task"
 _LOADING = "keras_hub_autodist.loading.session"
 _STORES = "keras_hub_autodist.saving.weight_stores"
 _PLUGIN = "keras_hub_autodist.plugin"
+_BINDING = "keras_hub_autodist.training.binding"
+_BOUND_METHODS = "<each of binding.BOUND_METHODS>"
+_FUSED = "_use_fused_attention_op"  # keras-hub attention: a fused kernel?
+_JAX_NN, _FLASH = "keras.src.backend.jax.nn", "_can_use_flash_attention"
+_CONTEXT = "keras_hub_autodist.planning.distribution"
 PATCHES = (
     Patch("variable_assign", _VARIABLE, "assign", _LOADING, WHILE_LOADING),
     Patch("variable_initializer", _VARIABLE, _INITIALIZE, _LOADING, WHILE_LOADING),
@@ -427,13 +430,9 @@ PATCHES = (
     ),
     Patch("backbone_from_preset", _BACKBONE, "from_preset", _PLUGIN, WHILE_ACTIVE),
     Patch("task_from_preset", _TASK, "from_preset", _PLUGIN, WHILE_ACTIVE),
-    Patch(
-        "bound_model_methods",
-        None,
-        "<each of binding.BOUND_METHODS>",
-        "keras_hub_autodist.training.binding",
-        MODEL_LIFETIME,
-    ),
+    Patch("bound_model_methods", None, _BOUND_METHODS, _BINDING, MODEL_LIFETIME),
+    Patch("attention_through_xla", None, _FUSED, _BINDING, MODEL_LIFETIME),
+    Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch(
         "skipped_batches",
         None,

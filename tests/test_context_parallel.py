@@ -49,7 +49,7 @@ def test_the_axis_named_context_or_given_takes_the_role():
         resolve_mesh_axes({"batch": 2, "model": 4}, context_axis="seq")
 
 
-def test_plan_pins_the_stream_and_gathers_keys_and_values(tiny_presets_dir):
+def test_plan_pins_the_stream_and_the_key_value_blocks(tiny_presets_dir):
     preset = tiny_presets_dir["llama3_untied"]
     plan = keras_hub_autodist.plan(preset, CONTEXT_MODEL)
     layouts = plan.activation_layouts()
@@ -60,9 +60,10 @@ def test_plan_pins_the_stream_and_gathers_keys_and_values(tiny_presets_dir):
     for row in kv_rows:
         output = row.path[: -len("kernel")] + "output"
         (key,) = [k for k in kv_outputs if re.fullmatch(k, output)]
-        # [batch, whole sequence, kv heads as the kernel has them, head_dim]
+        # [batch, block of the sequence, kv heads as the kernel has them,
+        # head_dim]
         heads = row.spec[row.logical_axes.index("kv_heads")]
-        assert kv_outputs[key] == ("batch", None, heads, None), (row.path, row.spec)
+        assert kv_outputs[key] == ("batch", "context", heads, None), row.path
     # Weights: replicated over the context axis under tp.
     assert all("context" not in row.spec for row in plan.rows)
     summary = plan.summary()
@@ -156,3 +157,39 @@ def test_training_matches_one_device_with_tokens_split(tiny_presets_dir):
     logits = lm.predict(batch[0], verbose=0)
     rows = len(batch[0]["token_ids"])
     assert logits.shape == (rows, 16, vocabulary_size(preset))
+
+
+def test_attention_takes_xlas_path_on_a_context_mesh(tiny_presets_dir):
+    """Fused kernels can't be split along the sequence: keras-hub's own
+    choice is turned off on every attention layer of a context-parallel
+    model, and Keras' only inside its distribution's scope."""
+    import keras_hub
+    from keras.src.backend.jax import nn as jax_nn
+
+    from keras_hub_autodist import compat
+
+    preset = tiny_presets_dir["gemma_mqa"]
+    lm = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh=CONTEXT
+    )
+    layers = [
+        layer
+        for layer in compat.sublayers(lm)
+        if hasattr(layer, "_use_fused_attention_op")
+    ]
+    assert len(layers) == 2  # one per decoder block
+    assert not any(layer._use_fused_attention_op() for layer in layers)
+    plain = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh={"batch": 2, "model": 4}
+    )
+    for layer in compat.sublayers(plain):
+        assert "_use_fused_attention_op" not in vars(layer)
+
+    original = jax_nn._can_use_flash_attention
+    distribution = keras_hub_autodist.distribution_of(lm).distribution
+    q = keras.ops.ones((2, 8, 4, 16), "float16")
+    with distribution.scope():
+        assert compat.installed_patches() == {"flash_attention_check": 1}
+        assert jax_nn._can_use_flash_attention(q, q, q, None) is False
+    assert compat.installed_patches() == {}
+    assert jax_nn._can_use_flash_attention is original

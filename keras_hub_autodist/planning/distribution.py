@@ -6,16 +6,25 @@ context axis of more than one device it runs under `ContextParallel`, a
 every batch tensor) over that axis. Decoding (`generate`) treats the context
 axis as replicated: its one-token steps have no sequence to split, so its
 prompts are split on the batch axis alone and no layer output is pinned.
+
+Inside its scope Keras' attention takes XLA's path, never a fused kernel:
+XLA can't split cuDNN's flash attention or TPU's splash attention along the
+sequence (JAX's cuDNN partitioning refuses a query split on the sequence; a
+Pallas kernel is a custom call run on gathered inputs), while XLA's own
+attention splits like every other op. `training.binding` turns keras-hub's
+own choice of a fused kernel off the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 
 import keras
 
+from keras_hub_autodist import compat
 from keras_hub_autodist.errors import SequenceLengthError
 
 # Set while a bound model decodes (`generate`).
@@ -89,6 +98,27 @@ class ContextParallel(keras.distribution.ModelParallel):
         if _DECODING.get():
             return None
         return super().get_tensor_layout(path)
+
+    @contextlib.contextmanager
+    def scope(self):
+        with (
+            super().scope(),
+            compat.patched({"flash_attention_check": _no_flash_in_context_scope}),
+        ):
+            yield
+
+
+def _no_flash_in_context_scope(can_use_flash_attention):
+    """Keras' check whether a fused attention kernel can run, answering no
+    while this thread is inside a `ContextParallel` scope."""
+
+    @functools.wraps(can_use_flash_attention)
+    def check(*args, **kwargs):
+        if isinstance(keras.distribution.distribution(), ContextParallel):
+            return False
+        return can_use_flash_attention(*args, **kwargs)
+
+    return check
 
 
 def plan_distribution(plan, device_mesh) -> keras.distribution.ModelParallel:

@@ -96,8 +96,9 @@ class PlanRecord:
 
         - `(batch axis, context axis, None)` when the mesh has a context
           axis of more than one device (context parallelism); the outputs
-          of the key and value projections are then also pinned, with the
-          whole sequence on each device (`sharding.gathered_key_value_spec`);
+          of the key and value projections are then also pinned to each
+          device's block of tokens (`sharding.key_value_block_spec`), which
+          attention gathers;
         - `(batch axis, model axis, None)` when the plan is sequence
           parallel and its model axis has more than one device;
         - `(batch axis, None, None)` under `"fsdp"` with a batch axis of
@@ -121,7 +122,7 @@ class PlanRecord:
         if spec is not None:
             return {
                 **{pattern: spec for pattern in self.sequence_parallel_outputs},
-                **self._gathered_key_value_layouts(),
+                **self._key_value_block_layouts(),
             }
         if self.sequence_parallel:
             spec = sharding.sequence_parallel_spec(self.mesh_axes)
@@ -131,15 +132,15 @@ class PlanRecord:
             return {}
         return {pattern: spec for pattern in self.sequence_parallel_outputs}
 
-    def _gathered_key_value_layouts(self) -> dict[str, tuple]:
-        """`<key/value layer>/output` → its gathered layout: one key per
+    def _key_value_block_layouts(self) -> dict[str, tuple]:
+        """`<key/value layer>/output` → its block layout: one key per
         rule of key/value kernels, or one per layer where layers under one
         rule got different layouts."""
         by_pattern: dict[str, dict[str, tuple]] = {}
         for row in self.rows:
             if "kv_heads" in row.logical_axes and row.path.endswith("/kernel"):
                 output = row.path[: -len("kernel")] + "output"
-                spec = sharding.gathered_key_value_spec(row, self.mesh_axes)
+                spec = sharding.key_value_block_spec(row, self.mesh_axes)
                 by_pattern.setdefault(row.pattern, {})[output] = spec
         layouts = {}
         for pattern, outputs in by_pattern.items():

@@ -255,8 +255,8 @@ def context_parallel_note(plan: PlanRecord) -> str:
         return f"off: the context axis ({axes.context_axis}) has one device"
     return (
         f"on: each sequence split over '{axes.context_axis}' into {size} "
-        "blocks (tokens, activations, queries and logits); keys and values "
-        "gathered whole for attention"
+        "blocks (tokens, activations, queries, keys, values and logits); "
+        "attention gathers the keys and values"
     )
 
 

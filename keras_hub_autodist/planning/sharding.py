@@ -19,9 +19,10 @@ planner records each fallback with its reason.
 Context parallelism: the context axis splits each sequence, so weights are
 replicated over it under `"tp"`; under `"fsdp"` it shards one more free
 dimension of each weight, as the batch axis does (ZeRO-3 over batch x
-context). Activations follow the tokens (`context_activation_spec`), and the
-outputs of the key/value projections are gathered over it
-(`gathered_key_value_spec`).
+context). Activations follow the tokens (`context_activation_spec`); the
+key/value projections run on each device's block of tokens
+(`key_value_block_spec`), and attention gathers their outputs over the
+axis.
 
 Mixtures of experts: a weight with an `expert` dimension (one slice per
 expert) puts its experts on the model axis when their count divides it
@@ -122,18 +123,21 @@ def context_activation_spec(mesh_axes) -> tuple[str | None, ...] | None:
     return (mesh_axes.batch_axis, context_axis, None)
 
 
-def gathered_key_value_spec(kernel, mesh_axes) -> tuple[str | None, ...]:
+def key_value_block_spec(kernel, mesh_axes) -> tuple[str | None, ...]:
     """The layout of a key or value projection's output under context
-    parallelism: the whole sequence on every device of the context axis.
+    parallelism: each device's block of the sequence.
 
     The output of a projection is `[batch, sequence]` followed by the
     kernel's dimensions other than `embed` (the contracted one), e.g.
     `[batch, sequence, kv_heads, head_dim]`. Those keep the mesh axes the
     kernel has (the model axis on the heads), but for the batch and context
     axes, which `"fsdp"` puts on weights and which are gathered where a
-    weight is used. Pinning the sequence whole gathers the keys and values
-    over the context axis (MaxText's `all_gather` strategy): each device
-    then attends its block of queries to the whole sequence.
+    weight is used. Each device projects its own block of tokens; attention
+    then all-gathers the (small) keys and values over the context axis, so
+    that each device attends its block of queries to the whole sequence
+    (MaxText's `all_gather` strategy). Pinning them whole instead made XLA
+    gather the projections' (larger) input: 4x the bytes on a one-head
+    Gemma (docs/benchmarks.md, context parallelism).
 
     Args:
         kernel: the key or value kernel's `Weight`, with its `spec`.
@@ -145,8 +149,8 @@ def gathered_key_value_spec(kernel, mesh_axes) -> tuple[str | None, ...]:
     >>> axes = resolve_mesh_axes({"batch": 1, "context": 4, "model": 2})
     >>> kv = Weight("k", "k", (2, 16, 8), ("kv_heads", "embed", "head_dim"),
     ...     spec=("model", None, None))
-    >>> gathered_key_value_spec(kv, axes)
-    ('batch', None, 'model', None)
+    >>> key_value_block_spec(kv, axes)
+    ('batch', 'context', 'model', None)
     """
     gathered = (mesh_axes.batch_axis, mesh_axes.context_axis)
     kept = tuple(
@@ -154,7 +158,7 @@ def gathered_key_value_spec(kernel, mesh_axes) -> tuple[str | None, ...]:
         for logical, axis in zip(kernel.logical_axes, kernel.spec)
         if logical != "embed"
     )
-    return (mesh_axes.batch_axis, None, *kept)
+    return (mesh_axes.batch_axis, mesh_axes.context_axis, *kept)
 
 
 def fsdp_activation_spec(mesh_axes) -> tuple[str | None, ...] | None:
