@@ -20,6 +20,7 @@ from keras_hub_autodist import StrategyError
 from keras_hub_autodist.planning.distribution import ContextParallel
 from keras_hub_autodist.planning.distribution import decoding
 from keras_hub_autodist.planning.mesh import resolve_mesh_axes
+from keras_hub_autodist.planning.report import memory_verdict
 
 CONTEXT = {"batch": 2, "context": 4}
 CONTEXT_MODEL = {"batch": 1, "context": 4, "model": 2}
@@ -193,3 +194,31 @@ def test_attention_takes_xlas_path_on_a_context_mesh(tiny_presets_dir):
         assert jax_nn._can_use_flash_attention(q, q, q, None) is False
     assert compat.installed_patches() == {}
     assert jax_nn._can_use_flash_attention is original
+
+
+def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(real_configs):
+    """One sequence of 4096 tokens of Gemma 2B on a TPU v3-8 split 8 ways on
+    the batch axis: 7 of 8 devices would hold padding, each device a whole
+    sequence; 8 blocks of it fit."""
+    gemma = next(path for path in real_configs if path.name == "gemma_2b")
+    plan = keras_hub_autodist.plan(
+        gemma, {"batch": 8, "model": 1}, device_memory="v3-8", lora_rank=4
+    )
+    assert not memory_verdict(plan, 1, 4096)[0]
+    advice = plan.fit_advice(1, 4096)
+    assert advice[0].startswith(
+        "split each sequence over a context axis: "
+        "`device_mesh={'batch': 1, 'model': 1, 'context': 8}`"
+    ), advice
+    split = keras_hub_autodist.plan(
+        gemma, {"batch": 1, "model": 1, "context": 8}, device_memory="v3-8", lora_rank=4
+    )
+    assert memory_verdict(split, 1, 4096)[0]
+
+
+def test_a_padded_batch_is_counted_as_padded(tiny_presets_dir):
+    """A batch of 1 on a batch axis of 8 is padded to 8 rows: each device
+    holds a whole sequence, as with a batch of 8."""
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], {"batch": 8})
+    one = plan.activation_bytes_per_device(1, 512)
+    assert one == plan.activation_bytes_per_device(8, 512)

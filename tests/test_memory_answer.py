@@ -163,10 +163,15 @@ def test_advice_names_only_what_fits_in_order_of_cost():
     assert not any("LoRA" in line or "fsdp" in line for line in advice)
     # A batch too big for LoRA alone: a smaller one, named.
     lora = plan.replace(lora_rank=4)
-    advice = lora.fit_advice(64, 4096)
-    assert any(line.startswith("a smaller batch") for line in advice)
-    fits, _, _ = report.memory_verdict(lora, 64, 4096)
+    advice = lora.fit_advice(64, 1024)
+    assert any(line.startswith("a smaller batch: 8 sequences") for line in advice)
+    fits, _, _ = report.memory_verdict(lora, 64, 1024)
     assert not fits
+    # At 4096 tokens even one sequence per device is too much (a batch
+    # smaller than the batch axis is padded to it): shorter sequences.
+    advice = lora.fit_advice(64, 4096)
+    assert not any(line.startswith("a smaller batch") for line in advice)
+    assert any(line.startswith("shorter sequences") for line in advice)
 
 
 def test_one_optimizer_table():

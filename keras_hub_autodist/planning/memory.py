@@ -50,7 +50,8 @@ def activation_bytes_per_device(
 
     Counted for a decoder of `L` blocks with hidden size `d`, `H` query and
     `K` key/value heads of size `h`, gated MLP width `F`, vocabulary `V`, on
-    `b = batch_size / size of the batch axis` sequences of `s` tokens, each
+    `b = batch_size / size of the batch axis` sequences (rounded up: a batch
+    is padded to the batch axis) of `s` tokens, each
     term times its factor for `platform` (`step_memory.ACTIVATION_FACTORS`;
     on CPU):
 

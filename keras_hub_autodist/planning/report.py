@@ -3,10 +3,12 @@ when training does not fit. Pure functions of a plan's values (`PlanRecord`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import TYPE_CHECKING
 
+from keras_hub_autodist.errors import mesh_example
 from keras_hub_autodist.errors import option
 from keras_hub_autodist.planning import memory
 from keras_hub_autodist.planning import sharding
@@ -79,8 +81,9 @@ def fit_advice(
         shard = options.pop("shard", 1)
         scale = options.pop("scale", 1)
         remat = options.pop("remat", plan.remat)
+        changed = options.pop("plan", plan)
         estimate = step_memory.step_estimate(
-            plan.replace(remat=remat) if remat != plan.remat else plan,
+            changed.replace(remat=remat) if remat != changed.remat else changed,
             options["batch_size"],
             options["sequence_length"],
             optimizer,
@@ -113,6 +116,9 @@ def fit_advice(
             f"optimizer state over '{plan.batch_axis}' too"
         )
     if batch_size is not None and sequence_length is not None:
+        context = _context_mesh(plan, need, capacity, sequence_length)
+        if context:
+            advice.append(context)
         smaller = _smaller_step(need, capacity, batch_size, sequence_length)
         if smaller:
             advice.append(smaller)
@@ -138,6 +144,40 @@ def fit_advice(
         "(`plan ... --batch B --seq S --compiled` on the command line)"
     )
     return advice
+
+
+def _context_mesh(plan: PlanRecord, need, capacity, sequence_length) -> str:
+    """The smallest context axis, made of devices of the batch axis, that
+    makes the step fit; `""` when none does (or the plan has one already).
+
+    Each device then holds a block of every sequence instead of whole
+    sequences: it helps when a batch is too small to fill the batch axis (a
+    sequence per device is the least it can hold) and activations dominate.
+    """
+    axes = plan.mesh_axes
+    if axes.size(axes.context_axis) > 1:
+        return ""
+    batch_devices = axes.size(axes.batch_axis)
+    for context in range(2, batch_devices + 1):
+        if batch_devices % context or sequence_length % context:
+            continue
+        sizes = dict(zip(axes.axis_names, axes.shape))
+        sizes[axes.batch_axis] = batch_devices // context
+        context_axis = axes.context_axis or "context"
+        sizes[context_axis] = context
+        split = dataclasses.replace(
+            axes,
+            axis_names=tuple(sizes),
+            shape=tuple(sizes.values()),
+            context_axis=context_axis,
+        )
+        if need(plan=plan.replace(mesh_axes=split)) <= capacity:
+            return (
+                "split each sequence over a context axis: "
+                f"{mesh_example(sizes)} ({context} devices of '{axes.batch_axis}' "
+                f"each hold a block of every sequence)"
+            )
+    return ""
 
 
 def _smaller_step(need, capacity, batch_size, sequence_length) -> str:

@@ -327,7 +327,9 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         )
     output = vocab[-1]
     layers = sum(1 for r in plan.rows if r.pattern == query.pattern)
-    b = batch_size / axes.size(axes.batch_axis)
+    # A bound model pads a batch to a multiple of the batch axis: each
+    # device holds at least one whole sequence.
+    b = math.ceil(batch_size / axes.size(axes.batch_axis))
     # With a context axis each device holds its block of every sequence;
     # only the keys and values are gathered whole for attention.
     s = sequence_length / axes.size(axes.context_axis)
