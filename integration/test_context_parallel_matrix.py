@@ -85,6 +85,23 @@ def test_training_and_predict_match_one_device(tiny_presets_dir, name, mesh):
     assert_context_parallel_matches(tiny_presets_dir[name], mesh)
 
 
+@pytest.mark.parametrize("mesh", MESHES, ids=mesh_id)
+def test_gemma3_with_a_window_of_8_on_blocks_of_8(tmp_path, mesh):
+    """32 tokens in blocks of 8: each block's window reaches into the one
+    before it, never further."""
+    config = {**tiny_presets.GEMMA3_TEXT, "sliding_window_size": 8}
+    preset = tiny_presets.gemma3_preset(tmp_path / "gemma3_window_8", config=config)
+    batch = batch_for(preset, sequence_length=32)
+    logits = single_device_logits(preset, batch[0])
+    lm = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh=mesh
+    )
+    np.testing.assert_allclose(
+        np.asarray(lm.predict(batch[0], verbose=0)), logits, atol=1e-4
+    )
+    assert_same_training(preset, batch=batch, device_mesh=mesh)
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_matches_one_device(tiny_presets_dir, name):
     assert_context_parallel_matches(tiny_presets_dir[name], MESHES[1], FAMILIES[name])
