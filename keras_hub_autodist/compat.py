@@ -411,6 +411,7 @@ _BOUND_METHODS = "<each of binding.BOUND_METHODS>"
 _FUSED = "_use_fused_attention_op"  # keras-hub attention: a fused kernel?
 _JAX_NN, _FLASH = "keras.src.backend.jax.nn", "_can_use_flash_attention"
 _CONTEXT = "keras_hub_autodist.planning.distribution"
+_REMAT = "keras_hub_autodist.planning.remat"
 PATCHES = (
     Patch("variable_assign", _VARIABLE, "assign", _LOADING, WHILE_LOADING),
     Patch("variable_initializer", _VARIABLE, _INITIALIZE, _LOADING, WHILE_LOADING),
@@ -432,6 +433,7 @@ PATCHES = (
     Patch("task_from_preset", _TASK, "from_preset", _PLUGIN, WHILE_ACTIVE),
     Patch("bound_model_methods", None, _BOUND_METHODS, _BINDING, MODEL_LIFETIME),
     Patch("attention_through_xla", None, _FUSED, _BINDING, MODEL_LIFETIME),
+    Patch("rematerialized_blocks", None, "call", _REMAT, MODEL_LIFETIME),
     Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch(
         "skipped_batches",

@@ -36,13 +36,14 @@ from keras_hub_autodist.loading.progress import progress_enabled
 from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
 from keras_hub_autodist.loading.verify import verify_layouts
-from keras_hub_autodist.planning.compiled_step import remat_scope
 from keras_hub_autodist.planning.distribution import plan_distribution
 from keras_hub_autodist.planning.options import PLAN_ONLY_KEYWORDS
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.options import progress_option
 from keras_hub_autodist.planning.planner import plan_model
 from keras_hub_autodist.planning.planner import resolve_mesh
+from keras_hub_autodist.planning.remat import remat_scope
+from keras_hub_autodist.planning.remat import rematerialize_blocks
 from keras_hub_autodist.planning.shapes import model_weights
 from keras_hub_autodist.planning.weight_check import WeightCheck
 from keras_hub_autodist.reading.dtypes import is_quantized
@@ -205,6 +206,7 @@ def from_preset(
                 ):
                     raise
                 raise _quantized_preset_error(preset, error) from error
+        rematerialize_blocks(model, layout_plan)
         verifying_started = time.perf_counter()
         check.built(model.weights)
         verify_layouts(model)

@@ -212,14 +212,6 @@ def test_remat_lowers_the_estimate(tiny_presets_dir):
     )
 
 
-def test_compiling_full_remat_says_what_keras_cannot_trace(tiny_presets_dir):
-    devices = keras.distribution.list_devices()[:8]
-    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices)
-    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], mesh, remat="full")
-    with pytest.raises(PlanError, match="Received: remat='full'"):
-        keras_hub_autodist.compiled_memory(plan, 8, 16)
-
-
 def test_from_preset_builds_inside_the_remat_scope(tiny_presets_dir, monkeypatch):
     import keras_hub
 
@@ -231,14 +223,23 @@ def test_from_preset_builds_inside_the_remat_scope(tiny_presets_dir, monkeypatch
         return original(scope)
 
     monkeypatch.setattr(keras.RematScope, "__enter__", enter)
+    layers = {"mode": "list_of_layers", "layer_names": ["ffw_linear"]}
     model = keras_hub_autodist.from_preset(
+        keras_hub.models.GemmaCausalLM,
+        tiny_presets_dir["gemma_mqa"],
+        device_mesh={"batch": 2, "model": 4},
+        remat=layers,
+    )
+    assert modes == ["list_of_layers"]
+    assert model is not None
+    # "full" is this package's own, block by block (tests/test_remat.py).
+    keras_hub_autodist.from_preset(
         keras_hub.models.GemmaCausalLM,
         tiny_presets_dir["gemma_mqa"],
         device_mesh={"batch": 2, "model": 4},
         remat="full",
     )
-    assert modes == ["full"]
-    assert model is not None
+    assert modes == ["list_of_layers"]
     with pytest.raises(PlanError, match="Received: remat='most'"):
         keras_hub_autodist.plan(
             tiny_presets_dir["gemma_mqa"], {"batch": 2}, remat="most"

@@ -18,7 +18,6 @@ to trust when the two disagree.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from typing import TYPE_CHECKING
@@ -201,23 +200,6 @@ def _backbone_config(plan, preset):
     return backbone_cls, config
 
 
-def remat_scope(remat):
-    """`keras.RematScope` of a `remat=` value; a no-op scope for `None`.
-
-    Example:
-    ```python
-    with remat_scope("full"):
-        model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
-    ```
-    """
-    import keras
-
-    if remat is None:
-        return contextlib.nullcontext()
-    arguments = dict(remat) if isinstance(remat, dict) else {"mode": remat}
-    return keras.RematScope(**arguments)
-
-
 def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank):
     """The task model and its optimizer, built with deferred variables that
     carry their layouts, and the distribution they were laid out with."""
@@ -225,6 +207,8 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
 
     from keras_hub_autodist import compat
     from keras_hub_autodist.planning.distribution import plan_distribution
+    from keras_hub_autodist.planning.remat import remat_scope
+    from keras_hub_autodist.planning.remat import rematerialize_blocks
 
     backbone_cls, config = _backbone_config(plan, preset)
     task_cls = model_class or default_task_class(backbone_cls)
@@ -240,6 +224,7 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
             if lora_rank is not None:
                 # Frozen weights: only the LoRA kernels are trained.
                 backbone.enable_lora(lora_rank)
+        rematerialize_blocks(backbone, plan)
         # A task compiles itself with a default optimizer on construction,
         # whose scalar variables can't be deferred.
         model = task_cls(backbone=backbone, preprocessor=None)
@@ -261,9 +246,10 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
                     f"rematerialization {plan.remat!r}: Keras' RematScope "
                     "recomputes whole layers whose call tests a Python "
                     "argument (keras-hub's decoder blocks). Use "
+                    "`remat='full'` (each decoder block recomputed), or "
                     "`remat={'mode': 'list_of_layers', 'layer_names': [...]}` "
-                    "naming leaf layers (e.g. the MLP's dense layers), or "
-                    f"no remat. Received: remat={plan.remat!r}"
+                    "naming leaf layers (e.g. the MLP's dense layers). "
+                    f"Received: remat={plan.remat!r}"
                 ) from error
     return model, distribution
 

@@ -1,0 +1,106 @@
+"""Rematerialization of a model's training step (`remat=`).
+
+`remat="full"` recomputes each decoder block in the backward pass: the
+block keeps only its inputs, and its activations are computed again from
+them when the gradients need them. Each block's `call` runs under
+`jax.checkpoint`, with its array arguments traced and every other argument
+(keras-hub's `training` flag, cache indices, `None`) held as it is: Keras'
+own `RematScope` traces every argument of a rematerialized call, and
+keras-hub's blocks test some of them in Python, so a step built under it
+does not trace. The blocks are found from the plan: the layer that holds
+each query kernel.
+
+The other modes (`"larger_than"`, `"list_of_layers"`) are Keras'
+`keras.RematScope`, for layers whose arguments are all arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from keras_hub_autodist import compat
+from keras_hub_autodist.planning.step_memory import remat_mode
+
+# The one mode this module implements itself; others are `keras.RematScope`.
+BLOCKS = "full"
+
+
+def remat_scope(remat):
+    """`keras.RematScope` of a `remat=` value of a Keras-only mode; a no-op
+    scope for `None` and for `"full"` (see `rematerialize_blocks`).
+
+    Example:
+    ```python
+    with remat_scope({"mode": "list_of_layers", "layer_names": ["mlp"]}):
+        model = keras_hub.models.GemmaCausalLM.from_preset("./gemma_2b")
+    ```
+    """
+    import keras
+
+    if remat is None or remat_mode(remat) == BLOCKS:
+        return contextlib.nullcontext()
+    arguments = dict(remat) if isinstance(remat, dict) else {"mode": remat}
+    return keras.RematScope(**arguments)
+
+
+def block_paths(plan) -> list[str]:
+    """The layer paths of the decoder blocks: the first path component of
+    each query kernel, in model order.
+
+    Example:
+    ```python
+    block_paths(plan)  # ['decoder_block_0', 'decoder_block_1', ...]
+    ```
+    """
+    paths = []
+    for row in plan.rows:
+        if "heads" in row.logical_axes and row.path.endswith("/kernel"):
+            block = row.path.split("/", 1)[0]
+            if "/" in row.path and block not in paths:
+                paths.append(block)
+    return paths
+
+
+def checkpointed(call):
+    """`call` under `jax.checkpoint`: its array arguments traced, the others
+    (flags, indices, `None`) held as given."""
+    import jax
+
+    @functools.wraps(call)
+    def run(*args, **kwargs):
+        leaves, structure = jax.tree_util.tree_flatten((args, kwargs))
+        traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+
+        def pure(*arrays):
+            merged = list(leaves)
+            for index, array in zip(traced, arrays):
+                merged[index] = array
+            inner_args, inner_kwargs = jax.tree_util.tree_unflatten(structure, merged)
+            return call(*inner_args, **inner_kwargs)
+
+        return jax.checkpoint(pure)(*(leaves[i] for i in traced))
+
+    return run
+
+
+def rematerialize_blocks(model, plan) -> int:
+    """With `plan.remat == "full"`, make each decoder block of `model`
+    recompute its activations in the backward pass; return how many blocks
+    changed (0 for another mode or none).
+
+    Args:
+        model: a keras-hub Backbone or Task, built.
+        plan: its `LayoutPlan`.
+    """
+    if remat_mode(plan.remat) != BLOCKS:
+        return 0
+    wanted = set(block_paths(plan))
+    changed = 0
+    for layer in compat.sublayers(model):
+        if layer.path in wanted and "call" not in vars(layer):
+            compat.patch_instance(
+                "rematerialized_blocks", layer, "call", checkpointed(layer.call)
+            )
+            changed += 1
+    return changed
