@@ -196,6 +196,20 @@ def reference(
     return _references[key]
 
 
+def step_state(model) -> tuple:
+    """The state a bound model's `train_step` takes, as Keras' JAX trainer
+    passes it: trainable, non-trainable, optimizer and metric values."""
+    return tuple(
+        [v.value for v in variables]
+        for variables in (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+    )
+
+
 def without_counters(path: str) -> str:
     """A variable path without keras-hub's process-wide layer counters.
 

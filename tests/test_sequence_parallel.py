@@ -6,6 +6,7 @@ import keras_hub
 import numpy as np
 import pytest
 import tiny_presets
+from equivalence import step_state
 
 import keras_hub_autodist
 from bench import hlo
@@ -47,16 +48,7 @@ def step_collectives(lm, preset):
     distribution = keras_hub_autodist.distribution_of(lm).distribution
     x, y = batch(preset)
     with distribution.scope():
-        # The state `train_step` takes, as Keras' JAX trainer passes it.
-        state = tuple(
-            [v.value for v in variables]
-            for variables in (
-                lm.trainable_variables,
-                lm.non_trainable_variables,
-                lm.optimizer.variables,
-                lm.metrics_variables,
-            )
-        )
+        state = step_state(lm)
         layout = distribution.get_data_layout(x["token_ids"].shape).backend_layout
         data = jax.device_put((x, y, None), layout)
         text = jax.jit(lm.train_step).lower(state, data).compile().as_text()
