@@ -133,23 +133,16 @@ class PlanRecord:
         return {pattern: spec for pattern in self.sequence_parallel_outputs}
 
     def _key_value_block_layouts(self) -> dict[str, tuple]:
-        """`<key/value layer>/output` → its block layout: one key per
-        rule of key/value kernels, or one per layer where layers under one
-        rule got different layouts."""
-        by_pattern: dict[str, dict[str, tuple]] = {}
-        for row in self.rows:
-            if "kv_heads" in row.logical_axes and row.path.endswith("/kernel"):
-                output = row.path[: -len("kernel")] + "output"
-                spec = sharding.key_value_block_spec(row, self.mesh_axes)
-                by_pattern.setdefault(row.pattern, {})[output] = spec
-        layouts = {}
-        for pattern, outputs in by_pattern.items():
-            specs = set(outputs.values())
-            if len(specs) == 1 and pattern.endswith("/kernel"):
-                layouts[pattern[: -len("kernel")] + "output"] = specs.pop()
-            else:
-                layouts.update({re.escape(p): s for p, s in outputs.items()})
-        return layouts
+        """`<key/value layer>/output` → its block layout, keyed as the
+        layer's kernel is (`_weight_keys`): an output's layout follows from
+        its kernel's alone."""
+        return {
+            key[: -len("kernel")] + "output": sharding.key_value_block_spec(
+                row, self.mesh_axes
+            )
+            for key, row in self._weight_keys()
+            if "kv_heads" in row.logical_axes and row.path.endswith("/kernel")
+        }
 
     @property
     def context_axis(self) -> str | None:
@@ -256,10 +249,10 @@ class PlanRecord:
                     f"patterns. Received: key={key!r}"
                 )
 
-    def weight_layouts(self) -> dict[str, tuple]:
-        """Layout-map key → layout: one key per rule, or one per weight for
-        a rule whose weights got different layouts (e.g. layers of
-        different shapes under one rule)."""
+    def _weight_keys(self) -> list[tuple[str, Weight]]:
+        """`(layout-map key, a row it covers)`: one key per rule, or one per
+        weight for a rule whose weights got different layouts (e.g. layers
+        of different shapes under one rule)."""
         by_pattern: dict[str, list[Weight]] = {}
         for row in self.rows:
             by_pattern.setdefault(row.pattern, []).append(row)
@@ -269,6 +262,12 @@ class PlanRecord:
                 keyed.append((pattern, rows[0]))
             else:
                 keyed.extend((re.escape(row.path), row) for row in rows)
+        return keyed
+
+    def weight_layouts(self) -> dict[str, tuple]:
+        """Layout-map key → layout (`_weight_keys`), with keys for the LoRA
+        kernels `enable_lora()` creates beside each kernel."""
+        keyed = self._weight_keys()
         layouts = {key: row.spec for key, row in keyed}
         for key, row in keyed:
             if row.path.endswith("/kernel") and len(row.spec) >= 2:
