@@ -432,7 +432,7 @@ PATCHES = (
     Patch("backbone_from_preset", _BACKBONE, "from_preset", _PLUGIN, WHILE_ACTIVE),
     Patch("task_from_preset", _TASK, "from_preset", _PLUGIN, WHILE_ACTIVE),
     Patch("bound_model_methods", None, _BOUND_METHODS, _BINDING, MODEL_LIFETIME),
-    Patch("attention_through_xla", None, _FUSED, _BINDING, MODEL_LIFETIME),
+    Patch("attention_through_xla", None, _FUSED, _CONTEXT, MODEL_LIFETIME),
     Patch("rematerialized_blocks", None, "call", _REMAT, MODEL_LIFETIME),
     Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch(

@@ -7,12 +7,14 @@ every batch tensor) over that axis. Decoding (`generate`) treats the context
 axis as replicated: its one-token steps have no sequence to split, so its
 prompts are split on the batch axis alone and no layer output is pinned.
 
-Inside its scope Keras' attention takes XLA's path, never a fused kernel:
-XLA can't split cuDNN's flash attention or TPU's splash attention along the
+On a context mesh attention takes XLA's path, never a fused kernel: XLA
+can't split cuDNN's flash attention or TPU's splash attention along the
 sequence (JAX's cuDNN partitioning refuses a query split on the sequence; a
 Pallas kernel is a custom call run on gathered inputs), while XLA's own
-attention splits like every other op. `training.binding` turns keras-hub's
-own choice of a fused kernel off the same way.
+attention splits like every other op. Keras' check for a fused kernel
+answers no inside a `ContextParallel` scope, and `attention_through_xla`
+turns keras-hub's own choice off on each attention layer of a model built
+for such a plan.
 """
 
 from __future__ import annotations
@@ -57,18 +59,12 @@ class ContextParallel(keras.distribution.ModelParallel):
     model and gather the keys and values for attention.
 
     Args:
-        layout_map: the plan's `keras.distribution.LayoutMap`.
-        batch_dim_name: the batch axis.
         context_dim_name: the context axis.
+        **arguments: `keras.distribution.ModelParallel`'s.
     """
 
-    def __init__(self, *, layout_map, batch_dim_name: str, context_dim_name: str):
-        super().__init__(
-            layout_map=layout_map,
-            batch_dim_name=batch_dim_name,
-            # Each process feeds its process-local batch (docs/multihost.md).
-            auto_shard_dataset=False,
-        )
+    def __init__(self, *, context_dim_name: str, **arguments):
+        super().__init__(**arguments)
         self.context_dim_name = context_dim_name
 
     @property
@@ -132,17 +128,49 @@ def plan_distribution(plan, device_mesh) -> keras.distribution.ModelParallel:
         `ContextParallel` when the plan's mesh has a context axis of more
         than one device, else `keras.distribution.ModelParallel`.
     """
-    layout_map = plan.layout_map(device_mesh)
-    context_axis = plan.mesh_axes.context_axis
-    if plan.mesh_axes.size(context_axis) > 1:
-        return ContextParallel(
-            layout_map=layout_map,
-            batch_dim_name=plan.batch_axis,
-            context_dim_name=context_axis,
-        )
-    return keras.distribution.ModelParallel(
-        layout_map=layout_map,
+    arguments = dict(
+        layout_map=plan.layout_map(device_mesh),
         batch_dim_name=plan.batch_axis,
         # Each process feeds its process-local batch (docs/multihost.md).
         auto_shard_dataset=False,
     )
+    if _context_parallel(plan):
+        return ContextParallel(context_dim_name=plan.context_axis, **arguments)
+    return keras.distribution.ModelParallel(**arguments)
+
+
+def _context_parallel(plan) -> bool:
+    return plan.mesh_axes.size(plan.context_axis) > 1
+
+
+# keras-hub's attention layers ask this method whether to call a fused
+# kernel (cuDNN flash attention on GPU, Pallas splash attention on TPU).
+FUSED_ATTENTION_METHOD = "_use_fused_attention_op"
+
+
+def _never() -> bool:
+    return False
+
+
+def attention_through_xla(model, plan) -> int:
+    """On a context mesh, make every keras-hub attention layer of `model`
+    take XLA's attention path instead of a fused kernel; return how many
+    layers changed (0 without a context axis).
+
+    On CPU keras-hub takes that path already; on GPU and TPU its fused
+    kernels can't be split along the sequence (see the module's docstring).
+
+    Args:
+        model: a keras-hub Backbone or Task, built.
+        plan: its `LayoutPlan`.
+    """
+    if not _context_parallel(plan):
+        return 0
+    changed = 0
+    for layer in compat.sublayers(model):
+        if callable(getattr(layer, FUSED_ATTENTION_METHOD, None)):
+            compat.patch_instance(
+                "attention_through_xla", layer, FUSED_ATTENTION_METHOD, _never
+            )
+            changed += 1
+    return changed

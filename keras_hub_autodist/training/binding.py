@@ -262,37 +262,4 @@ def bind(model, distribution, plan: LayoutPlan):
             compat.patch_instance(
                 "bound_model_methods", target, name, _wrapped(name, method, runs, bound)
             )
-    if plan.mesh_axes.size(plan.mesh_axes.context_axis) > 1:
-        attention_through_xla(model)
     return model
-
-
-# keras-hub's attention layers ask this method whether to call a fused
-# kernel (cuDNN flash attention on GPU, Pallas splash attention on TPU).
-FUSED_ATTENTION_METHOD = "_use_fused_attention_op"
-
-
-def _never() -> bool:
-    return False
-
-
-def attention_through_xla(model) -> int:
-    """Make every keras-hub attention layer of `model` take XLA's attention
-    path instead of a fused kernel; return how many layers changed.
-
-    XLA can't split a fused kernel along the sequence: JAX's cuDNN
-    partitioning rule refuses a query split on the sequence ("Sharding on
-    sequence dim is not allowed"), and a Pallas kernel is a custom call the
-    partitioner runs on gathered inputs, which would spend the memory a
-    context axis saves. XLA's own attention (einsums, mask, softmax) splits
-    along the sequence like every other op. On CPU keras-hub takes that path
-    already.
-    """
-    changed = 0
-    for layer in compat.sublayers(model):
-        if callable(getattr(layer, FUSED_ATTENTION_METHOD, None)):
-            compat.patch_instance(
-                "attention_through_xla", layer, FUSED_ATTENTION_METHOD, _never
-            )
-            changed += 1
-    return changed
