@@ -41,6 +41,12 @@ READ_CHUNK_BYTES = 8 * 1024**2
 # read per run.
 SMALL_RUN_BYTES = 64 * 1024
 SMALL_RUN_COUNT = 64
+# numpy copies an array element by element in the target's order. From a
+# transposed source, each element of a target row comes from another source
+# row: copied by blocks of this many columns, the source rows one block
+# walks stay in the first-level cache until their next elements are copied
+# (2.4x faster for a bfloat16 Gemma FFN kernel).
+TRANSPOSE_TILE = 256
 # Buffers are aligned so that JAX's CPU client can adopt them without a copy.
 BUFFER_ALIGNMENT = 64
 # Buffers of at least this size are anonymous mappings of their own.
@@ -123,7 +129,8 @@ def convert(source: np.ndarray, target: np.ndarray) -> None:
     in numpy loops that release the GIL.
 
     bfloat16 is the top half of a float32, so widening it is a shift of
-    its bits.
+    its bits. A source strided along its last axis (a converter's
+    transposed view) is copied by blocks of `TRANSPOSE_TILE` columns.
 
     Example:
     >>> target = np.empty(2, "float32")
@@ -131,6 +138,16 @@ def convert(source: np.ndarray, target: np.ndarray) -> None:
     >>> target.tolist()
     [1.5, -2.0]
     """
+    columns = target.shape[-1] if target.ndim > 1 else 0
+    if columns > TRANSPOSE_TILE and source.strides[-1] != source.itemsize:
+        for start in range(0, columns, TRANSPOSE_TILE):
+            block = slice(start, start + TRANSPOSE_TILE)
+            _convert(source[..., block], target[..., block])
+        return
+    _convert(source, target)
+
+
+def _convert(source: np.ndarray, target: np.ndarray) -> None:
     if source.dtype == target.dtype:
         _raw(target)[...] = _raw(source)
     elif source.dtype == ml_dtypes.bfloat16 and target.dtype == np.float32:
@@ -316,6 +333,23 @@ def _runs(shape: tuple, index: tuple):
     return first, outer, run
 
 
+def _short_runs(outer, run: int, itemsize: int) -> bool:
+    return run * itemsize < SMALL_RUN_BYTES and len(outer) > SMALL_RUN_COUNT
+
+
+def has_short_runs(shape: tuple, index: tuple, itemsize: int) -> bool:
+    """Whether `index` (a tuple of step-1 slices) of a C-ordered array of
+    `shape` is many short runs of the file (a weight split by columns),
+    which are best read by blocks of whole rows.
+
+    Example:
+    >>> has_short_runs((4096, 4096), (slice(None), slice(0, 512)), 2)
+    True
+    """
+    _, outer, run = _runs(shape, index)
+    return _short_runs(outer, run, itemsize)
+
+
 class ContiguousTensor:
     """A C-ordered tensor stored contiguously in a file, from `offset` on.
 
@@ -377,9 +411,7 @@ class ContiguousTensor:
             if output.size == 0:
                 continue
             first, outer, run = _runs(self.shape, index)
-            if run * self.dtype.itemsize < SMALL_RUN_BYTES and (
-                len(outer) > SMALL_RUN_COUNT
-            ):
+            if _short_runs(outer, run, self.dtype.itemsize):
                 gathered.append((index, output))
             else:
                 tasks += self._direct_tasks(first, outer, run, output)
