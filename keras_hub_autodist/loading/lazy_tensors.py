@@ -25,6 +25,7 @@ from keras_hub_autodist.errors import WeightFileError
 from keras_hub_autodist.loading.file_reads import ContiguousTensor
 from keras_hub_autodist.loading.file_reads import HeldFile
 from keras_hub_autodist.loading.file_reads import convert
+from keras_hub_autodist.loading.hook_views import HookView
 from keras_hub_autodist.loading.safetensors_header import read_header
 
 # The dtypes of the safetensors format, as numpy reads them.
@@ -282,4 +283,5 @@ class LazySafetensor:
         return f"<LazySafetensor {self.file.path}:{self.name} shape={self.shape}>"
 
 
-LAZY_TENSORS = (LazyH5Dataset, LazySafetensor)
+# The tensors `assign` receives unread: `put` reads each device's slice.
+LAZY_TENSORS = (LazyH5Dataset, LazySafetensor, HookView)

@@ -19,9 +19,12 @@ out of memory while it loads (keras-team/keras#21634). Inside
   last one is transferred);
 - a Hugging Face tensor that keras-hub's converter passes on unconverted
   (`port_weight` without a hook) is read slice by slice from the
-  safetensors file the same way (`LazySafetensor`); a tensor its hooks
-  convert arrives whole on the host, is sliced there and each device
-  receives only its part. Nothing is memory-mapped (`SafetensorsFile`);
+  safetensors file the same way (`LazySafetensor`), and so is one whose
+  hook only reshapes and transposes it (`HookView`: each slice is a box of
+  the file's tensor, moved into place by the reading thread); a tensor
+  another hook converts arrives whole on the host, is sliced there and
+  each device receives only its part. Nothing is memory-mapped
+  (`SafetensorsFile`);
 - on accelerators, each slice crosses to its device in the file's dtype
   and is cast there when the model's dtype is wider (a bfloat16 checkpoint
   into a float32 model moves half the bytes), one weight at a time; on
@@ -69,6 +72,9 @@ from keras_hub_autodist.loading.file_reads import HeldFile
 from keras_hub_autodist.loading.file_reads import convert
 from keras_hub_autodist.loading.file_reads import copy_slices
 from keras_hub_autodist.loading.file_reads import read_threads
+from keras_hub_autodist.loading.hook_views import HookView
+from keras_hub_autodist.loading.hook_views import release_scratch
+from keras_hub_autodist.loading.hook_views import trace_hook
 from keras_hub_autodist.loading.lazy_tensors import LAZY_TENSORS
 from keras_hub_autodist.loading.lazy_tensors import LazyH5Dataset
 from keras_hub_autodist.loading.lazy_tensors import LazySafetensor
@@ -97,10 +103,11 @@ class LoadStats:
         weights_loaded: variables that received a value from the checkpoint.
         bytes_read: bytes read slice by slice from weight files: HDF5
             datasets of Keras presets, and safetensors tensors that a Hugging
-            Face converter passes on unconverted. With a mesh spread over
-            several processes, only this process's slices.
+            Face converter passes on unconverted or only reshaped and
+            transposed. With a mesh spread over several processes, only this
+            process's slices.
         bytes_received: bytes of host tensors received whole from a
-            converter (Hugging Face presets, weights its hooks convert),
+            converter (Hugging Face presets, weights its hooks compute),
             before slicing.
         initializers_skipped: random initial values never computed because
             the checkpoint overwrote them.
@@ -177,8 +184,8 @@ class _Session:
         # The last weight put on the devices: its array, and the array in
         # the file's dtype it was cast from (freed once the cast is done).
         self._in_flight = None
-        # True inside keras-hub's `port_weight` without a hook: safetensors
-        # reads give a `LazySafetensor`.
+        # True inside keras-hub's `port_weight`, until its hook runs:
+        # safetensors reads give a `LazySafetensor`.
         self.lazy_safetensors = False
         # On CPU, the placeholders' host buffers, which their values are
         # read into.
@@ -242,6 +249,8 @@ class _Session:
                 file.close()
             self.files.clear()
             self.reserved_shards.close()
+            # The reading threads' buffers go with them, at shutdown.
+            release_scratch()
             if self._executor is not None:
                 self._executor.shutdown(wait=True, cancel_futures=True)
                 self._executor = None
@@ -407,26 +416,46 @@ def _whole(value):
 
 
 def _port_weight_hook(original):
-    """keras-hub's `SafetensorLoader.port_weight`, handing `assign` a
-    `LazySafetensor` when no hook converts the tensor."""
+    """keras-hub's `SafetensorLoader.port_weight`, handing `assign` a lazy
+    tensor: a `LazySafetensor` when no hook converts the tensor, a
+    `HookView` when its hook only reshapes and transposes it."""
     signature = inspect.signature(original)
 
     def port_weight(loader, *args, **kwargs):
         session = _active_session()
         try:
-            hook_fn = signature.bind(loader, *args, **kwargs).arguments.get("hook_fn")
+            bound = signature.bind(loader, *args, **kwargs)
         except TypeError:
-            hook_fn = None  # keras-hub raises its own error below
-            session = None
-        if session is None or hook_fn is not None or session.lazy_safetensors:
+            session = None  # keras-hub raises its own error below
+        if session is None or session.lazy_safetensors:
             return original(loader, *args, **kwargs)
+        hook_fn = bound.arguments.get("hook_fn")
+        if hook_fn is not None:
+            bound.arguments["hook_fn"] = _lazy_hook(hook_fn, session)
         session.lazy_safetensors = True
         try:
-            return original(loader, *args, **kwargs)
+            return original(*bound.args, **bound.kwargs)
         finally:
             session.lazy_safetensors = False
 
     return port_weight
+
+
+def _lazy_hook(hook_fn, session: _Session):
+    """`hook_fn`, kept lazy (`HookView`) on a lazy tensor when it only
+    reshapes and transposes it, else applied to the tensor's values."""
+
+    def hook(tensor, keras_shape):
+        # Whatever the hook reads itself, it reads whole.
+        session.lazy_safetensors = False
+        if isinstance(tensor, LazySafetensor):
+            ops = trace_hook(hook_fn, tensor, keras_shape)
+            if ops is not None:
+                return HookView(tensor, ops)
+            tensor = tensor.read()
+        return hook_fn(tensor, keras_shape)
+
+    return hook
 
 
 def _initialize_with_initializer(variable, initializer):
