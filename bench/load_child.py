@@ -1,6 +1,6 @@
 """One load of `bench/loading.py`, in its own process.
 
-Usage: python -m bench.load_child PRESET VARIANT
+Usage: python -m bench.load_child PRESET VARIANT [--timed]
 
 VARIANT is one of `bench.loading`'s; `dtype=bfloat16` at its end loads the
 model in bfloat16, else the default (float32).
@@ -9,6 +9,12 @@ Prints one JSON line: load seconds, peak and final bytes per device (each
 buffer counted once), the largest single shard, peak and baseline host RSS,
 bytes read and the weight file's size, and the loader's own read and
 transfer seconds.
+
+Sampling the devices' bytes walks every live array at each weight the
+loader places, and every 20 ms: on a ~1B model that adds about half a
+second to a load. With `--timed` nothing is sampled (the memory fields are
+absent), so the load time is the loader's alone; the bench times loads in
+such runs and takes their memory from a sampled one.
 
 Peak host RSS is this process's own: `getrusage(...).ru_maxrss` is not, as
 Linux carries the high-water mark of the forking process (the bench, which
@@ -100,7 +106,10 @@ class Sampler:
         transfer.placeholder = recording_placeholder
 
 
-def main(path, variant):
+def main(path, variant, mode=None):
+    if mode not in (None, "--timed"):
+        raise SystemExit(f"usage: {__doc__.splitlines()[2]}. Received: {mode!r}")
+    timed = mode == "--timed"
     files = weight_files(path)
     file_bytes = sum(os.path.getsize(f) for f in files)
     if variant in FILE_READS:
@@ -122,8 +131,9 @@ def main(path, variant):
     baseline_rss = rss_now()
     hwm_reset = reset_peak_rss()
     sampler = Sampler()
-    sampler.hook_loader()
-    sampler.thread.start()
+    if not timed:
+        sampler.hook_loader()
+        sampler.thread.start()
     start = time.perf_counter()
     largest_shard = None
     if variant == "keras-hub one device":
@@ -145,6 +155,17 @@ def main(path, variant):
             path, device_mesh=mesh, strategy=strategy, **dtype
         )
     seconds = time.perf_counter() - start
+    stats = keras_hub_autodist.load_stats(backbone)
+    timings = dict(
+        variant=variant,
+        load_s=seconds,
+        read_s=stats.read_seconds if stats else None,
+        transfer_s=stats.transfer_seconds if stats else None,
+        loading_s=stats.seconds if stats else None,
+    )
+    if timed:
+        print(json.dumps(timings))
+        return
     sampler.stop = True
     sampler.thread.join()
     sampler.record()
@@ -158,14 +179,12 @@ def main(path, variant):
     peak_rss = sampler.peak_rss
     if hwm_reset:
         peak_rss = max(peak_rss, status_bytes("VmHWM"))
-    stats = keras_hub_autodist.load_stats(backbone)
     over = {d: sampler.peak[d] - final.get(d, 0) for d in sampler.peak}
     worst = max(over, key=over.get)
     print(
         json.dumps(
             dict(
-                variant=variant,
-                load_s=seconds,
+                **timings,
                 params=backbone.count_params(),
                 peak_device=sampler.peak[worst],
                 final_device=final.get(worst, 0),
@@ -177,9 +196,6 @@ def main(path, variant):
                 peak_rss=peak_rss,
                 peak_rss_sampled=sampler.peak_rss,
                 bytes_read=(stats.bytes_read + stats.bytes_received) if stats else None,
-                read_s=stats.read_seconds if stats else None,
-                transfer_s=stats.transfer_seconds if stats else None,
-                loading_s=stats.seconds if stats else None,
                 file_bytes=file_bytes,
             )
         )

@@ -6,6 +6,8 @@ this process across fork + exec). Variants: keras-hub onto one device, keras-hub
 in a hand-made `ModelParallel` scope with its static Gemma map on `(2, 4)`,
 and autodist on `(1, 8)` with `tp` and on `(2, 4)` with `fsdp`. The last two
 children only read the weight file, for the floors (`bench/file_reads.py`).
+A load is timed in children that sample nothing, and its memory measured in
+one more child that samples the devices' bytes as it loads.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import subprocess
 import sys
 
 import numpy as np
+
+from bench.file_reads import FILE_READS
 
 CONFIG = dict(
     vocabulary_size=32000,
@@ -127,7 +131,7 @@ def save_transformers_preset(
     return path
 
 
-def _child(path: str, variant: str) -> dict:
+def _child(path: str, variant: str, timed: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["KERAS_HUB_AUTODIST_PROGRESS"] = "0"
     if variant == "read the file, keeping every tensor":
@@ -135,7 +139,8 @@ def _child(path: str, variant: str) -> dict:
         # stalls on memory compaction here when fresh memory is kept.
         env["NUMPY_MADVISE_HUGEPAGE"] = "0"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.load_child", path, variant],
+        [sys.executable, "-m", "bench.load_child", path, variant]
+        + (["--timed"] if timed else []),
         capture_output=True,
         text=True,
         env=env,
@@ -153,14 +158,20 @@ def save_transformers_bfloat16_preset(root: str) -> str:
 
 
 def _fastest_runs(path: str, variants: list[str], rounds: int) -> list[dict]:
-    """Each variant `rounds` times, in turn; the fastest run of each."""
+    """Each variant `rounds` times, in turn, unsampled; the fastest run of
+    each, with the memory of one more, sampled, run of each loader (the
+    file reads sample nothing)."""
     fastest = {}
     for _ in range(rounds):
         for variant in variants:
-            row = _child(path, variant)
+            row = _child(path, variant, timed=True)
             if variant not in fastest or row["load_s"] < fastest[variant]["load_s"]:
                 fastest[variant] = row
-    return [{**fastest[v], "runs": rounds} for v in variants]
+    rows = []
+    for variant in variants:
+        memory = {} if variant in FILE_READS else _child(path, variant)
+        rows.append({**memory, **fastest[variant], "runs": rounds})
+    return rows
 
 
 def run(root: str) -> list[dict]:
