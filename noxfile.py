@@ -44,6 +44,14 @@ def _pytest(session, *args):
         "ignore::DeprecationWarning",
         # The slowest tests of each session, in CI's log: where its time goes.
         "--durations=25",
+        # Two workers (pytest-xdist), each taking the next test when free:
+        # a test's time is much spent single-threaded (tracing, compiling,
+        # building models) or waiting on its child processes, so two share
+        # two cores well. More can be asked for after `--`, e.g. `-n 4`.
+        "-n",
+        "2",
+        "--dist",
+        "worksteal",
         *args,
         *session.posargs,
         env={
