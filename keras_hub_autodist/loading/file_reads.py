@@ -350,6 +350,24 @@ def has_short_runs(shape: tuple, index: tuple, itemsize: int) -> bool:
     return _short_runs(outer, run, itemsize)
 
 
+class ReadBySlices:
+    """`ndim`, `read` and `np.asarray` for a lazy tensor with a `shape` and
+    a `read_slices(indices)`."""
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def read(self, index: tuple | None = None) -> np.ndarray:
+        """Read `index` (a tuple of slices; `None`: all) of the tensor."""
+        index = tuple(slice(None) for _ in self.shape) if index is None else index
+        return self.read_slices([index])[0]
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.read()
+        return values if dtype is None else values.astype(dtype)
+
+
 class ContiguousTensor:
     """A C-ordered tensor stored contiguously in a file, from `offset` on.
 

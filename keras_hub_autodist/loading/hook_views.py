@@ -32,6 +32,7 @@ import threading
 
 import numpy as np
 
+from keras_hub_autodist.loading.file_reads import ReadBySlices
 from keras_hub_autodist.loading.file_reads import aligned_empty
 from keras_hub_autodist.loading.file_reads import convert
 from keras_hub_autodist.loading.file_reads import has_short_runs
@@ -66,20 +67,17 @@ class TracedTensor:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
     def reshape(self, *shape, order="C") -> TracedTensor:
         if order != "C":
             raise TypeError(f"Only C-order reshapes are traced. Received: {order!r}")
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = shape[0]
         shape = [int(n) for n in shape]
+        size = math.prod(self.shape)
         if shape.count(-1) == 1:
             known = math.prod(n for n in shape if n != -1)
-            shape[shape.index(-1)] = self.size // known if known else 0
-        if math.prod(shape) != self.size or min(shape, default=0) < 0:
+            shape[shape.index(-1)] = size // known if known else 0
+        if math.prod(shape) != size or min(shape, default=0) < 0:
             raise ValueError(
                 f"cannot reshape a tensor of shape {self.shape} into {tuple(shape)}"
             )
@@ -247,7 +245,7 @@ def release_scratch() -> None:
     _scratch.buffer = None
 
 
-class HookView:
+class HookView(ReadBySlices):
     """A converter hook's result, read slice by slice from the file's tensor.
 
     Args:
@@ -267,10 +265,6 @@ class HookView:
         self._shapes = shapes
         self.shape = shapes[-1]
         self.dtype = np.dtype(source.dtype)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
     def _apply(self, values: np.ndarray, box: list) -> np.ndarray:
         """`values` (the source's `box`) through the hook's operations."""
@@ -367,15 +361,6 @@ class HookView:
 
     def _full_box(self) -> list:
         return [(0, n) for n in self._shapes[0]]
-
-    def read(self, index: tuple | None = None) -> np.ndarray:
-        """Read `index` (a tuple of slices; `None`: all) of the result."""
-        index = tuple(slice(None) for _ in self.shape) if index is None else index
-        return self.read_slices([index])[0]
-
-    def __array__(self, dtype=None, copy=None):
-        values = self.read()
-        return values if dtype is None else values.astype(dtype)
 
     def __repr__(self):
         return f"<HookView of {self.source!r} shape={self.shape}>"

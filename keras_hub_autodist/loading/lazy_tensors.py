@@ -24,6 +24,7 @@ import numpy as np
 from keras_hub_autodist.errors import WeightFileError
 from keras_hub_autodist.loading.file_reads import ContiguousTensor
 from keras_hub_autodist.loading.file_reads import HeldFile
+from keras_hub_autodist.loading.file_reads import ReadBySlices
 from keras_hub_autodist.loading.file_reads import convert
 from keras_hub_autodist.loading.hook_views import HookView
 from keras_hub_autodist.loading.safetensors_header import read_header
@@ -74,7 +75,7 @@ def h5_contiguous_offset(dataset) -> int | None:
     return int(offset)
 
 
-class LazyH5Dataset:
+class LazyH5Dataset(ReadBySlices):
     """An HDF5 dataset of a Keras weight file, read slice by slice on demand.
 
     Keras' weight store returns one of these instead of a full numpy array
@@ -103,10 +104,6 @@ class LazyH5Dataset:
             else ContiguousTensor(file, offset, self.shape, self.dtype)
         )
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
     def read_slices(
         self, indices: list, executor=None, dtype=None, outputs=None
     ) -> list[np.ndarray]:
@@ -127,15 +124,6 @@ class LazyH5Dataset:
                 part = part.astype(dtype, copy=False)
             values.append(part)
         return values
-
-    def read(self, index: tuple | None = None) -> np.ndarray:
-        """Read `index` (a tuple of slices; `None`: all) of the dataset."""
-        index = tuple(slice(None) for _ in self.shape) if index is None else index
-        return self.read_slices([index])[0]
-
-    def __array__(self, dtype=None, copy=None):
-        values = self.read()
-        return values if dtype is None else values.astype(dtype)
 
     def __repr__(self):
         return f"<LazyH5Dataset {self.name} shape={self.shape}>"
