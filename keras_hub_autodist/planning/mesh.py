@@ -24,6 +24,7 @@ import dataclasses
 import math
 import operator
 import sys
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,6 +72,15 @@ class MeshAxes:
     hidden_axis: str | None
     expert_axis: str | None = None
     context_axis: str | None = None
+    # Each axis' size by name, and 1 for `None` (no such axis): the sizes as
+    # data, for code that only reads them.
+    sizes: Mapping[str | None, int] = dataclasses.field(
+        init=False, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self):
+        sizes = {None: 1, **dict(zip(self.axis_names, self.shape))}
+        object.__setattr__(self, "sizes", types.MappingProxyType(sizes))
 
     def size(self, axis: str | None) -> int:
         """Size of a mesh axis (1 for `None`)."""

@@ -35,8 +35,7 @@ from keras_hub_autodist.planning.mesh import resolve_mesh_axes
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.shapes import ModelWeights
 from keras_hub_autodist.planning.shapes import model_weights
-from keras_hub_autodist.planning.step_memory import state_bytes
-from keras_hub_autodist.planning.step_memory import trainable_bytes
+from keras_hub_autodist.planning.step_memory import state_need
 from keras_hub_autodist.reading.dtypes import itemsize
 from keras_hub_autodist.reading.presets import read_config
 
@@ -305,7 +304,7 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
     """
     mesh_axes = mesh.axes
     capacity = mesh.device_memory_bytes
-    if options.sequence_parallel and mesh_axes.size(mesh_axes.context_axis) > 1:
+    if options.sequence_parallel and mesh_axes.sizes[mesh_axes.context_axis] > 1:
         raise StrategyError(
             "sequence_parallel=True splits the residual stream's sequence over "
             "the model axis, and the context axis "
@@ -328,14 +327,17 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
         for strategy in strategies
     }
     if options.strategy == "auto":
-        tp_need = _state_need(
-            model, options, held[Alternative(mesh_axes, "tp", kv["tp"][0])]
+        tp_need = state_need(
+            model.weights,
+            model.dtype,
+            options.lora_rank,
+            held[Alternative(mesh_axes, "tp", kv["tp"][0])],
         )
         strategy, strategy_reason = policy.choose_strategy(
             tp_need,
             capacity,
             mesh.device_memory_source,
-            mesh_axes.size(mesh_axes.batch_axis),
+            mesh_axes.sizes[mesh_axes.batch_axis],
         )
     else:
         strategy, strategy_reason = options.strategy, "requested"
@@ -377,19 +379,14 @@ def _auto_mesh(
     for mesh_axes in candidates:
         kv_fallback, _ = _choose_kv(model, options, mesh_axes, "tp", held, capacity)
         needs.append(
-            _state_need(model, options, held[Alternative(mesh_axes, "tp", kv_fallback)])
+            state_need(
+                model.weights,
+                model.dtype,
+                options.lora_rank,
+                held[Alternative(mesh_axes, "tp", kv_fallback)],
+            )
         )
     return policy.choose_mesh(needs, num_devices, capacity, source)
-
-
-def _state_need(model: ModelWeights, options: PlanOptions, held: int) -> int:
-    """Weights, gradients and Adam state per device of a layout holding
-    `held` parameter bytes (`step_memory.state_bytes`): with LoRA only its
-    kernels train; otherwise every weight, sharded as the weights are."""
-    if options.lora_rank is None:
-        return state_bytes(held, held, "adam")
-    trained = trainable_bytes(model.weights, model.dtype, options.lora_rank, None)
-    return state_bytes(held + trained, trained, "adam")
 
 
 def device_name(device_memory) -> str:
@@ -443,7 +440,7 @@ def _assign(model, weight, alternative: Alternative, kv_policy: str = ""):
 
 
 def _shards(spec, mesh_axes: MeshAxes) -> int:
-    return math.prod(mesh_axes.size(axis) for axis in spec if axis)
+    return math.prod(mesh_axes.sizes[axis] for axis in spec)
 
 
 def _first_with(model: ModelWeights, logical: str):
@@ -453,7 +450,7 @@ def _first_with(model: ModelWeights, logical: str):
 def _kv_fallbacks(model: ModelWeights, mesh_axes: MeshAxes) -> tuple[str, ...]:
     """The key/value layouts worth costing: both when key/value heads don't
     divide the model axis, else replication only."""
-    model_size = mesh_axes.size(mesh_axes.model_axis)
+    model_size = mesh_axes.sizes[mesh_axes.model_axis]
     kv = _first_with(model, "kv_heads")
     if model_size == 1 or kv is None:
         return ("replicate",)
@@ -477,7 +474,7 @@ def _choose_kv(model, options, mesh_axes, strategy, held, capacity) -> tuple[str
     if len(fallbacks) == 1:
         return fallbacks[0], ""
     model_axis = mesh_axes.model_axis
-    model_size = mesh_axes.size(model_axis)
+    model_size = mesh_axes.sizes[model_axis]
     query = _first_with(model, "heads")
     if (
         query is not None
@@ -501,7 +498,7 @@ def _choose_kv(model, options, mesh_axes, strategy, held, capacity) -> tuple[str
         candidates.append(
             policy.KVCandidate(
                 layout,
-                _state_need(model, options, bytes_held),
+                state_need(model.weights, model.dtype, options.lora_rank, bytes_held),
                 bytes_held / ideal,
             )
         )
