@@ -43,9 +43,13 @@ def test_divides_by_the_batch_axis():
     one = _plan({"batch": 1, "model": 4}).activation_bytes_per_device(16, 64)
     four = _plan({"batch": 4, "model": 4}).activation_bytes_per_device(16, 64)
     assert four == pytest.approx(one / 4, rel=1e-6)
-    # fsdp shards weights over the batch axis, not activations: same estimate.
+    # fsdp shards weights over the batch axis, not activations: the same
+    # activations, plus each weight split over the batch axis gathered whole
+    # over it (the other 3 quarters of what the device holds of it).
     fsdp = _plan({"batch": 4, "model": 4}, strategy="fsdp")
-    assert fsdp.activation_bytes_per_device(16, 64) == four
+    gathered = sum(3 * row.device_bytes for row in fsdp.rows if "batch" in row.spec)
+    assert gathered > 0
+    assert fsdp.activation_bytes_per_device(16, 64) == four + gathered
 
 
 def test_model_axis_shards_heads_mlp_and_logits_not_the_residual():

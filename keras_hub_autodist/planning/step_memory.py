@@ -21,7 +21,11 @@ tokens (the batch over the batch axis):
   each expert's output before the routing sum;
 - after the blocks: `final·b·s·d` and the logits, `b·s·V` once in the
   model's dtype and `logits_float32` times in float32 (Keras computes the
-  cross-entropy and its gradient in float32).
+  cross-entropy and its gradient in float32);
+- with `fsdp`: `gathered_weights`, the weights split over the batch (or
+  context) axis as gathered whole over it where they are used: XLA keeps
+  the gathered copies of the forward pass for the backward pass. Counted in
+  bytes of the weights' own dtypes.
 
 Every term is divided by the shards the plan gives its dimension on the
 model axes, as `LayoutPlan.activation_bytes_per_device` does.
@@ -65,6 +69,7 @@ ACTIVATION_FACTORS = {
         "final": 2,
         "logits": 3,
         "logits_float32": 0,
+        "gathered_weights": 1,
     },
     "gpu": {
         "stream": 4,
@@ -75,6 +80,7 @@ ACTIVATION_FACTORS = {
         "final": 2,
         "logits": 1,
         "logits_float32": 1,
+        "gathered_weights": 1,
     },
 }
 ACTIVATION_FACTORS["tpu"] = ACTIVATION_FACTORS["gpu"]
@@ -236,6 +242,22 @@ def state_bytes(weights: int, trainable: int, optimizer: str = "adam") -> int:
     return weights + (1 + optimizer_spec(optimizer).slots) * trainable
 
 
+def state_need(rows, dtype: str, lora_rank: int | None, held: int) -> int:
+    """Weights, gradients and Adam state per device of a layout holding
+    `held` parameter bytes of `rows`: with LoRA of rank `lora_rank` only its
+    kernels train (and are held on top); otherwise every weight, sharded as
+    the weights are.
+
+    Example:
+    >>> state_need([], "float32", None, 100)
+    400
+    """
+    if lora_rank is None:
+        return state_bytes(held, held, "adam")
+    trained = trainable_bytes(rows, dtype, lora_rank, None)
+    return state_bytes(held + trained, trained, "adam")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:
     """The closed-form bytes per device of one training step.
@@ -286,7 +308,8 @@ def check_sizes(batch_size, sequence_length, what: str = "memory estimate") -> N
 
 
 def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, float]:
-    """Elements per device of each term of `ACTIVATION_FACTORS`, unweighted.
+    """Elements per device of each term of `ACTIVATION_FACTORS`, unweighted
+    (bytes for `gathered_weights`).
 
     Example:
     ```python
@@ -348,6 +371,12 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         return dim(row, "expert") if "expert" in row.logical_axes else 1
 
     logits = b * s * dim(output, "vocab") / shards(output)
+    gathering = (axes.batch_axis, axes.context_axis)
+
+    def gathered_bytes(row):
+        over = math.prod(axes.size(axis) for axis in row.spec if axis in gathering)
+        return row.device_bytes * (over - 1)
+
     return {
         "stream": layers * b * s * d / split,
         "attention": layers
@@ -362,6 +391,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         "final": b * s * d / split,
         "logits": logits,
         "logits_float32": logits,
+        "gathered_weights": sum(gathered_bytes(row) for row in plan.rows),
     }
 
 
@@ -471,11 +501,12 @@ def activation_bytes(
     terms = activation_terms(plan, batch_size, sequence_length)
     if remat_mode(getattr(plan, "remat", None)) == "full":
         terms = _rematerialized(terms, _num_blocks(plan))
+    # Elements of each term in the activations' dtype, but the logits kept
+    # in float32 and the gathered weights, already in bytes.
+    sizes = {"logits_float32": FLOAT32_BYTES, "gathered_weights": 1}
     return int(
         sum(
-            factors[name]
-            * count
-            * (FLOAT32_BYTES if name == "logits_float32" else size)
+            factors[name] * count * sizes.get(name, size)
             for name, count in terms.items()
         )
     )
