@@ -6,6 +6,7 @@ from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import PlanError
+from keras_hub_autodist.planning import step_memory
 
 
 def _plan(mesh, strategy="tp", preset="gemma_2b"):
@@ -45,11 +46,13 @@ def test_divides_by_the_batch_axis():
     assert four == pytest.approx(one / 4, rel=1e-6)
     # fsdp shards weights over the batch axis, not activations: the same
     # activations, plus each weight split over the batch axis gathered whole
-    # over it (the other 3 quarters of what the device holds of it).
+    # over it (the other 3 quarters of what the device holds of it), as many
+    # times as XLA's CPU backend keeps it.
     fsdp = _plan({"batch": 4, "model": 4}, strategy="fsdp")
     gathered = sum(3 * row.device_bytes for row in fsdp.rows if "batch" in row.spec)
-    assert gathered > 0
-    assert fsdp.activation_bytes_per_device(16, 64) == four + gathered
+    copies = step_memory.ACTIVATION_FACTORS["cpu"]["gathered_weights"]
+    assert gathered > 0 and copies >= 1
+    assert fsdp.activation_bytes_per_device(16, 64) == four + copies * gathered
 
 
 def test_model_axis_shards_heads_mlp_and_logits_not_the_residual():
