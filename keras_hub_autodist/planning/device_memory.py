@@ -7,10 +7,10 @@ import math
 import os
 
 from keras_hub_autodist.errors import MeshError
+from keras_hub_autodist.planning.device_profiles import GIB
 from keras_hub_autodist.planning.device_profiles import device_profile
 from keras_hub_autodist.planning.options import device_memory_bytes
 
-GIB = 1024**3
 GB = 1000**3
 # The per-device memory in GiB, like the CLI's `--device-memory`.
 DEVICE_MEMORY_ENV = "KERAS_HUB_AUTODIST_DEVICE_MEMORY_GIB"
