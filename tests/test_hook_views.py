@@ -187,3 +187,25 @@ def test_hooks_that_need_values_still_load_right(tmp_path, monkeypatch):
     stats = keras_hub_autodist.load_stats(backbone)
     assert stats.bytes_received > 0 and stats.bytes_read > 0
     assert loading_session.active_sessions() == 0
+
+
+@pytest.mark.parametrize("kept_bytes,kept", [(1024**2, True), (16, False)])
+def test_a_reading_thread_keeps_only_a_small_scratch_buffer(
+    weight_file, monkeypatch, kept_bytes, kept
+):
+    from keras_hub_autodist.loading import hook_views
+
+    monkeypatch.setattr(hook_views, "KEPT_SCRATCH_BYTES", kept_bytes)
+    key, hook, keras_shape = HOOKS["query"]
+    lazy = LazySafetensor(weight_file, key)
+    view = HookView(lazy, trace_hook(hook, lazy, keras_shape))
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        np.testing.assert_array_equal(
+            view.read_slices([(slice(0, 2),)], executor)[0],
+            hook(weight_file.read(key), keras_shape)[:2],
+        )
+        buffer = executor.submit(lambda: getattr(hook_views._scratch, "buffer", None))
+        assert (buffer.result() is not None) == kept
+    # The calling thread keeps none when it read by itself.
+    view.read_slices([(slice(0, 2),)])
+    assert getattr(hook_views._scratch, "buffer", None) is None

@@ -227,6 +227,10 @@ def _source_box(ops: tuple, shapes: list[tuple], box: list) -> list | None:
 
 
 _scratch = threading.local()
+# A thread keeps its scratch buffer for the next slice up to this size;
+# a larger one is freed once used, so that no thread holds a large buffer
+# idle until the load ends.
+KEPT_SCRATCH_BYTES = 64 * 1024**2
 
 
 def _thread_scratch(shape, dtype) -> np.ndarray:
@@ -236,7 +240,8 @@ def _thread_scratch(shape, dtype) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.nbytes < nbytes:
-        buffer = _scratch.buffer = aligned_empty((nbytes,), np.uint8)
+        buffer = aligned_empty((nbytes,), np.uint8)
+        _scratch.buffer = buffer if nbytes <= KEPT_SCRATCH_BYTES else None
     return buffer[:nbytes].view(dtype).reshape(shape)
 
 
