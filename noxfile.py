@@ -82,11 +82,8 @@ def integration(session):
 
 @nox.session
 def multihost(session):
-    """2 processes x 4 virtual CPU devices on 127.0.0.1 against one process.
-    One test at a time (`-n 0`): each already runs two JAX processes, and two
-    such tests at once on two cores took as long and risk the processes'
-    coordination timeouts."""
-    _pytest(session, "integration", "-m", "multihost", "-n", "0")
+    """2 processes x 4 virtual CPU devices on 127.0.0.1 against one process."""
+    _pytest(session, "integration", "-m", "multihost")
 
 
 @nox.session
