@@ -136,6 +136,18 @@ def trace_hook(hook_fn, tensor, keras_shape) -> tuple | None:
     return result.ops
 
 
+def apply_hook(hook_fn, tensor, keras_shape):
+    """`hook_fn(tensor, keras_shape)`: a `HookView` of `tensor` when it is
+    a lazy tensor and the hook only reshapes and transposes it, else the
+    hook applied to the tensor's values."""
+    if hasattr(tensor, "read_slices"):
+        ops = trace_hook(hook_fn, tensor, keras_shape)
+        if ops is not None:
+            return HookView(tensor, ops)
+        tensor = tensor.read()
+    return hook_fn(tensor, keras_shape)
+
+
 def _groups(before: tuple, after: tuple) -> list[tuple[range, range]] | None:
     """The axes of a C-order reshape from `before` to `after`, in groups
     whose sizes multiply to the same number: (axes before, axes after)."""

@@ -72,9 +72,8 @@ from keras_hub_autodist.loading.file_reads import HeldFile
 from keras_hub_autodist.loading.file_reads import convert
 from keras_hub_autodist.loading.file_reads import copy_slices
 from keras_hub_autodist.loading.file_reads import read_threads
-from keras_hub_autodist.loading.hook_views import HookView
+from keras_hub_autodist.loading.hook_views import apply_hook
 from keras_hub_autodist.loading.hook_views import release_scratch
-from keras_hub_autodist.loading.hook_views import trace_hook
 from keras_hub_autodist.loading.lazy_tensors import LAZY_TENSORS
 from keras_hub_autodist.loading.lazy_tensors import LazyH5Dataset
 from keras_hub_autodist.loading.lazy_tensors import LazySafetensor
@@ -417,8 +416,7 @@ def _whole(value):
 
 def _port_weight_hook(original):
     """keras-hub's `SafetensorLoader.port_weight`, handing `assign` a lazy
-    tensor: a `LazySafetensor` when no hook converts the tensor, a
-    `HookView` when its hook only reshapes and transposes it."""
+    tensor (`LazySafetensor`, or `HookView` through its hook)."""
     signature = inspect.signature(original)
 
     def port_weight(loader, *args, **kwargs):
@@ -442,18 +440,11 @@ def _port_weight_hook(original):
 
 
 def _lazy_hook(hook_fn, session: _Session):
-    """`hook_fn`, kept lazy (`HookView`) on a lazy tensor when it only
-    reshapes and transposes it, else applied to the tensor's values."""
+    """`hook_fn`, through `hook_views.apply_hook` (lazy where it can be)."""
 
     def hook(tensor, keras_shape):
-        # Whatever the hook reads itself, it reads whole.
-        session.lazy_safetensors = False
-        if isinstance(tensor, LazySafetensor):
-            ops = trace_hook(hook_fn, tensor, keras_shape)
-            if ops is not None:
-                return HookView(tensor, ops)
-            tensor = tensor.read()
-        return hook_fn(tensor, keras_shape)
+        session.lazy_safetensors = False  # what the hook reads, it reads whole
+        return apply_hook(hook_fn, tensor, keras_shape)
 
     return hook
 
