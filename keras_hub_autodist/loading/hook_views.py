@@ -208,34 +208,36 @@ def _box_of(first: int, stop: int, shape: list[int]) -> list[tuple[int, int]] | 
     return None
 
 
-def _source_box(ops: tuple, shapes: list[tuple], box: list) -> list | None:
-    """The box of the source tensor that `box` of the hook's result comes
-    from (`shapes[k]`: the shape before operation `k`, then the result's),
-    or `None` when a reshape makes it more than one box."""
+def _stage_boxes(ops: tuple, shapes: list[tuple], box: list) -> list | None:
+    """The box at every stage of the hook (`shapes[k]`: the shape before
+    operation `k`, then the result's) that `box` of its result comes from,
+    the source tensor's first; `None` when a reshape makes one of them more
+    than one box."""
+    boxes = [box]
     for (kind, argument), before in zip(reversed(ops), reversed(shapes[:-1])):
         if kind == TRANSPOSE:
             source = [None] * len(box)
             for position, axis in enumerate(argument):
                 source[axis] = box[position]
-            box = source
-            continue
-        groups = _groups(before, argument)
-        if groups is None:
-            return None
-        source = [None] * len(before)
-        for axes_before, axes_after in groups:
-            part = _flat_range(
-                [box[a] for a in axes_after], [argument[a] for a in axes_after]
-            )
-            if part is None:
+        else:
+            groups = _groups(before, argument)
+            if groups is None:
                 return None
-            mapped = _box_of(*part, [before[a] for a in axes_before])
-            if mapped is None:
-                return None
-            for axis, bounds in zip(axes_before, mapped):
-                source[axis] = bounds
+            source = [None] * len(before)
+            for axes_before, axes_after in groups:
+                part = _flat_range(
+                    [box[a] for a in axes_after], [argument[a] for a in axes_after]
+                )
+                if part is None:
+                    return None
+                mapped = _box_of(*part, [before[a] for a in axes_before])
+                if mapped is None:
+                    return None
+                for axis, bounds in zip(axes_before, mapped):
+                    source[axis] = bounds
         box = source
-    return box
+        boxes.append(box)
+    return boxes[::-1]
 
 
 _scratch = threading.local()
@@ -283,14 +285,13 @@ class HookView(ReadBySlices):
         self.shape = shapes[-1]
         self.dtype = np.dtype(source.dtype)
 
-    def _apply(self, values: np.ndarray, box: list) -> np.ndarray:
-        """`values` (the source's `box`) through the hook's operations."""
-        for (kind, argument), before in zip(self.ops, self._shapes[:-1]):
+    def _apply(self, values: np.ndarray, boxes: list) -> np.ndarray:
+        """`values` (the source's `boxes[0]`) through the hook's operations,
+        `boxes` holding what each stage holds (`_stage_boxes`)."""
+        for (kind, argument), box in zip(self.ops, boxes[1:]):
             if kind == TRANSPOSE:
                 values = np.transpose(values, argument)
-                box = [box[a] for a in argument]
             else:
-                box = _result_box(box, before, argument)
                 values = np.reshape(values, [high - low for low, high in box])
         return values
 
@@ -305,27 +306,28 @@ class HookView(ReadBySlices):
             [s.indices(n)[:2] for s, n in zip(_full(index, self.ndim), self.shape)]
             for index in indices
         ]
-        sources = [_source_box(self.ops, self._shapes, box) for box in boxes]
+        stages = [_stage_boxes(self.ops, self._shapes, box) for box in boxes]
         if outputs is None:
             outputs = [
                 aligned_empty(local_shape(_full(i, self.ndim), self.shape), dtype)
                 for i in indices
             ]
-        if any(source is None for source in sources):
+        if any(stage is None for stage in stages):
             # Not one box of the file: the whole tensor, as keras-hub reads it.
-            whole = self._apply(np.asarray(self.source.read()), self._full_box())
+            whole_boxes = [[(0, n) for n in shape] for shape in self._shapes]
+            whole = self._apply(np.asarray(self.source.read()), whole_boxes)
             for box, output in zip(boxes, outputs):
-                convert(whole[tuple(slice(*b) for b in box)], output)
+                convert(whole[_slices(box)], output)
             return outputs
         if any(
-            has_short_runs(self._shapes[0], _slices(box), self.dtype.itemsize)
-            for box in sources
+            has_short_runs(self._shapes[0], _slices(stage[0]), self.dtype.itemsize)
+            for stage in stages
         ):
-            tasks = self._tasks_from_one_read(sources, outputs, executor)
+            tasks = self._tasks_from_one_read(stages, outputs, executor)
         else:
             tasks = [
-                functools.partial(self._read_into, source, output)
-                for source, output in zip(sources, outputs)
+                functools.partial(self._read_into, stage, output)
+                for stage, output in zip(stages, outputs)
                 if output.size
             ]
         if executor is None:
@@ -340,19 +342,20 @@ class HookView(ReadBySlices):
             run_tasks(tasks, executor)
         return outputs
 
-    def _read_into(self, source_box: list, output: np.ndarray) -> None:
-        """Read `source_box` of the file into this thread's scratch buffer,
-        and its result into `output`."""
-        shape = tuple(high - low for low, high in source_box)
+    def _read_into(self, stages: list, output: np.ndarray) -> None:
+        """Read the slice's box of the file (`stages[0]`) into this thread's
+        scratch buffer, and its result into `output`."""
+        shape = tuple(high - low for low, high in stages[0])
         scratch = _thread_scratch(shape, self.dtype)
-        self.source.read_slices([_slices(source_box)], None, outputs=[scratch])
-        convert(self._apply(scratch, source_box), output)
+        self.source.read_slices([_slices(stages[0])], None, outputs=[scratch])
+        convert(self._apply(scratch, stages), output)
 
-    def _tasks_from_one_read(self, sources: list, outputs: list, executor) -> list:
-        """Read the box bounding every slice's (split by columns: whole rows
-        of the file) into the calling thread's scratch buffer, on
+    def _tasks_from_one_read(self, stages: list, outputs: list, executor) -> list:
+        """Read the box bounding every slice's box of the file (split by
+        columns: whole rows) into the calling thread's scratch buffer, on
         `executor`; return the tasks that move each slice's part into its
         output."""
+        sources = [stage[0] for stage in stages]
         bounds = [
             (min(box[a][0] for box in sources), max(box[a][1] for box in sources))
             for a in range(len(self._shapes[0]))
@@ -361,23 +364,20 @@ class HookView(ReadBySlices):
         scratch = _thread_scratch(shape, self.dtype)
         self.source.read_slices([_slices(bounds)], executor, outputs=[scratch])
 
-        def move(box, output):
+        def move(stage, output):
             part = scratch[
                 tuple(
                     slice(low - base, high - base)
-                    for (low, high), (base, _) in zip(box, bounds)
+                    for (low, high), (base, _) in zip(stage[0], bounds)
                 )
             ]
-            convert(self._apply(part, box), output)
+            convert(self._apply(part, stage), output)
 
         return [
-            functools.partial(move, box, output)
-            for box, output in zip(sources, outputs)
+            functools.partial(move, stage, output)
+            for stage, output in zip(stages, outputs)
             if output.size
         ]
-
-    def _full_box(self) -> list:
-        return [(0, n) for n in self._shapes[0]]
 
     def __repr__(self):
         return f"<HookView of {self.source!r} shape={self.shape}>"
@@ -389,17 +389,3 @@ def _slices(box: list) -> tuple:
 
 def _full(index: tuple, ndim: int) -> tuple:
     return tuple(index) + (slice(None),) * (ndim - len(index))
-
-
-def _result_box(box: list, before: tuple, after: tuple) -> list:
-    """The box of a reshape's result holding `box` of its input (one box:
-    `_source_box` checked it)."""
-    result = [None] * len(after)
-    for axes_before, axes_after in _groups(before, after):
-        first, stop = _flat_range(
-            [box[a] for a in axes_before], [before[a] for a in axes_before]
-        )
-        mapped = _box_of(first, stop, [after[a] for a in axes_after])
-        for axis, bounds in zip(axes_after, mapped):
-            result[axis] = bounds
-    return result
