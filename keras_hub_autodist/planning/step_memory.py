@@ -378,7 +378,9 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     gathering = (axes.batch_axis, axes.context_axis)
 
     def gathered_bytes(row):
-        over = math.prod(axes.size(axis) for axis in row.spec if axis in gathering)
+        over = math.prod(
+            axes.size(axis) for axis in row.spec if axis and axis in gathering
+        )
         return row.device_bytes * (over - 1)
 
     return {
