@@ -1,12 +1,10 @@
 """`remat="full"`: each decoder block recomputed in the backward pass."""
 
-import jax
 import keras
 import keras_hub
 import numpy as np
 import pytest
 from equivalence import batch_for
-from equivalence import step_state
 
 import keras_hub_autodist
 from keras_hub_autodist import PlanError
@@ -40,22 +38,23 @@ def test_full_remat_trains_as_without_and_recomputes_each_block(tiny_presets_dir
         np.testing.assert_allclose(
             np.asarray(weight.value), np.asarray(reference.value), atol=1e-6
         )
-    # The traced training step holds one rematerialized region per block.
     plan = keras_hub_autodist.distribution_of(lm).plan
     assert len(block_paths(plan)) == 2
-    distribution = keras_hub_autodist.distribution_of(lm).distribution
-    with distribution.scope():
-        text = str(jax.make_jaxpr(lm.train_step)(step_state(lm), (x, y, None)))
-    assert text.count("remat") == len(block_paths(plan)), text.count("remat")
 
 
-def test_full_remat_compiles_with_the_recomputation(tiny_presets_dir):
-    """The compiled check builds the step as a load does: with `"full"` it
-    compiles (Keras' RematScope alone could not trace keras-hub's blocks)."""
+def test_full_remat_lowers_the_compiled_peak_of_the_same_step(tiny_presets_dir):
+    """The step built as a load builds it, compiled for the local backend:
+    with `"full"` each block keeps its input alone, so the peak falls
+    (XLA's CPU backend drops `jax.checkpoint`'s barrier; the recomputation
+    must still wait for the cotangent)."""
     preset = tiny_presets_dir["gemma_mqa"]
-    plan = keras_hub_autodist.plan(preset, MESH, remat="full")
-    memory = keras_hub_autodist.compiled_memory(plan, 2, 64, "sgd")
-    assert memory.peak_bytes > 0
+    peaks = {
+        remat: keras_hub_autodist.compiled_memory(
+            keras_hub_autodist.plan(preset, MESH, remat=remat), 2, 512, "sgd"
+        ).peak_bytes
+        for remat in (None, "full")
+    }
+    assert peaks["full"] < 0.8 * peaks[None], peaks
 
 
 def test_a_keras_mode_over_whole_blocks_says_what_to_use(tiny_presets_dir):

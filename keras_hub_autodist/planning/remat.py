@@ -2,8 +2,10 @@
 
 `remat="full"` recomputes each decoder block in the backward pass: the
 block keeps only its inputs, and its activations are computed again from
-them when the gradients need them. Each block's `call` runs under
-`jax.checkpoint`, with its array arguments traced and every other argument
+them when the gradients need them, after the block output's cotangent
+(`recomputed_in_backward`), so that every backend, XLA's CPU one included,
+keeps one block's activations at a time. Each block's `call` runs so, with
+its array arguments traced and every other argument
 (keras-hub's `training` flag, cache indices, `None`) held as it is: Keras'
 own `RematScope` traces every argument of a rematerialized call, and
 keras-hub's blocks test some of them in Python, so a step built under it
@@ -63,8 +65,9 @@ def block_paths(plan) -> list[str]:
 
 
 def checkpointed(call):
-    """`call` under `jax.checkpoint`: its array arguments traced, the others
-    (flags, indices, `None`) held as given."""
+    """`call` recomputed in the backward pass (`recomputed_in_backward`):
+    its array arguments traced, the others (flags, indices, `None`) held as
+    given."""
     import jax
 
     @functools.wraps(call)
@@ -79,9 +82,70 @@ def checkpointed(call):
             inner_args, inner_kwargs = jax.tree_util.tree_unflatten(structure, merged)
             return call(*inner_args, **inner_kwargs)
 
-        return jax.checkpoint(pure)(*(leaves[i] for i in traced))
+        return recomputed_in_backward(pure, *(leaves[i] for i in traced))
 
     return run
+
+
+def recomputed_in_backward(function, *arrays):
+    """`function(*arrays)`, keeping only its inputs for the backward pass,
+    which recomputes the rest once the output's cotangent has arrived.
+
+    `jax.checkpoint` keeps XLA from merging the recomputation into the
+    forward pass with an optimization barrier, which XLA's CPU backend
+    drops before scheduling: the recomputation is merged back and the step
+    keeps every activation. Here the recomputation reads its floating inputs
+    through `after_cotangent`, a data dependency no compiler pass removes,
+    so it runs after the cotangent on every backend. Closed-over values (the
+    block's weights, read from Keras' stateless scope) become explicit
+    inputs through `jax.closure_convert`.
+    """
+    import jax
+
+    converted, constants = jax.closure_convert(function, *arrays)
+
+    def forward_only(inputs):
+        return converted(*inputs)
+
+    @jax.custom_vjp
+    def run(inputs):
+        return forward_only(inputs)
+
+    def forward(inputs):
+        return forward_only(inputs), inputs
+
+    def backward(inputs, cotangent):
+        cotangents = jax.tree_util.tree_leaves(cotangent)
+        ordered = tuple(after_cotangent(value, cotangents) for value in inputs)
+        _, pullback = jax.vjp(forward_only, ordered)
+        return pullback(cotangent)
+
+    run.defvjp(forward, backward)
+    return run((*arrays, *constants))
+
+
+def after_cotangent(value, cotangents):
+    """`value` made to depend on the cotangents, unchanged: plus zero times
+    the cotangent of its shape (elementwise, so no device waits on another),
+    or times one element of the first floating cotangent. `x + 0 * c` is `x`
+    for every finite `c`; a non-finite cotangent makes the gradients
+    non-finite either way. Integer and boolean values are returned as they
+    are."""
+    import jax
+    import jax.numpy as jnp
+
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        return value
+    floating = [
+        c for c in cotangents if jnp.issubdtype(c.dtype, jnp.floating) and c.size
+    ]
+    if not floating:
+        return value
+    anchor = next((c for c in floating if c.shape == value.shape), None)
+    if anchor is None:
+        anchor = floating[0].reshape(-1)[0]
+    anchor = jax.lax.stop_gradient(anchor).astype(value.dtype)
+    return value + jnp.zeros((), value.dtype) * anchor
 
 
 def rematerialize_blocks(model, plan) -> int:
