@@ -1,7 +1,8 @@
 """`python -m bench`: regenerate docs/benchmarks.md and docs/img/*.png.
 
 `python -m bench --only loading` runs section 4 alone and prints it;
-`python -m bench --only context` the context-parallelism part of section 2.
+`python -m bench --only context` the context-parallelism part of section 2,
+`python -m bench --only remat` its rematerialization row.
 
 Runs on 8 virtual CPU devices (set here, before JAX starts) in well under
 20 minutes on a 2-core CPU. Every number in the document comes from this run.
@@ -29,6 +30,7 @@ from bench import loading  # noqa: E402
 from bench import memory  # noqa: E402
 from bench import models  # noqa: E402
 from bench import planning  # noqa: E402
+from bench import remat  # noqa: E402
 from bench import report  # noqa: E402
 from bench import seqpar  # noqa: E402
 from bench import steptime  # noqa: E402
@@ -61,7 +63,18 @@ def only_context() -> int:
     return 0
 
 
-ONLY = {"loading": only_loading, "context": only_context}
+def only_remat() -> int:
+    """`python -m bench --only remat`: the rematerialization row, printed."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        row = remat.run(root)
+    print(json.dumps(row, indent=1))
+    print("\n".join(report.remat_section(row)))
+    print(f"remat section in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+ONLY = {"loading": only_loading, "context": only_context, "remat": only_remat}
 
 
 def main(argv=None):
@@ -74,7 +87,7 @@ def main(argv=None):
         if len(argv) != 2 or argv[0] != "--only" or argv[1] not in ONLY:
             print(
                 "usage: python -m bench [--only loading | --only context | "
-                f"--accelerator ...]; received: {argv}"
+                f"--only remat | --accelerator ...]; received: {argv}"
             )
             return 2
         return ONLY[argv[1]]()
@@ -91,6 +104,8 @@ def main(argv=None):
         results["comms"] = comms.run(paths)
         print("sequence parallelism...", flush=True)
         results["seqpar"] = seqpar.run(paths)
+        print("rematerialization...", flush=True)
+        results["remat"] = remat.run(root)
         print("context parallelism...", flush=True)
         results["context"] = context.run(paths)
         print("step time...", flush=True)

@@ -120,6 +120,8 @@ def write(results, md_path, img_dir):
     lines += comms_section(results["comms"], comms_plot)
     if "seqpar" in results:
         lines += seqpar_section(results["seqpar"])
+    if "remat" in results:
+        lines += remat_section(results["remat"])
     if "context" in results:
         lines += context_section(results["context"], pathlib.Path(img_dir))
     lines += [
@@ -449,6 +451,36 @@ def seqpar_section(row: dict) -> list[str]:
         f"the best this can reach at {estimate_ratio}x, so 0.3x needs the scores",
         "sharded too (context parallelism, or a fused attention kernel that never",
         "stores them), which this option does not do.",
+        "",
+    ]
+
+
+def remat_section(row: dict) -> list[str]:
+    """The compiled peak of one step with and without `remat="full"`."""
+    from bench import remat
+
+    verdict = "met" if row["met"] else "**not met**"
+    without, full = row["without"], row["full"]
+    return [
+        "### Rematerialization",
+        "",
+        f"Compiled SGD train step of {row['model']} on {row['mesh']}, batch "
+        f"{row['batch']} x {row['sequence_length']} tokens, per device, from XLA's",
+        f"`memory_analysis()` on {row['platform']} through "
+        "`keras_hub_autodist.compiled_memory`,",
+        "next to the closed-form estimate for that platform.",
+        "",
+        '| | without | `remat="full"` | ratio |',
+        "|---|---|---|---|",
+        f"| compiled peak MiB | {_mib(without['peak'])} | {_mib(full['peak'])} | "
+        f"{row['ratio']:.2f} |",
+        f"| temporaries MiB | {_mib(without['temp'])} | {_mib(full['temp'])} | "
+        f"{full['temp'] / without['temp']:.2f} |",
+        f"| estimate MiB | {_mib(without['estimate'])} | {_mib(full['estimate'])} | "
+        f"{full['estimate'] / without['estimate']:.2f} |",
+        "",
+        f'Target: the peak with `"full"` <= {remat.TARGET} x without: {verdict} '
+        f"({row['ratio']:.2f}).",
         "",
     ]
 
