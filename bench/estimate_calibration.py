@@ -56,10 +56,26 @@ TINY = {
 }
 BENCH = {name: (cls.__name__, config) for name, (cls, config) in models.CONFIGS.items()}
 MESHES = [(1, 1), (8, 1), (2, 4), (1, 8)]
-# Real configs of about 1B parameters (tests/data/presets), LoRA (rank 4)
-# and full fine-tuning, tp and fsdp on 2 x 4 devices (`--real`).
+# The calibrated estimate's target against the compiled peak.
+TARGET = 0.15
+# Real configs of 0.5B to 2.6B parameters (tests/data/presets), float32,
+# Adam (`--real`): on 2 x 4 devices, tp and fsdp, LoRA (rank 4) and full
+# fine-tuning, 512 and 1024 tokens; LoRA on the other meshes (4 x 2 fsdp,
+# 1 x 8 tp, 8 x 1 fsdp); the longer sequences of the two smallest; and
+# three steps with `remat="full"`, each next to the same step without.
 REAL_PRESETS = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "presets")
-REAL = ("llama3.2_1b", "gemma3_1b")
+REAL = ("llama3.2_1b", "gemma3_1b", "gemma2_2b", "gemma_2b", "qwen2.5_0.5b")
+OTHER_MESHES = (
+    ((4, 2), "fsdp", 4, 512),
+    ((1, 8), "tp", 2, 1024),
+    ((8, 1), "fsdp", 8, 512),
+)
+REMAT = (
+    ("llama3.2_1b", 2048, "tp", 4),
+    ("gemma3_1b", 1024, "tp", None),
+    ("llama3.2_1b", 512, "fsdp", None),
+)
+LONG = (("llama3.2_1b", 2048), ("llama3.2_1b", 4096), ("gemma3_1b", 4096))
 
 
 def cases(quick=False):
@@ -80,11 +96,28 @@ def real_cases():
         preset = os.path.join(REAL_PRESETS, name)
         for strategy in ("tp", "fsdp"):
             for lora_rank in (None, 4):
-                for seq in (512, 2048):
+                for seq in (512, 1024):
                     yield name, preset, (2, 4), "float32", 2, seq, strategy, lora_rank
+        for shape, strategy, batch, seq in OTHER_MESHES:
+            yield name, preset, shape, "float32", batch, seq, strategy, 4
+    for name, seq in LONG:
+        preset = os.path.join(REAL_PRESETS, name)
+        for strategy in ("tp", "fsdp"):
+            yield name, preset, (2, 4), "float32", 2, seq, strategy, 4
+    yield from remat_cases()
 
 
-def measure(name, model, shape, dtype, batch, seq, strategy="tp", lora_rank=None):
+def remat_cases():
+    """Real configs with `remat="full"`, each next to the same step without."""
+    for name, seq, strategy, lora_rank in REMAT:
+        preset = os.path.join(REAL_PRESETS, name)
+        for remat in (None, "full"):
+            yield name, preset, (2, 4), "float32", 2, seq, strategy, lora_rank, remat
+
+
+def measure(
+    name, model, shape, dtype, batch, seq, strategy="tp", lora_rank=None, remat=None
+):
     if isinstance(model, str):
         preset = model
     else:
@@ -93,7 +126,7 @@ def measure(name, model, shape, dtype, batch, seq, strategy="tp", lora_rank=None
     devices = keras.distribution.list_devices()[: shape[0] * shape[1]]
     mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
     plan = keras_hub_autodist.plan(
-        preset, mesh, strategy=strategy, dtype=dtype, lora_rank=lora_rank
+        preset, mesh, strategy=strategy, dtype=dtype, lora_rank=lora_rank, remat=remat
     )
     compiled = keras_hub_autodist.compiled_memory(
         plan, batch, seq, "adam", preset=preset
@@ -105,7 +138,9 @@ def measure(name, model, shape, dtype, batch, seq, strategy="tp", lora_rank=None
         plan, batch, seq, "adam", platform=compiled.platform
     )
     return dict(
-        model=name + (f" LoRA {lora_rank}" if lora_rank else ""),
+        model=name
+        + (f" LoRA {lora_rank}" if lora_rank else "")
+        + (f" remat {remat}" if remat else ""),
         mesh=f"{shape[0]}x{shape[1]} {strategy}",
         dtype=dtype,
         batch=batch,
@@ -133,6 +168,13 @@ def table(rows):
             f"{r['seq']} | {r['peak'] / 2**20:,.1f} | "
             f"{r['closed_form'] / r['peak']:.2f} | {r['calibrated'] / r['peak']:.2f} |"
         )
+    ratios = [r["calibrated"] / r["peak"] for r in rows]
+    within = sum(abs(ratio - 1) <= TARGET for ratio in ratios)
+    lines += [
+        "",
+        f"Calibrated within {TARGET:.0%} of the compiled peak: {within} of "
+        f"{len(rows)} (from {min(ratios):.2f}x to {max(ratios):.2f}x).",
+    ]
     return "\n".join(lines)
 
 

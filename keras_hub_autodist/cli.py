@@ -375,6 +375,7 @@ def _answer(args) -> dict:
             "optimizer_state": estimate.optimizer_state,
             "gradients": estimate.gradients,
             "activations": estimate.activations,
+            "update_temporaries": estimate.update_temporaries,
         },
         "preset": result.preset,
         "mesh": dict(zip(result.mesh_axes.axis_names, result.mesh_axes.shape)),
@@ -431,8 +432,9 @@ def _step_lines(result, args, estimate, platform, memory) -> str:
         f"{estimate.total_bytes / gib:.2f} GiB (weights "
         f"{estimate.weights / gib:.2f}, optimizer state "
         f"{estimate.optimizer_state / gib:.2f}, gradients "
-        f"{estimate.gradients / gib:.2f}, activations "
-        f"{estimate.activations / gib:.2f}) of "
+        f"{estimate.gradients / gib:.2f}, the larger of activations "
+        f"{estimate.activations / gib:.2f} and update temporaries "
+        f"{estimate.update_temporaries / gib:.2f}) of "
         f"{result.device_memory_bytes / gib:.1f} GiB"
     ]
     if memory is not None:

@@ -17,17 +17,21 @@ def test_gemma_2b_by_hand():
     # gemma_2b: 18 blocks, d=2048, 8 query heads and 1 kv head of 256,
     # gated MLP of 2 x 16384, vocab 256000, float32. Mesh 2 x 4: K/V are
     # replicated over 'model', the rest is split 4 ways on it.
+    # Per block one and a half buffers of the scores and a whole mask;
+    # two more score buffers for the one block being differentiated.
     plan = _plan({"batch": 2, "model": 4})
     b, s = 8 / 2, 128
     block = (
         4 * b * s * 2048
         + 2 * b * s * 8 * 256 / 4
         + 2 * b * s * 1 * 256
-        + 4 * b * 8 * s * s / 4
+        + 1.5 * b * 8 * s * s / 4
+        + b * s * s
         + 2 * 2 * b * s * 16384 / 4
     )
-    head = 2 * b * s * 2048 + 3 * b * s * 256000 / 4
-    expected = int((18 * block + head) * 4)
+    one_block = 2 * b * 8 * s * s / 4
+    head = 2 * b * s * 2048 + 4 * b * s * 256000 / 4
+    expected = int((18 * block + one_block + head) * 4)
     assert plan.activation_bytes_per_device(8, 128) == expected
 
 
@@ -53,6 +57,21 @@ def test_divides_by_the_batch_axis():
     copies = step_memory.ACTIVATION_FACTORS["cpu"]["gathered_weights"]
     assert gathered > 0 and copies >= 1
     assert fsdp.activation_bytes_per_device(16, 64) == four + copies * gathered
+
+
+def test_fsdp_without_a_model_axis_counts_one_gathered_share():
+    """With every device on the batch axis XLA gathers each weight where
+    it is used and frees it: about the device's own share is live, not two
+    copies of everything gathered."""
+    tp = _plan({"batch": 8, "model": 1})
+    fsdp = _plan({"batch": 8, "model": 1}, strategy="fsdp")
+    share = sum(row.device_bytes for row in fsdp.rows if "batch" in row.spec)
+    assert share > 0
+    terms = step_memory.activation_terms(fsdp, 16, 64)
+    assert terms["gathered_weights"] == 0 and terms["gathered_share"] == share
+    assert fsdp.activation_bytes_per_device(16, 64) == (
+        tp.activation_bytes_per_device(16, 64) + share
+    )
 
 
 def test_model_axis_shards_heads_mlp_and_logits_not_the_residual():
@@ -100,9 +119,11 @@ def test_mixtral_by_hand():
         4 * b * s * 4096
         + 2 * b * s * 32 * 128 / 8
         + 2 * b * s * 8 * 128 / 8
-        + 4 * b * 32 * s * s / 8
+        + 1.5 * b * 32 * s * s / 8
+        + b * s * s
     )
+    one_block = 2 * b * 32 * s * s / 8
     experts = 2 * (2 * b * s * 14336 * 8 / 8) + b * s * 4096 * 8 / 8
-    head = 2 * b * s * 4096 + 3 * b * s * 32000 / 8
-    expected = int((32 * (block + experts) + head) * 4)
+    head = 2 * b * s * 4096 + 4 * b * s * 32000 / 8
+    expected = int((32 * (block + experts) + one_block + head) * 4)
     assert plan.activation_bytes_per_device(8, 128) == expected

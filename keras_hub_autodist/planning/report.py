@@ -90,8 +90,7 @@ def fit_advice(
             platform=platform,
             lora_rank=options["lora_rank"] or plan.lora_rank,
         )
-        state = estimate.total_bytes - estimate.activations
-        return scale * (state / shard + estimate.activations)
+        return scale * estimate.with_state_split(shard)
 
     advice = []
     if plan.lora_rank is None and need(lora_rank=ADVISED_LORA_RANK) <= capacity:

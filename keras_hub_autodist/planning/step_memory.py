@@ -17,15 +17,25 @@ tokens (the batch over the batch axis):
 - per block: `stream·b·s·d` (residual stream and norm outputs, split by
   the model axis only with sequence parallelism), `attention·b·s·(H+K)·h`
   (query, key, value and context), `scores·b·H·s²` (attention
-  probabilities), `mlp·b·s·F·E` per up-projection, `experts·b·s·d·E` for
-  each expert's output before the routing sum;
+  probabilities), `masks·b·s²` (the block's attention mask, not split by
+  heads), `mlp·b·s·F·E` per up-projection, `experts·b·s·d·E` for each
+  expert's output before the routing sum;
+- for the one block being differentiated: `scores_one_block·b·H·s²`, the
+  gradients of its probabilities and scores, live one block at a time;
 - after the blocks: `final·b·s·d` and the logits, `b·s·V` once in the
   model's dtype and `logits_float32` times in float32 (Keras computes the
   cross-entropy and its gradient in float32);
 - with `fsdp`: `gathered_weights`, the weights split over the batch (or
   context) axis as gathered whole over it where they are used: XLA keeps
-  the gathered copies of the forward pass for the backward pass. Counted in
-  bytes of the weights' own dtypes.
+  the gathered copies of the forward pass for the backward pass. When no
+  model axis splits the weights (a model axis of one device), XLA gathers
+  each weight where it is used and frees it: `gathered_share` counts the
+  device's own share of those weights instead. Both in bytes of the
+  weights' own dtypes.
+
+The activations are gone by the time the optimizer applies the gradients;
+what the update itself keeps beside the state (`UPDATE_TEMPORARIES`, per
+trained byte) counts instead when it is the larger of the two.
 
 Every term is divided by the shards the plan gives its dimension on the
 model axes, as `LayoutPlan.activation_bytes_per_device` does.
@@ -44,50 +54,67 @@ from keras_hub_autodist.reading.dtypes import itemsize
 # Buffers of each term live at the step's peak, per platform, in the
 # model's dtype. Measured with `python -m bench.estimate_calibration`:
 # - "cpu": against XLA's memory analysis of the compiled step on 8 virtual
-#   CPU devices (Adam, meshes 1x1, 8x1, 2x4, 1x8): 0.87-1.16x on the bench
-#   models (bench/models.py, 8 x 512 tokens, float32 and bfloat16) and on
-#   Gemma 2B's shapes (4 x 1024); 1.16-1.40x over on the tests' tiny
-#   presets, whose attention scores dominate. XLA's CPU backend keeps about
-#   four buffers of the attention scores (scores, mask, softmax, its
-#   gradient) and three of the logits, and computes bfloat16 in float32
-#   (`FLOAT32_ACTIVATIONS`). Under `fsdp` it keeps two copies of the
-#   weights gathered over the batch axis (the forward pass's, and the
-#   backward pass's own gathering): llama3.2_1b, gemma3_1b, gemma_2b on
-#   2 x 4, LoRA and full, 512 to 4096 tokens, land at 0.92-1.09x where
-#   their `tp` twins do.
+#   CPU devices, Adam: 46 steps of real ~1B configs (llama3.2_1b,
+#   gemma3_1b, gemma2_2b, gemma_2b, qwen2.5_0.5b; meshes 2x4, 4x2, 1x8;
+#   tp and fsdp; LoRA and full; 256 to 4096 tokens) land at 0.84-1.17x,
+#   44 of them within 15%; the bench models and the tests' tiny presets at
+#   0.82-1.38x (docs/benchmarks.md). XLA's CPU backend keeps about one and
+#   a half buffers of each block's attention scores and a float32 mask per
+#   block, two more score buffers for the block being differentiated, four
+#   of the logits, and computes bfloat16 in float32 (`FLOAT32_ACTIVATIONS`).
+#   Under `fsdp` it keeps two copies of the weights gathered over the batch
+#   axis (the forward pass's, and the backward pass's own gathering), but
+#   about one device share of them when the model axis has one device
+#   (0.94-1.2x on llama3.2_1b, gemma3_1b, gemma_2b at 8x1, where two
+#   copies would say 2.1-3.9x).
 # - "gpu": against the device peak of Gemma 2B's shapes in bfloat16, batch
 #   4 x 1024, Adam, on one H200 (../shared/ACCELERATOR.md: 31.3 GB, where
 #   the CPU factors would say 57 GB): one point, so the factors are those
 #   XLA's GPU fusion is expected to keep (the activation function and gated
 #   product fused into the down-projection, one softmax of the scores, the
 #   logits once in the model's dtype and once in float32 for the loss),
-#   landing 1.10x over that peak. `python -m bench --accelerator` reports
-#   the ratio on the machine it runs on; TPUs use these until measured.
+#   landing 1.10x over that peak; the per-block masks and the
+#   differentiated block's score gradients are not separated from that one
+#   point. `python -m bench --accelerator` reports the ratio on the machine
+#   it runs on; TPUs use these until measured.
 ACTIVATION_FACTORS = {
     "cpu": {
         "stream": 4,
         "attention": 2,
-        "scores": 4,
+        "scores": 1.5,
+        "scores_one_block": 2,
+        "masks": 1,
         "mlp": 2,
         "experts": 1,
         "final": 2,
-        "logits": 3,
+        "logits": 4,
         "logits_float32": 0,
         "gathered_weights": 2,
+        "gathered_share": 1,
     },
     "gpu": {
         "stream": 4,
         "attention": 2,
         "scores": 1,
+        "scores_one_block": 0,
+        "masks": 0,
         "mlp": 1,
         "experts": 1,
         "final": 2,
         "logits": 1,
         "logits_float32": 1,
         "gathered_weights": 1,
+        "gathered_share": 1,
     },
 }
 ACTIVATION_FACTORS["tpu"] = ACTIVATION_FACTORS["gpu"]
+# Bytes the optimizer's update keeps beside the state, per trained byte,
+# when the state is donated (as Keras' JAX trainer does): on CPU, Adam's
+# new moments and weights are computed before they replace the old ones
+# (1.4x the trained bytes of full fine-tuning steps, above their
+# activations at short sequences). Not measured on accelerators, where
+# the update is fused in place.
+UPDATE_TEMPORARIES = {"cpu": 1.4, "gpu": 0.0, "tpu": 0.0}
 # Platforms whose XLA backend computes bfloat16 and float16 in float32.
 FLOAT32_ACTIVATIONS = {"cpu"}
 FLOAT32_BYTES = 4
@@ -272,6 +299,9 @@ class StepEstimate:
         gradients: one gradient per trained weight.
         activations: activations kept for the backward pass, logits
             included; 0 when no batch and sequence length were given.
+        update_temporaries: what applying the update keeps beside the
+            state (`UPDATE_TEMPORARIES`); the activations are gone by then,
+            so the larger of the two counts.
         covers: what the total counts: `STEP` (a training step of a
             batch) or `STATE_ONLY` (weights and optimizer state alone).
 
@@ -286,11 +316,25 @@ class StepEstimate:
     optimizer_state: int
     gradients: int
     activations: int
+    update_temporaries: int = 0
     covers: str = "step"
 
     @property
+    def state_bytes(self) -> int:
+        """The weights, the optimizer's slots and the gradients."""
+        return self.weights + self.optimizer_state + self.gradients
+
+    @property
     def total_bytes(self) -> int:
-        return self.weights + self.optimizer_state + self.gradients + self.activations
+        return self.state_bytes + max(self.activations, self.update_temporaries)
+
+    def with_state_split(self, ways: int) -> float:
+        """The total with the state, and the update that follows it, split
+        over `ways` devices (`fsdp` over the batch axis); the activations
+        stay whole."""
+        return self.state_bytes / ways + max(
+            self.activations, self.update_temporaries / ways
+        )
 
 
 # What a `StepEstimate` counts.
@@ -313,7 +357,7 @@ def check_sizes(batch_size, sequence_length, what: str = "memory estimate") -> N
 
 def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, float]:
     """Elements per device of each term of `ACTIVATION_FACTORS`, unweighted
-    (bytes for `gathered_weights`).
+    (bytes for `gathered_weights` and `gathered_share`).
 
     Example:
     ```python
@@ -377,17 +421,24 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     logits = b * s * dim(output, "vocab") / shards(output)
     gathering = (axes.batch_axis, axes.context_axis)
 
-    def gathered_bytes(row):
-        over = math.prod(
+    def gathered_over(row):
+        return math.prod(
             axes.size(axis) for axis in row.spec if axis and axis in gathering
         )
-        return row.device_bytes * (over - 1)
 
+    gathered = [row for row in plan.rows if gathered_over(row) > 1]
+    # A model axis that splits weights keeps the gathered copies; without one
+    # each weight is gathered where it is used (see `gathered_share`).
+    kept = axes.size(axes.model_axis) > 1
+
+    scores = layers * b * heads * s * whole / shards(query, {"heads"})
     return {
         "stream": layers * b * s * d / split,
         "attention": layers
         * (b * s * heads * h / q_shards + b * whole * kv_heads * h / kv_shards),
-        "scores": layers * b * heads * s * whole / shards(query, {"heads"}),
+        "scores": scores,
+        "scores_one_block": scores / layers,
+        "masks": layers * b * s * whole,
         "mlp": sum(b * s * dim(r, "mlp") * experts(r) / shards(r) for r in ups),
         "experts": sum(
             b * s * d * experts(r) / shards(r, {"expert"})
@@ -397,7 +448,12 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         "final": b * s * d / split,
         "logits": logits,
         "logits_float32": logits,
-        "gathered_weights": sum(gathered_bytes(row) for row in plan.rows),
+        "gathered_weights": sum(
+            row.device_bytes * (gathered_over(row) - 1) for row in gathered
+        )
+        if kept
+        else 0,
+        "gathered_share": 0 if kept else sum(row.device_bytes for row in gathered),
     }
 
 
@@ -461,6 +517,7 @@ def step_estimate(
     return dataclasses.replace(
         state,
         activations=activation_bytes(plan, batch_size, sequence_length, platform),
+        update_temporaries=int(UPDATE_TEMPORARIES[platform] * trained),
         covers=STEP,
     )
 
@@ -473,20 +530,27 @@ def _num_blocks(plan) -> int:
     return sum(1 for r in plan.rows if r.pattern == query.pattern) if query else 1
 
 
-def _rematerialized(terms: dict[str, float], layers: int) -> dict[str, float]:
-    """The terms under full rematerialization: each block keeps its input
-    (one residual-stream tensor); one block's activations at a time are
-    recomputed during the backward pass."""
-    per_block = {
-        name: terms[name] / layers
-        for name in ("stream", "attention", "scores", "mlp", "experts")
-    }
-    return {
-        **terms,
-        **per_block,
-        # The inputs of every block, as one `stream` buffer each.
-        "stream": per_block["stream"] + terms["stream"] / 4,
-    }
+# The terms of each decoder block, kept per block without rematerialization
+# (`scores_one_block` is one block's already), and those of the head.
+BLOCK_TERMS = ("stream", "attention", "scores", "masks", "mlp", "experts")
+HEAD_TERMS = ("final", "logits", "logits_float32")
+
+
+def _rematerialized(
+    weighted: dict[str, float], layers: int, input_bytes: float
+) -> float:
+    """The activation bytes under full rematerialization: every block keeps
+    its input (`input_bytes` in all); the backward pass holds either the
+    head's buffers (before it reaches the blocks) or one block's recomputed
+    activations and score gradients (after the head's are freed), the larger
+    of the two; gathered weights as without."""
+    one_block = (
+        sum(weighted[name] for name in BLOCK_TERMS) / layers
+        + weighted["scores_one_block"]
+    )
+    head = sum(weighted[name] for name in HEAD_TERMS)
+    kept = weighted.keys() - set(BLOCK_TERMS) - set(HEAD_TERMS) - {"scores_one_block"}
+    return input_bytes + max(one_block, head) + sum(weighted[name] for name in kept)
 
 
 def activation_bytes(
@@ -505,14 +569,19 @@ def activation_bytes(
         size = max(size, FLOAT32_BYTES)
     factors = ACTIVATION_FACTORS[platform]
     terms = activation_terms(plan, batch_size, sequence_length)
-    if remat_mode(getattr(plan, "remat", None)) == "full":
-        terms = _rematerialized(terms, _num_blocks(plan))
     # Elements of each term in the activations' dtype, but the logits kept
     # in float32 and the gathered weights, already in bytes.
-    sizes = {"logits_float32": FLOAT32_BYTES, "gathered_weights": 1}
-    return int(
-        sum(
-            factors[name] * count * sizes.get(name, size)
-            for name, count in terms.items()
-        )
-    )
+    sizes = {
+        "logits_float32": FLOAT32_BYTES,
+        "gathered_weights": 1,
+        "gathered_share": 1,
+    }
+    weighted = {
+        name: factors[name] * count * sizes.get(name, size)
+        for name, count in terms.items()
+    }
+    if remat_mode(getattr(plan, "remat", None)) == "full":
+        # Each block's input: one residual-stream buffer.
+        inputs = terms["stream"] * size
+        return int(_rematerialized(weighted, _num_blocks(plan), inputs))
+    return int(sum(weighted.values()))
