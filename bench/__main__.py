@@ -38,43 +38,34 @@ from bench import steptime  # noqa: E402
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 
 
-def only_loading() -> int:
-    """`python -m bench --only loading`: section 4 alone, printed (the
-    document and its JSON are left as they are)."""
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as root:
-        rows = loading.run(root)
-    print(json.dumps(rows, indent=1))
-    print("\n".join(report.loading_section(rows)))
-    print(f"loading section in {time.perf_counter() - started:.0f} s")
-    return 0
-
-
-def only_context() -> int:
-    """`python -m bench --only context`: the context-parallelism section
-    alone, printed, its plot written to docs/img."""
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as root:
-        result = context.run(models.save_presets(root))
+def _context_section(result) -> list[str]:
     (DOCS / "img").mkdir(exist_ok=True)
-    print(json.dumps(result, indent=1, default=str))
-    print("\n".join(report.context_section(result, DOCS / "img")))
-    print(f"context section in {time.perf_counter() - started:.0f} s")
-    return 0
+    return report.context_section(result, DOCS / "img")
 
 
-def only_remat() -> int:
-    """`python -m bench --only remat`: the rematerialization row, printed."""
+# `python -m bench --only NAME`: one part alone, printed (the document and
+# its JSON are left as they are; the context plot goes to docs/img). Each
+# part: what it measures in a temporary folder, and how its section reads.
+ONLY = {
+    "loading": (loading.run, report.loading_section),
+    "context": (
+        lambda root: context.run(models.save_presets(root)),
+        _context_section,
+    ),
+    "remat": (remat.run, report.remat_section),
+}
+
+
+def only(name: str) -> int:
+    """Run and print the part `name` of `ONLY`."""
+    measure, section = ONLY[name]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        row = remat.run(root)
-    print(json.dumps(row, indent=1))
-    print("\n".join(report.remat_section(row)))
-    print(f"remat section in {time.perf_counter() - started:.0f} s")
+        result = measure(root)
+    print(json.dumps(result, indent=1, default=str))
+    print("\n".join(section(result)))
+    print(f"{name} section in {time.perf_counter() - started:.0f} s")
     return 0
-
-
-ONLY = {"loading": only_loading, "context": only_context, "remat": only_remat}
 
 
 def main(argv=None):
@@ -85,12 +76,13 @@ def main(argv=None):
         return accelerator.main([a for a in argv if a != "--accelerator"])
     if argv:
         if len(argv) != 2 or argv[0] != "--only" or argv[1] not in ONLY:
+            parts = " | ".join(f"--only {name}" for name in ONLY)
             print(
-                "usage: python -m bench [--only loading | --only context | "
-                f"--only remat | --accelerator ...]; received: {argv}"
+                f"usage: python -m bench [{parts} | --accelerator ...]; "
+                f"received: {argv}"
             )
             return 2
-        return ONLY[argv[1]]()
+        return only(argv[1])
     started = time.perf_counter()
     stamp = env.describe()
     results = {"stamp": stamp}

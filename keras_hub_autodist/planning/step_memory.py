@@ -22,9 +22,10 @@ tokens (the batch over the batch axis):
   expert's output before the routing sum;
 - for the one block being differentiated: `scores_one_block·b·H·s²`, the
   gradients of its probabilities and scores, live one block at a time;
-- after the blocks: `final·b·s·d` and the logits, `b·s·V` once in the
-  model's dtype and `logits_float32` times in float32 (Keras computes the
-  cross-entropy and its gradient in float32);
+- after the blocks: `final·b·s·d` and the logits, `logits·b·s·V` in the
+  model's dtype (`logits_whole·b·s·V` more where the model axis does not
+  split the vocabulary) and `logits_float32·b·s·V` in float32 (Keras
+  computes the cross-entropy and its gradient in float32);
 - with `fsdp`: `gathered_weights`, the weights split over the batch (or
   context) axis as gathered whole over it where they are used: XLA keeps
   the gathered copies of the forward pass for the backward pass. When no
@@ -54,19 +55,22 @@ from keras_hub_autodist.reading.dtypes import itemsize
 # Buffers of each term live at the step's peak, per platform, in the
 # model's dtype. Measured with `python -m bench.estimate_calibration`:
 # - "cpu": against XLA's memory analysis of the compiled step on 8 virtual
-#   CPU devices, Adam: 46 steps of real ~1B configs (llama3.2_1b,
-#   gemma3_1b, gemma2_2b, gemma_2b, qwen2.5_0.5b; meshes 2x4, 4x2, 1x8;
-#   tp and fsdp; LoRA and full; 256 to 4096 tokens) land at 0.84-1.17x,
-#   44 of them within 15%; the bench models and the tests' tiny presets at
-#   0.82-1.38x (docs/benchmarks.md). XLA's CPU backend keeps about one and
+#   CPU devices, Adam: 61 steps of real configs (llama3.2_1b, gemma3_1b,
+#   gemma2_2b, gemma_2b, qwen2.5_0.5b; meshes 2x4, 4x2, 1x8, 8x1; tp and
+#   fsdp; LoRA and full; 512 to 4096 tokens) land at 0.78-1.19x, 55 of
+#   them within 15%, and 6 with and without `remat="full"` at 0.94-1.10x;
+#   the bench models and the tests' tiny presets at 0.82-1.38x
+#   (docs/benchmarks.md). XLA's CPU backend keeps about one and
 #   a half buffers of each block's attention scores and a float32 mask per
-#   block, two more score buffers for the block being differentiated, four
-#   of the logits, and computes bfloat16 in float32 (`FLOAT32_ACTIVATIONS`).
+#   block, two more score buffers for the block being differentiated, three
+#   of the logits (four where the vocabulary is whole on each device: the
+#   bench models at 8x1 and the tests' Gemma at 1x1 ask for the fourth, at
+#   2x4 and 4x2 they land 1.2-1.4x over with it), and computes bfloat16
+#   in float32 (`FLOAT32_ACTIVATIONS`).
 #   Under `fsdp` it keeps two copies of the weights gathered over the batch
 #   axis (the forward pass's, and the backward pass's own gathering), but
 #   about one device share of them when the model axis has one device
-#   (0.94-1.2x on llama3.2_1b, gemma3_1b, gemma_2b at 8x1, where two
-#   copies would say 2.1-3.9x).
+#   (where two copies said 2.1-3.9x at 8x1).
 # - "gpu": against the device peak of Gemma 2B's shapes in bfloat16, batch
 #   4 x 1024, Adam, on one H200 (../shared/ACCELERATOR.md: 31.3 GB, where
 #   the CPU factors would say 57 GB): one point, so the factors are those
@@ -87,7 +91,8 @@ ACTIVATION_FACTORS = {
         "mlp": 2,
         "experts": 1,
         "final": 2,
-        "logits": 4,
+        "logits": 3,
+        "logits_whole": 1,
         "logits_float32": 0,
         "gathered_weights": 2,
         "gathered_share": 1,
@@ -102,6 +107,7 @@ ACTIVATION_FACTORS = {
         "experts": 1,
         "final": 2,
         "logits": 1,
+        "logits_whole": 0,
         "logits_float32": 1,
         "gathered_weights": 1,
         "gathered_share": 1,
@@ -447,6 +453,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         ),
         "final": b * s * d / split,
         "logits": logits,
+        "logits_whole": logits if shards(output) == 1 else 0,
         "logits_float32": logits,
         "gathered_weights": sum(
             row.device_bytes * (gathered_over(row) - 1) for row in gathered
@@ -533,7 +540,7 @@ def _num_blocks(plan) -> int:
 # The terms of each decoder block, kept per block without rematerialization
 # (`scores_one_block` is one block's already), and those of the head.
 BLOCK_TERMS = ("stream", "attention", "scores", "masks", "mlp", "experts")
-HEAD_TERMS = ("final", "logits", "logits_float32")
+HEAD_TERMS = ("final", "logits", "logits_whole", "logits_float32")
 
 
 def _rematerialized(
