@@ -101,6 +101,7 @@ def recomputed_in_backward(function, *arrays):
     inputs through `jax.closure_convert`.
     """
     import jax
+    import jax.numpy as jnp
 
     converted, constants = jax.closure_convert(function, *arrays)
 
@@ -115,7 +116,11 @@ def recomputed_in_backward(function, *arrays):
         return forward_only(inputs), inputs
 
     def backward(inputs, cotangent):
-        cotangents = jax.tree_util.tree_leaves(cotangent)
+        cotangents = [
+            leaf
+            for leaf in jax.tree_util.tree_leaves(cotangent)
+            if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size
+        ]
         ordered = tuple(after_cotangent(value, cotangents) for value in inputs)
         _, pullback = jax.vjp(forward_only, ordered)
         return pullback(cotangent)
@@ -125,25 +130,20 @@ def recomputed_in_backward(function, *arrays):
 
 
 def after_cotangent(value, cotangents):
-    """`value` made to depend on the cotangents, unchanged: plus zero times
-    the cotangent of its shape (elementwise, so no device waits on another),
-    or times one element of the first floating cotangent. `x + 0 * c` is `x`
-    for every finite `c`; a non-finite cotangent makes the gradients
-    non-finite either way. Integer and boolean values are returned as they
-    are."""
+    """`value` made to depend on `cotangents` (non-empty floating arrays),
+    unchanged: plus zero times the cotangent of its shape (elementwise, so
+    no device waits on another), or times one element of the first. `x + 0 *
+    c` is `x` for every finite `c`; a non-finite cotangent makes the
+    gradients non-finite either way. Integer and boolean values, and every
+    value when there is no cotangent, are returned as they are."""
     import jax
     import jax.numpy as jnp
 
-    if not jnp.issubdtype(value.dtype, jnp.floating):
+    if not cotangents or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
-    floating = [
-        c for c in cotangents if jnp.issubdtype(c.dtype, jnp.floating) and c.size
-    ]
-    if not floating:
-        return value
-    anchor = next((c for c in floating if c.shape == value.shape), None)
+    anchor = next((c for c in cotangents if c.shape == value.shape), None)
     if anchor is None:
-        anchor = floating[0].reshape(-1)[0]
+        anchor = cotangents[0].reshape(-1)[0]
     anchor = jax.lax.stop_gradient(anchor).astype(value.dtype)
     return value + jnp.zeros((), value.dtype) * anchor
 

@@ -403,7 +403,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
             f"architecture={plan.architecture!r}"
         )
     output = vocab[-1]
-    layers = sum(1 for r in plan.rows if r.pattern == query.pattern)
+    layers = _num_blocks(plan)
     # A bound model pads a batch to a multiple of the batch axis: each
     # device holds at least one whole sequence.
     b = math.ceil(batch_size / axes.size(axes.batch_axis))
