@@ -92,18 +92,38 @@ def cases(quick=False):
 
 
 def real_cases():
+    """The `--real` grid, each step once: the remat cases' steps without
+    remat may already be in it."""
+    seen = set()
+    for case in _real_grid():
+        if case not in seen:
+            seen.add(case)
+            yield case
+
+
+def _real_grid():
     for name in REAL:
         preset = os.path.join(REAL_PRESETS, name)
         for strategy in ("tp", "fsdp"):
             for lora_rank in (None, 4):
                 for seq in (512, 1024):
-                    yield name, preset, (2, 4), "float32", 2, seq, strategy, lora_rank
+                    yield (
+                        name,
+                        preset,
+                        (2, 4),
+                        "float32",
+                        2,
+                        seq,
+                        strategy,
+                        lora_rank,
+                        None,
+                    )
         for shape, strategy, batch, seq in OTHER_MESHES:
-            yield name, preset, shape, "float32", batch, seq, strategy, 4
+            yield name, preset, shape, "float32", batch, seq, strategy, 4, None
     for name, seq in LONG:
         preset = os.path.join(REAL_PRESETS, name)
         for strategy in ("tp", "fsdp"):
-            yield name, preset, (2, 4), "float32", 2, seq, strategy, 4
+            yield name, preset, (2, 4), "float32", 2, seq, strategy, 4, None
     yield from remat_cases()
 
 

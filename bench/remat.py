@@ -59,7 +59,7 @@ def run(root) -> dict:
     ratio = full["peak"] / without["peak"]
     return dict(
         model=f"{MODEL} ({LAYERS} blocks)",
-        mesh="1x8",
+        mesh=f"{MESH['batch']}x{MESH['model']}",
         batch=BATCH,
         sequence_length=SEQ,
         platform=without["platform"],
