@@ -61,8 +61,9 @@ TARGET = 0.15
 # Real configs of 0.5B to 2.6B parameters (tests/data/presets), float32,
 # Adam (`--real`): on 2 x 4 devices, tp and fsdp, LoRA (rank 4) and full
 # fine-tuning, 512 and 1024 tokens; LoRA on the other meshes (4 x 2 fsdp,
-# 1 x 8 tp, 8 x 1 fsdp); the longer sequences of the two smallest; and
-# three steps with `remat="full"`, each next to the same step without.
+# 1 x 8 tp, 8 x 1 fsdp); the longer sequences of the two smallest; three
+# steps with `remat="full"`, each next to the same step without; and twelve
+# in bfloat16.
 REAL_PRESETS = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "presets")
 REAL = ("llama3.2_1b", "gemma3_1b", "gemma2_2b", "gemma_2b", "qwen2.5_0.5b")
 OTHER_MESHES = (
@@ -76,6 +77,22 @@ REMAT = (
     ("llama3.2_1b", 512, "fsdp", None),
 )
 LONG = (("llama3.2_1b", 2048), ("llama3.2_1b", 4096), ("gemma3_1b", 4096))
+# Steps in bfloat16, whose weights XLA's CPU backend keeps float32 copies of:
+# (model, mesh, strategy, batch, seq, LoRA rank).
+BFLOAT16 = (
+    ("llama3.2_1b", (2, 4), "tp", 2, 512, 4),
+    ("llama3.2_1b", (2, 4), "tp", 2, 512, None),
+    ("llama3.2_1b", (2, 4), "tp", 2, 1024, None),
+    ("llama3.2_1b", (2, 4), "fsdp", 2, 512, 4),
+    ("llama3.2_1b", (2, 4), "fsdp", 2, 512, None),
+    ("llama3.2_1b", (4, 2), "fsdp", 4, 512, 4),
+    ("llama3.2_1b", (8, 1), "fsdp", 8, 512, 4),
+    ("gemma3_1b", (2, 4), "tp", 2, 512, 4),
+    ("gemma3_1b", (2, 4), "fsdp", 2, 512, 4),
+    ("gemma3_1b", (1, 8), "tp", 2, 1024, 4),
+    ("gemma_2b", (2, 4), "tp", 2, 512, None),
+    ("gemma_2b", (2, 4), "fsdp", 2, 512, None),
+)
 
 
 def cases(quick=False):
@@ -125,6 +142,14 @@ def _real_grid():
         for strategy in ("tp", "fsdp"):
             yield name, preset, (2, 4), "float32", 2, seq, strategy, 4, None
     yield from remat_cases()
+    yield from bfloat16_cases()
+
+
+def bfloat16_cases():
+    """Real configs in bfloat16 (`BFLOAT16`)."""
+    for name, shape, strategy, batch, seq, lora_rank in BFLOAT16:
+        preset = os.path.join(REAL_PRESETS, name)
+        yield name, preset, shape, "bfloat16", batch, seq, strategy, lora_rank, None
 
 
 def remat_cases():

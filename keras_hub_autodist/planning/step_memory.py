@@ -33,6 +33,10 @@ tokens (the batch over the batch axis):
   each weight where it is used and frees it: `gathered_share` counts the
   device's own share of those weights instead. Both in bytes of the
   weights' own dtypes.
+- on a backend that computes 16-bit floats in float32 (`FLOAT32_ACTIVATIONS`):
+  `weights_float32`, a float32 copy of the device's 16-bit float weights,
+  converted once and kept for the backward pass, and `gathered_float32`,
+  the bytes by which one of the two gathered copies grows in float32.
 
 The activations are gone by the time the optimizer applies the gradients;
 what the update itself keeps beside the state (`UPDATE_TEMPORARIES`, per
@@ -71,6 +75,12 @@ from keras_hub_autodist.reading.dtypes import itemsize
 #   axis (the forward pass's, and the backward pass's own gathering), but
 #   about one device share of them when the model axis has one device
 #   (where two copies said 2.1-3.9x at 8x1).
+#   Weights in bfloat16 are converted to float32 copies once and kept from
+#   the forward pass to the backward pass (the matmul kernels and the
+#   embedding, 0.86-0.91 of a float32 copy of all weights on 12 bfloat16
+#   steps of llama3.2_1b, gemma3_1b and gemma_2b); under `fsdp` one of the
+#   two gathered copies is in float32. Without these two terms those steps
+#   landed at 0.62-0.95x, with them at 0.89-1.08x.
 # - "gpu": against the device peak of Gemma 2B's shapes in bfloat16, batch
 #   4 x 1024, Adam, on one H200 (../shared/ACCELERATOR.md: 31.3 GB, where
 #   the CPU factors would say 57 GB): one point, so the factors are those
@@ -96,6 +106,8 @@ ACTIVATION_FACTORS = {
         "logits_float32": 0,
         "gathered_weights": 2,
         "gathered_share": 1,
+        "weights_float32": 0.9,
+        "gathered_float32": 1,
     },
     "gpu": {
         "stream": 4,
@@ -111,6 +123,8 @@ ACTIVATION_FACTORS = {
         "logits_float32": 1,
         "gathered_weights": 1,
         "gathered_share": 1,
+        "weights_float32": 0,
+        "gathered_float32": 0,
     },
 }
 ACTIVATION_FACTORS["tpu"] = ACTIVATION_FACTORS["gpu"]
@@ -124,6 +138,14 @@ UPDATE_TEMPORARIES = {"cpu": 1.4, "gpu": 0.0, "tpu": 0.0}
 # Platforms whose XLA backend computes bfloat16 and float16 in float32.
 FLOAT32_ACTIVATIONS = {"cpu"}
 FLOAT32_BYTES = 4
+FLOAT16_DTYPES = ("bfloat16", "float16")
+# The terms of `ACTIVATION_FACTORS` that count weights, in bytes.
+WEIGHT_TERMS = (
+    "gathered_weights",
+    "gathered_share",
+    "weights_float32",
+    "gathered_float32",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +385,7 @@ def check_sizes(batch_size, sequence_length, what: str = "memory estimate") -> N
 
 def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, float]:
     """Elements per device of each term of `ACTIVATION_FACTORS`, unweighted
-    (bytes for `gathered_weights` and `gathered_share`).
+    (bytes for the terms of weights: `WEIGHT_TERMS`).
 
     Example:
     ```python
@@ -438,6 +460,12 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     kept = axes.size(axes.model_axis) > 1
 
     scores = layers * b * heads * s * whole / shards(query, {"heads"})
+    # The device's shares of the 16-bit float weights, and their float32 copies.
+    upcast = [row for row in plan.rows if row.dtype in FLOAT16_DTYPES]
+
+    def float32_bytes(row):
+        return row.device_bytes // itemsize(row.dtype) * FLOAT32_BYTES
+
     return {
         "stream": layers * b * s * d / split,
         "attention": layers
@@ -461,6 +489,13 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         if kept
         else 0,
         "gathered_share": 0 if kept else sum(row.device_bytes for row in gathered),
+        "weights_float32": sum(float32_bytes(row) for row in upcast),
+        "gathered_float32": sum(
+            (float32_bytes(row) - row.device_bytes) * (gathered_over(row) - 1)
+            for row in upcast
+        )
+        if kept
+        else 0,
     }
 
 
@@ -577,12 +612,8 @@ def activation_bytes(
     factors = ACTIVATION_FACTORS[platform]
     terms = activation_terms(plan, batch_size, sequence_length)
     # Elements of each term in the activations' dtype, but the logits kept
-    # in float32 and the gathered weights, already in bytes.
-    sizes = {
-        "logits_float32": FLOAT32_BYTES,
-        "gathered_weights": 1,
-        "gathered_share": 1,
-    }
+    # in float32 and the terms of weights, already in bytes.
+    sizes = {"logits_float32": FLOAT32_BYTES, **dict.fromkeys(WEIGHT_TERMS, 1)}
     weighted = {
         name: factors[name] * count * sizes.get(name, size)
         for name, count in terms.items()
