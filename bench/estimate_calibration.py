@@ -62,8 +62,8 @@ TARGET = 0.15
 # Adam (`--real`): on 2 x 4 devices, tp and fsdp, LoRA (rank 4) and full
 # fine-tuning, 512 and 1024 tokens; LoRA on the other meshes (4 x 2 fsdp,
 # 1 x 8 tp, 8 x 1 fsdp); the longer sequences of the two smallest; three
-# steps with `remat="full"`, each next to the same step without; and twelve
-# in bfloat16.
+# steps with `remat="full"`, each next to the same step without; twelve
+# in bfloat16; and five of Mixtral's shapes (two of its blocks).
 REAL_PRESETS = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "presets")
 REAL = ("llama3.2_1b", "gemma3_1b", "gemma2_2b", "gemma_2b", "qwen2.5_0.5b")
 OTHER_MESHES = (
@@ -92,6 +92,30 @@ BFLOAT16 = (
     ("gemma3_1b", (1, 8), "tp", 2, 1024, 4),
     ("gemma_2b", (2, 4), "tp", 2, 512, None),
     ("gemma_2b", (2, 4), "fsdp", 2, 512, None),
+)
+# Mixtral 8x7B's shapes with 2 of its 32 blocks (keras-hub's
+# `MixtralBackbone` arguments): (dtype, mesh, strategy, batch, seq, LoRA rank).
+MIXTRAL_SHAPE = (
+    "MixtralBackbone",
+    dict(
+        vocabulary_size=32000,
+        num_layers=2,
+        num_query_heads=32,
+        num_key_value_heads=8,
+        hidden_dim=4096,
+        intermediate_dim=14336,
+        num_experts=8,
+        top_k=2,
+        rope_max_wavelength=1000000,
+        layer_norm_epsilon=1e-5,
+    ),
+)
+MIXTRAL = (
+    ("float32", (2, 4), "tp", 2, 512, 4),
+    ("float32", (2, 4), "fsdp", 2, 512, None),
+    ("float32", (1, 8), "tp", 2, 1024, None),
+    ("bfloat16", (2, 4), "tp", 2, 512, 4),
+    ("bfloat16", (2, 4), "fsdp", 2, 512, None),
 )
 
 
@@ -143,6 +167,14 @@ def _real_grid():
             yield name, preset, (2, 4), "float32", 2, seq, strategy, 4, None
     yield from remat_cases()
     yield from bfloat16_cases()
+    yield from mixtral_cases()
+
+
+def mixtral_cases():
+    """Mixtral's shapes, 2 blocks (`MIXTRAL`)."""
+    for dtype, shape, strategy, batch, seq, lora_rank in MIXTRAL:
+        name = "mixtral_8x7b_2_blocks"
+        yield name, MIXTRAL_SHAPE, shape, dtype, batch, seq, strategy, lora_rank, None
 
 
 def bfloat16_cases():

@@ -156,5 +156,24 @@ def test_mixtral_by_hand():
     one_block = 2 * b * 32 * s * s / 8
     experts = 2 * (2 * b * s * 14336 * 8 / 8) + b * s * 4096 * 8 / 8
     head = 2 * b * s * 4096 + 3 * b * s * 32000 / 8
-    expected = int((32 * (block + experts) + one_block + head) * 4)
+    # XLA's CPU backend keeps each float32 expert up-projection kernel (gate
+    # and up, one expert per device) again in its batched matmul's layout.
+    relayout = 32 * 2 * 1 * 4096 * 14336
+    expected = int((32 * (block + experts) + one_block + head + relayout) * 4)
     assert plan.activation_bytes_per_device(8, 128) == expected
+    terms = step_memory.activation_terms(plan, 8, 128)
+    assert terms["experts_relayout"] == relayout * 4
+    assert step_memory.ACTIVATION_FACTORS["gpu"]["experts_relayout"] == 0
+
+
+def test_fsdp_keeps_no_gathered_copy_of_the_experts():
+    fsdp = _plan({"batch": 2, "model": 8}, strategy="fsdp", preset="mixtral_8x7b")
+    experts = [r for r in fsdp.rows if "expert" in r.logical_axes]
+    assert any("batch" in r.spec for r in experts)
+    others = sum(
+        r.device_bytes
+        for r in fsdp.rows
+        if "batch" in r.spec and "expert" not in r.logical_axes
+    )
+    terms = step_memory.activation_terms(fsdp, 8, 128)
+    assert terms["gathered_weights"] == others
