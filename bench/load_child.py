@@ -114,7 +114,7 @@ def main(path, variant, mode=None):
     file_bytes = sum(os.path.getsize(f) for f in files)
     if variant in FILE_READS:
         start = time.perf_counter()
-        read = read_file_only(path, keep=FILE_READS[variant])
+        read = read_file_only(path, **FILE_READS[variant])
         seconds = time.perf_counter() - start
         print(
             json.dumps(
