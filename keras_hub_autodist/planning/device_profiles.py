@@ -24,7 +24,7 @@ class DeviceProfile:
         name: what `--device` takes, e.g. `"t4"`.
         memory_bytes: memory per JAX device.
         platform: `"gpu"` or `"tpu"`, whose compiler's buffers the
-            activation estimate counts (`step_memory.ACTIVATION_FACTORS`).
+            activation estimate counts (`memory_factors.ACTIVATION_FACTORS`).
         description: the device in words, for the answer.
 
     Example:

@@ -52,7 +52,7 @@ def activation_bytes_per_device(
     `K` key/value heads of size `h`, gated MLP width `F`, vocabulary `V`, on
     `b = batch_size / size of the batch axis` sequences (rounded up: a batch
     is padded to the batch axis) of `s` tokens, each
-    term times its factor for `platform` (`step_memory.ACTIVATION_FACTORS`;
+    term times its factor for `platform` (`memory_factors.ACTIVATION_FACTORS`;
     on CPU):
 
     - per block: `4·b·s·d` (block input, attention-norm output, residual

@@ -1,0 +1,105 @@
+"""The calibrated factors of the closed-form step estimate, per platform.
+
+Data only: how many buffers of each term of `step_memory.activation_terms`
+XLA keeps at a training step's peak on each platform, what the optimizer's
+update keeps beside the state, and where each factor was measured.
+`step_memory` counts the terms and weighs them with these.
+"""
+
+# Buffers of each term live at the step's peak, per platform, in the
+# model's dtype. Measured with `python -m bench.estimate_calibration`:
+# - "cpu": against XLA's memory analysis of the compiled step on 8 virtual
+#   CPU devices, Adam: 61 steps of real configs (llama3.2_1b, gemma3_1b,
+#   gemma2_2b, gemma_2b, qwen2.5_0.5b; meshes 2x4, 4x2, 1x8, 8x1; tp and
+#   fsdp; LoRA and full; 512 to 4096 tokens) land at 0.78-1.19x, 55 of
+#   them within 15%, and 6 with and without `remat="full"` at 0.94-1.10x;
+#   the bench models and the tests' tiny presets at 0.82-1.38x
+#   (docs/benchmarks.md). XLA's CPU backend keeps about one and
+#   a half buffers of each block's attention scores and a float32 mask per
+#   block, two more score buffers for the block being differentiated, three
+#   of the logits (four where the vocabulary is whole on each device: the
+#   bench models at 8x1 and the tests' Gemma at 1x1 ask for the fourth, at
+#   2x4 and 4x2 they land 1.2-1.4x over with it), and computes bfloat16
+#   in float32 (`FLOAT32_ACTIVATIONS`).
+#   Under `fsdp` it keeps two copies of the weights gathered over the batch
+#   axis (the forward pass's, and the backward pass's own gathering), but
+#   about one device share of them when the model axis has one device
+#   (where two copies said 2.1-3.9x at 8x1).
+#   Weights in bfloat16 are converted to float32 copies once and kept from
+#   the forward pass to the backward pass (the matmul kernels and the
+#   embedding, 0.86-0.91 of a float32 copy of all weights on 12 bfloat16
+#   steps of llama3.2_1b, gemma3_1b and gemma_2b); under `fsdp` one of the
+#   two gathered copies is in float32. Without these two terms those steps
+#   landed at 0.62-0.95x, with them at 0.89-1.08x. A mixture of experts
+#   (Mixtral's shapes, 2 of its 32 blocks, on 2x4 and 1x8) keeps a copy of
+#   its float32 expert up-projection kernels in another layout, and under
+#   `fsdp` no gathered copy of the experts' kernels: 0.67-1.57x before,
+#   0.99-1.19x with both.
+# - "gpu": against the device peak of Gemma 2B's shapes in bfloat16, batch
+#   4 x 1024, Adam, on one H200 (../shared/ACCELERATOR.md: 31.3 GB, where
+#   the CPU factors would say 57 GB): one point, so the factors are those
+#   XLA's GPU fusion is expected to keep (the activation function and gated
+#   product fused into the down-projection, one softmax of the scores, the
+#   logits once in the model's dtype and once in float32 for the loss),
+#   landing 1.10x over that peak; the per-block masks and the
+#   differentiated block's score gradients are not separated from that one
+#   point. `python -m bench --accelerator` reports the ratio on the machine
+#   it runs on; TPUs use these until measured.
+ACTIVATION_FACTORS = {
+    "cpu": {
+        "stream": 4,
+        "attention": 2,
+        "scores": 1.5,
+        "scores_one_block": 2,
+        "masks": 1,
+        "mlp": 2,
+        "experts": 1,
+        "final": 2,
+        "logits": 3,
+        "logits_whole": 1,
+        "logits_float32": 0,
+        "gathered_weights": 2,
+        "gathered_share": 1,
+        "weights_float32": 0.9,
+        "gathered_float32": 1,
+        "experts_relayout": 1,
+    },
+    "gpu": {
+        "stream": 4,
+        "attention": 2,
+        "scores": 1,
+        "scores_one_block": 0,
+        "masks": 0,
+        "mlp": 1,
+        "experts": 1,
+        "final": 2,
+        "logits": 1,
+        "logits_whole": 0,
+        "logits_float32": 1,
+        "gathered_weights": 1,
+        "gathered_share": 1,
+        "weights_float32": 0,
+        "gathered_float32": 0,
+        "experts_relayout": 0,
+    },
+}
+ACTIVATION_FACTORS["tpu"] = ACTIVATION_FACTORS["gpu"]
+# Bytes the optimizer's update keeps beside the state, per trained byte,
+# when the state is donated (as Keras' JAX trainer does): on CPU, Adam's
+# new moments and weights are computed before they replace the old ones
+# (1.4x the trained bytes of full fine-tuning steps, above their
+# activations at short sequences). Not measured on accelerators, where
+# the update is fused in place.
+UPDATE_TEMPORARIES = {"cpu": 1.4, "gpu": 0.0, "tpu": 0.0}
+# Platforms whose XLA backend computes bfloat16 and float16 in float32.
+FLOAT32_ACTIVATIONS = {"cpu"}
+FLOAT32_BYTES = 4
+FLOAT16_DTYPES = ("bfloat16", "float16")
+# The terms of `ACTIVATION_FACTORS` that count weights, in bytes.
+WEIGHT_TERMS = (
+    "gathered_weights",
+    "gathered_share",
+    "weights_float32",
+    "gathered_float32",
+    "experts_relayout",
+)
