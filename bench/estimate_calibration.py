@@ -172,8 +172,8 @@ def _real_grid():
 
 def mixtral_cases():
     """Mixtral's shapes, 2 blocks (`MIXTRAL`)."""
+    name = "mixtral_8x7b_2_blocks"
     for dtype, shape, strategy, batch, seq, lora_rank in MIXTRAL:
-        name = "mixtral_8x7b_2_blocks"
         yield name, MIXTRAL_SHAPE, shape, dtype, batch, seq, strategy, lora_rank, None
 
 

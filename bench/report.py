@@ -627,12 +627,11 @@ def _bfloat16_table(rows: list[dict], format: str) -> list[str]:
     group = {r["variant"]: r for r in rows if r["format"] == f"{format} bfloat16"}
     if not group:
         return []
-    floors = [group[floor]["load_s"] for floor in BFLOAT16_FLOORS if floor in group]
+    present = [floor for floor in BFLOAT16_FLOORS if floor in group]
+    floors = [group[floor]["load_s"] for floor in present]
     runs = next(iter(group.values())).get("runs", 1)
     title = "Keras preset" if format == "keras" else "Hugging Face checkpoint"
-    per_floor = " | ".join(
-        f"/ {name}" for floor, name in BFLOAT16_FLOORS.items() if floor in group
-    )
+    per_floor = " | ".join(f"/ {BFLOAT16_FLOORS[floor]}" for floor in present)
     lines = [
         "",
         f"### A bfloat16 {title}, loaded as bfloat16 and as float32",

@@ -377,9 +377,10 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     # A model axis that splits weights keeps the gathered copies, but of the
     # experts' kernels; without one each weight is gathered where it is used
     # (see `gathered_share`).
+    split_by_model = axes.size(axes.model_axis) > 1
     kept = (
         [row for row in gathered if "expert" not in row.logical_axes]
-        if axes.size(axes.model_axis) > 1
+        if split_by_model
         else []
     )
 
@@ -411,7 +412,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
             row.device_bytes * (gathered_over(row) - 1) for row in kept
         ),
         "gathered_share": 0
-        if axes.size(axes.model_axis) > 1
+        if split_by_model
         else sum(row.device_bytes for row in gathered),
         "weights_float32": sum(float32_bytes(row) for row in upcast),
         "gathered_float32": sum(
