@@ -37,6 +37,7 @@ from keras_hub_autodist.loading.file_reads import aligned_empty
 from keras_hub_autodist.loading.file_reads import convert
 from keras_hub_autodist.loading.file_reads import has_short_runs
 from keras_hub_autodist.loading.file_reads import local_shape
+from keras_hub_autodist.loading.file_reads import populate
 from keras_hub_autodist.loading.file_reads import run_tasks
 
 # An operation of a traced hook: ("reshape", new shape) or ("transpose", axes).
@@ -348,6 +349,7 @@ class HookView(ReadBySlices):
         shape = tuple(high - low for low, high in stages[0])
         scratch = _thread_scratch(shape, self.dtype)
         self.source.read_slices([_slices(stages[0])], None, outputs=[scratch])
+        populate(output, 0, output.nbytes)
         convert(self._apply(scratch, stages), output)
 
     def _tasks_from_one_read(self, stages: list, outputs: list, executor) -> list:
@@ -371,6 +373,7 @@ class HookView(ReadBySlices):
                     for (low, high), (base, _) in zip(stage[0], bounds)
                 )
             ]
+            populate(output, 0, output.nbytes)
             convert(self._apply(part, stage), output)
 
         return [
