@@ -7,7 +7,9 @@ in a hand-made `ModelParallel` scope with its static Gemma map on `(2, 4)`,
 and autodist on `(1, 8)` with `tp` and on `(2, 4)` with `fsdp`. The last two
 children only read the weight file, for the floors (`bench/file_reads.py`).
 A load is timed in children that sample nothing, and its memory measured in
-one more child that samples the devices' bytes as it loads.
+one more child that samples the devices' bytes as it loads. Bfloat16
+presets of 6 and of 12 layers give the steering check: what the 6 more
+layers add to the load, against what they add to a plain read.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ TRANSFORMERS_BFLOAT16_VARIANTS = BFLOAT16_VARIANTS + [
 # The bfloat16 loads are short next to this machine's noise: their variants
 # run this many times, in turn, and each keeps its fastest run.
 BFLOAT16_ROUNDS = 3
+
+
+# The steering check: what 6 more layers add to a bfloat16 Keras preset's
+# load, against what they add to each floor's read of its file.
+MARGINAL_FORMAT = "keras bfloat16, by layers"
+MARGINAL_LAYERS = (6, 12)
+MARGINAL_LOAD = "autodist (1,8) tp dtype=bfloat16"
+# Each floor → the most the added load may take, in its added reads.
+MARGINAL_FLOORS = {
+    "read the file only": 3.0,
+    "read the file, keeping every tensor": 1.5,
+}
+MARGINAL_VARIANTS = [MARGINAL_LOAD, *MARGINAL_FLOORS]
 
 
 def save_keras_preset(root: str, config: dict = CONFIG, dtype: str = "float32") -> str:
@@ -162,21 +177,57 @@ def save_transformers_bfloat16_preset(root: str) -> str:
     return save_transformers_preset(root, dtype="bfloat16")
 
 
+def _fastest(jobs: list[tuple], rounds: int) -> dict:
+    """Each `(key, path, variant)` of `jobs` `rounds` times, in turn,
+    unsampled: the fastest run of each, by key."""
+    fastest = {}
+    for _ in range(rounds):
+        for key, path, variant in jobs:
+            row = _child(path, variant, timed=True)
+            if key not in fastest or row["load_s"] < fastest[key]["load_s"]:
+                fastest[key] = row
+    return fastest
+
+
 def _fastest_runs(path: str, variants: list[str], rounds: int) -> list[dict]:
     """Each variant `rounds` times, in turn, unsampled; the fastest run of
     each, with the memory of one more, sampled, run of each loader (the
     file reads sample nothing)."""
-    fastest = {}
-    for _ in range(rounds):
-        for variant in variants:
-            row = _child(path, variant, timed=True)
-            if variant not in fastest or row["load_s"] < fastest[variant]["load_s"]:
-                fastest[variant] = row
+    fastest = _fastest([(v, path, v) for v in variants], rounds)
     rows = []
     for variant in variants:
         memory = {} if variant in FILE_READS else _child(path, variant)
         rows.append({**memory, **fastest[variant], "runs": rounds})
     return rows
+
+
+def marginal_rows(root: str) -> list[dict]:
+    """The steering check: bfloat16 Keras presets of each of
+    `MARGINAL_LAYERS` layers, each loaded as bfloat16 and read plainly,
+    interleaved, the fastest of `BFLOAT16_ROUNDS` runs of each. What the
+    more layers add to the load, against what they add to the read, leaves
+    out what any load pays once (imports, the model's build, first
+    compiles)."""
+    paths = {
+        layers: save_keras_preset(
+            os.path.join(root, f"{layers}_layers"),
+            {**CONFIG, "num_layers": layers},
+            dtype="bfloat16",
+        )
+        for layers in MARGINAL_LAYERS
+    }
+    jobs = [
+        ((layers, variant), path, variant)
+        for layers, path in paths.items()
+        for variant in MARGINAL_VARIANTS
+    ]
+    fastest = _fastest(jobs, BFLOAT16_ROUNDS)
+    for path in paths.values():
+        shutil.rmtree(os.path.dirname(path))
+    return [
+        {"format": MARGINAL_FORMAT, "layers": layers, **row, "runs": BFLOAT16_ROUNDS}
+        for (layers, _), row in fastest.items()
+    ]
 
 
 def run(root: str) -> list[dict]:
@@ -198,4 +249,5 @@ def run(root: str) -> list[dict]:
             {"format": format, **row} for row in _fastest_runs(path, variants, rounds)
         ]
         shutil.rmtree(path)  # the disk holds one preset at a time
-    return rows
+    print(f"  {MARGINAL_FORMAT}: {MARGINAL_LAYERS} layers", flush=True)
+    return rows + marginal_rows(root)
