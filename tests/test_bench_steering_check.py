@@ -23,12 +23,13 @@ def verdicts(checks):
 
 
 def test_each_floor_divides_what_the_more_layers_add():
-    lines, checks = report._marginal(rows((2.0, 3.8), (0.5, 1.1), (0.9, 2.1)))
+    """Ratios exactly at their bounds (binary fractions) are met."""
+    lines, checks = report._marginal(rows((2.0, 3.5), (0.5, 1.0), (0.5, 1.5)))
     assert verdicts(checks) == [(True, "3.00x"), (True, "1.50x")]
     assert f"{MORE - FEWER} more layers <= 3 x their file read (" in checks[0][0]
     assert "<= 1.5 x their file read keeping every tensor (" in checks[1][0]
-    assert f"| {MORE - FEWER} more | 1.80 | 0.60 | 1.20 |" in lines
-    assert f"| {FEWER} | 2.00 | 0.50 | 0.90 |" in lines
+    assert f"| {MORE - FEWER} more | 1.50 | 0.50 | 1.00 |" in lines
+    assert f"| {FEWER} | 2.00 | 0.50 | 0.50 |" in lines
 
 
 def test_a_load_above_a_bound_is_not_met():
