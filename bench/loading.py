@@ -9,7 +9,7 @@ children only read the weight file, for the floors (`bench/file_reads.py`).
 A load is timed in children that sample nothing, and its memory measured in
 one more child that samples the devices' bytes as it loads. Bfloat16
 presets of 6 and of 12 layers give the steering check: what the 6 more
-layers add to the load, against what they add to a plain read.
+layers add to the load, against what they add to each floor's read.
 """
 
 from __future__ import annotations
@@ -203,11 +203,11 @@ def _fastest_runs(path: str, variants: list[str], rounds: int) -> list[dict]:
 
 def marginal_rows(root: str) -> list[dict]:
     """The steering check: bfloat16 Keras presets of each of
-    `MARGINAL_LAYERS` layers, each loaded as bfloat16 and read plainly,
-    interleaved, the fastest of `BFLOAT16_ROUNDS` runs of each. What the
-    more layers add to the load, against what they add to the read, leaves
-    out what any load pays once (imports, the model's build, first
-    compiles)."""
+    `MARGINAL_LAYERS` layers, each loaded as bfloat16 and read by each of
+    `MARGINAL_FLOORS`, interleaved, the fastest of `BFLOAT16_ROUNDS` runs of
+    each. What the more layers add to the load, against what they add to a
+    read, leaves out what any load pays once (imports, the model's build,
+    first compiles)."""
     paths = {
         layers: save_keras_preset(
             os.path.join(root, f"{layers}_layers"),
