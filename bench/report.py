@@ -7,6 +7,7 @@ import pathlib
 from bench import comms
 from bench import memory
 from bench import models
+from bench.loading import FLOOR_BOUNDS
 from bench.loading import MARGINAL_FLOORS
 from bench.loading import MARGINAL_FORMAT
 from bench.loading import MARGINAL_LAYERS
@@ -670,11 +671,7 @@ def _bfloat16_checks(rows: list[dict]) -> list[tuple]:
         if not load:
             continue
         name = f"{format} bfloat16, autodist (1,8) tp dtype=bfloat16"
-        for floor, bound in (
-            ("read the file only", 3.0),
-            ("read the file, keeping every tensor", 1.5),
-            ("read the file, keeping every tensor in Keras' layout", 1.5),
-        ):
+        for floor, bound in FLOOR_BOUNDS.items():
             if floor not in group:
                 continue
             ratio = load["load_s"] / group[floor]["load_s"]
