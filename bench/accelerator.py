@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 
+from bench import accelerator_steps
 from bench.file_reads import read_file_only
 
 GEMMA_7B = dict(
@@ -74,9 +75,6 @@ TINY = dict(
     intermediate_dim=256,
     head_dim=16,
 )
-# (batch, sequence, timed steps, warm-up steps, generated tokens)
-FULL_RUN = dict(batch=4, seq=1024, steps=6, warmup=2, generate=128)
-TINY_RUN = dict(batch=2, seq=32, steps=3, warmup=1, generate=16)
 LOAD_VARIANTS = [
     ("raw read", None, None),
     ("keras-hub", "keras-hub", "bfloat16"),
@@ -136,7 +134,13 @@ def child_load(path, variant, dtype):
     )
 
 
-def child_train(path, variant, batch, seq, steps, warmup, generate):
+def child_train(path, variant, lora_rank, batch, seq, steps, warmup, generate):
+    """One training step's speed and device peak, in this fresh process.
+
+    `variant` is "keras-hub" (plain `from_preset`) or "autodist" (a
+    one-device mesh); "autodist+check" also compiles the step first with
+    `compiled_memory` on this device (the local compile) and records its
+    figures beside the closed forms. `lora_rank` 0 trains every weight."""
     import jax
     import keras
     import keras_hub
@@ -146,26 +150,32 @@ def child_train(path, variant, batch, seq, steps, warmup, generate):
     from keras_hub_autodist.planning import step_memory
 
     row = {}
+    lora_rank = lora_rank or None
     kwargs = dict(preprocessor=None, dtype="bfloat16")
-    if variant == "autodist":
+    if variant.startswith("autodist"):
         devices = keras.distribution.list_devices()[:1]
         mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)
-        plan = keras_hub_autodist.plan(path, mesh, dtype="bfloat16")
-        start = time.perf_counter()
-        compiled = keras_hub_autodist.compiled_memory(plan, batch, seq, "adam")
-        row["compiled_check_s"] = time.perf_counter() - start
-        row["compiled_peak_bytes"] = compiled.peak_bytes
-        row["compiled"] = {
-            k: v for k, v in vars(compiled).items() if k.endswith("_bytes")
-        }
+        plan = keras_hub_autodist.plan(
+            path, mesh, dtype="bfloat16", lora_rank=lora_rank
+        )
+        if variant == "autodist+check":
+            start = time.perf_counter()
+            compiled = keras_hub_autodist.compiled_memory(plan, batch, seq, "adam")
+            row["compiled_check_s"] = time.perf_counter() - start
+            row["compiled_peak_bytes"] = compiled.peak_bytes
+            row["compiled"] = {
+                k: v for k, v in vars(compiled).items() if k.endswith("_bytes")
+            }
         row["closed_form_bytes"] = plan.training_bytes_per_device(
             "adam"
         ) + plan.activation_bytes_per_device(batch, seq)
         row["calibrated_bytes"] = step_memory.step_estimate(
-            plan, batch, seq, "adam", platform=compiled.platform
+            plan, batch, seq, "adam", platform=jax.devices()[0].platform
         ).total_bytes
         kwargs["device_mesh"] = mesh
     lm = keras_hub.models.GemmaCausalLM.from_preset(path, **kwargs)
+    if lora_rank:
+        lm.backbone.enable_lora(lora_rank)
     # The task's default loss and metrics, as the compiled check compiles.
     lm.compile(optimizer=keras.optimizers.Adam(1e-5))
     vocabulary = lm.backbone.vocabulary_size
@@ -191,6 +201,8 @@ def child_train(path, variant, batch, seq, steps, warmup, generate):
         peak_bytes=peak,
         final_bytes=final,
     )
+    if not generate:
+        return row
     prompt_length = 8
     mask = np.zeros_like(x["padding_mask"])
     mask[:, :prompt_length] = 1
@@ -288,43 +300,92 @@ def make_preset(root, name, config):
     return path, time.perf_counter() - start
 
 
-def run(tiny=False, root=None):
+def versions() -> dict:
+    """The driver's, JAX's, Keras' and keras-hub's versions on this machine."""
+    found = {}
+    if shutil.which("nvidia-smi"):
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        found["driver"] = driver.stdout.strip().splitlines()[0:1]
+    from importlib import metadata
+
+    for name in (
+        "jax",
+        "jaxlib",
+        "keras",
+        "keras-hub",
+        "jax-cuda13-plugin",
+        "jax-cuda12-plugin",
+    ):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def _train_rows(path, step, results, save):
+    variants = (["keras-hub"] if step.pair else []) + [
+        "autodist+check" if step.local_check else "autodist"
+    ]
+    for variant in variants:
+        print(f"train: {step.name}, {variant}", flush=True)
+        row = _run_child(
+            "train",
+            path,
+            variant,
+            step.lora_rank,
+            step.batch,
+            step.sequence,
+            step.steps,
+            step.warmup,
+            step.generate,
+        )
+        label = variant.split("+")[0]
+        results["training"].append(dict(step=step.name, variant=label, **row))
+        save()
+
+
+def run(tiny=False, root=None, out=None, parts=("load", "train")):
+    """Make the presets and measure `parts` ("load", "train"); the results
+    are saved to `out/accelerator.json` after every row, so that a run cut
+    short keeps what it measured."""
     started = time.perf_counter()
-    sizes = TINY_RUN if tiny else FULL_RUN
     results = dict(
         machine=machine(),
+        versions=versions(),
         date=datetime.date.today().isoformat(),
         tiny=tiny,
-        sizes=sizes,
         loading=[],
         training=[],
     )
+
+    def save():
+        results["elapsed_s"] = time.perf_counter() - started
+        if out is not None:
+            (out / "accelerator.json").write_text(json.dumps(results, indent=1))
+
+    steps = accelerator_steps.steps_of(tiny)
     with tempfile.TemporaryDirectory(dir=root) as folder:
-        big, results["save_7b_s"] = make_preset(
-            folder, "gemma_7b_shape", TINY if tiny else GEMMA_7B
-        )
-        for label, variant, dtype in LOAD_VARIANTS:
-            print(f"load: {label}, dtype={dtype}", flush=True)
-            row = _run_child("load", big, variant or "-", dtype or "-")
-            results["loading"].append(dict(variant=label, dtype=dtype, **row))
-        shutil.rmtree(big)
-        small, results["save_2b_s"] = make_preset(
-            folder, "gemma_2b_shape", TINY if tiny else GEMMA_2B
-        )
-        for variant in ("keras-hub", "autodist"):
-            print(f"train + generate: {variant}", flush=True)
-            row = _run_child(
-                "train",
-                small,
-                variant,
-                sizes["batch"],
-                sizes["seq"],
-                sizes["steps"],
-                sizes["warmup"],
-                sizes["generate"],
+        for shape, config in (("7b", GEMMA_7B), ("2b", GEMMA_2B)):
+            path, results[f"save_{shape}_s"] = make_preset(
+                folder, f"gemma_{shape}_shape", TINY if tiny else config
             )
-            results["training"].append(dict(variant=variant, **row))
-    results["elapsed_s"] = time.perf_counter() - started
+            if shape == "7b" and "load" in parts:
+                for label, variant, dtype in LOAD_VARIANTS:
+                    print(f"load: {label}, dtype={dtype}", flush=True)
+                    row = _run_child("load", path, variant or "-", dtype or "-")
+                    results["loading"].append(dict(variant=label, dtype=dtype, **row))
+                    save()
+            if "train" in parts:
+                for step in steps:
+                    if step.shape == shape:
+                        _train_rows(path, step, results, save)
+            shutil.rmtree(path)
+    save()
     return results
 
 
@@ -348,17 +409,22 @@ def _dtype_label(row):
     return row["dtype"] or "none (float32 model)"
 
 
-def render(results) -> str:
-    """The section "On one accelerator" of docs/benchmarks.md, as Markdown."""
-    s = results["sizes"]
+def render(results, predictions=None) -> str:
+    """The section "On one accelerator" of docs/benchmarks.md, as Markdown.
+
+    `predictions` are the target compile's figures per step, made on a CPU
+    machine before the run (`accelerator_steps.read_predictions`)."""
+    predictions = predictions or {}
     shapes = "tiny shapes (`--tiny`)" if results["tiny"] else "Gemma 7B / 2B shapes"
+    found = ", ".join(f"{k} {v}" for k, v in results.get("versions", {}).items())
     lines = [
         "## On one accelerator",
         "",
-        f"{results['machine']}, {results['date']}; {shapes}; `python -m bench "
-        f"--accelerator` in {results['elapsed_s']:.0f} s. Random bfloat16 "
-        "weights saved by keras-hub; each measurement in a fresh process; "
-        "device bytes from `memory_stats()` (empty where the device keeps none).",
+        f"{results['machine']}, {results['date']}; {found}; {shapes}; "
+        f"`python -m bench --accelerator` in {results['elapsed_s']:.0f} s. "
+        "Random bfloat16 weights saved by keras-hub; each measurement in a "
+        "fresh process; device bytes from `memory_stats()` (empty where the "
+        "device keeps none).",
         "",
         "### Loading (`Backbone.from_preset`, Gemma 7B shape)",
         "",
@@ -379,48 +445,74 @@ def render(results) -> str:
         )
     lines += [
         "",
-        f"### Training (Gemma 2B shape, bfloat16, batch {s['batch']} x {s['seq']}, "
-        "Adam, `train_on_batch`)",
+        "### Training (bfloat16, Adam, `train_on_batch`, one device)",
         "",
-        f"Median of {s['steps']} steps after {s['warmup']} warm-up; TFLOP/s "
-        "counted as 6 x parameters x tokens; generate: greedy, "
-        f"{s['generate']} new tokens per sequence.",
+        "Median of the timed steps after warm-up; TFLOP/s counted as 6 x "
+        "parameters x tokens (LoRA steps: the whole model's parameters, so an "
+        "upper bound); generate: greedy, new tokens per second.",
         "",
-        "| variant | s/step | tokens/s | TFLOP/s | first step s | device peak "
-        "| generate tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "| step | variant | s/step | tokens/s | TFLOP/s | first step s | "
+        "device peak | generate tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results["training"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | fails: {r['error']} | | | | | |")
+            lines.append(
+                f"| {r['step']} | {r['variant']} | fails: {r['error']} | | | | | |"
+            )
             continue
+        generated = r.get("generate_tokens_per_s")
         lines.append(
-            f"| {r['variant']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tflops']:.1f} | {r['first_step_s']:.1f} | "
-            f"{_gb(r.get('peak_bytes'))} | {r['generate_tokens_per_s']:,.0f} |"
+            f"| {r['step']} | {r['variant']} | {r['step_s']:.4f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
+            f"{r['first_step_s']:.1f} | {_gb(r.get('peak_bytes'))} | "
+            f"{'' if generated is None else f'{generated:,.0f}'} |"
         )
-    autodist = next((r for r in results["training"] if r["variant"] == "autodist"), {})
-    if "compiled_peak_bytes" in autodist:
-        peak = autodist.get("peak_bytes")
-        lines += [
-            "",
-            "### Memory estimates against the measured peak (autodist's step)",
-            "",
-            "| estimate | bytes | / measured peak |",
-            "|---|---|---|",
-            f"| measured device peak | {_gb(peak)} | |",
-            f"| compiled check, `plan.compiled_memory` "
-            f"({autodist['compiled_check_s']:.1f} s) | "
-            f"{_gb(autodist['compiled_peak_bytes'])} | "
-            f"{_ratio(autodist['compiled_peak_bytes'], peak)} |",
-            f"| closed form, `training_bytes_per_device` + "
-            f"`activation_bytes_per_device` | {_gb(autodist['closed_form_bytes'])} "
-            f"| {_ratio(autodist['closed_form_bytes'], peak)} |",
-            f"| calibrated closed form, `step_memory.step_estimate` | "
-            f"{_gb(autodist['calibrated_bytes'])} | "
-            f"{_ratio(autodist['calibrated_bytes'], peak)} |",
-        ]
+    lines += _memory_table(results, predictions)
     return "\n".join(lines) + "\n"
+
+
+def _memory_table(results, predictions) -> list[str]:
+    """Each autodist step's measured peak against the answers given before
+    it ran: the target compile (on a CPU machine), the local compile (on the
+    device), the plan's closed form and the calibrated one."""
+    rows = [
+        r
+        for r in results["training"]
+        if r["variant"] == "autodist" and "error" not in r
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### Memory answers against the measured peak (autodist's steps)",
+        "",
+        "Each answer as bytes and as a ratio to the device's measured peak. "
+        "Target compile: the step compiled for this accelerator on a CPU-only "
+        "machine before the run (`bench/predictions/`); local compile: "
+        "`compiled_memory` on the device itself.",
+        "",
+        "| step | measured peak | target compile | local compile | closed form "
+        "| calibrated closed form |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        peak = r.get("peak_bytes")
+        predicted = predictions.get(r["step"], {})
+
+        def cell(value, peak=peak):
+            if not value:
+                return ""
+            return f"{_gb(value)} ({_ratio(value, peak)})"
+
+        lines.append(
+            f"| {r['step']} | {_gb(peak)} | "
+            f"{cell(predicted.get('target_peak_bytes'))} | "
+            f"{cell(r.get('compiled_peak_bytes'))} | "
+            f"{cell(r.get('closed_form_bytes'))} | "
+            f"{cell(r.get('calibrated_bytes'))} |"
+        )
+    return lines
 
 
 def insert(markdown: pathlib.Path, section: str) -> None:
@@ -446,12 +538,38 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder")
     parser.add_argument("--insert", default=None, help="a Markdown file to update")
     parser.add_argument("--tmp", default=None, help="where to write the presets")
+    parser.add_argument(
+        "--parts", default="load,train", help="comma-separated: load, train"
+    )
+    parser.add_argument(
+        "--target", default="h200", help="whose committed predictions to report"
+    )
+    parser.add_argument(
+        "--predict",
+        default=None,
+        metavar="TARGET",
+        help="compile the steps for TARGET on this machine and save the "
+        "predictions (bench/predictions/), instead of measuring",
+    )
+    parser.add_argument(
+        "--render",
+        default=None,
+        metavar="JSON",
+        help="render a saved accelerator.json instead of measuring",
+    )
     args = parser.parse_args(argv)
-    results = run(tiny=args.tiny, root=args.tmp)
+    if args.predict:
+        print(accelerator_steps.write_predictions(args.predict, args.tiny))
+        return 0
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accelerator.json").write_text(json.dumps(results, indent=1))
-    section = render(results)
+    if args.render:
+        results = json.loads(pathlib.Path(args.render).read_text())
+    else:
+        parts = tuple(args.parts.split(","))
+        results = run(tiny=args.tiny, root=args.tmp, out=out, parts=parts)
+    predictions = accelerator_steps.read_predictions(args.target, results["tiny"])
+    section = render(results, predictions)
     (out / "accelerator.md").write_text(section)
     if args.insert:
         insert(pathlib.Path(args.insert), section)
