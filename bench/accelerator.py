@@ -83,6 +83,9 @@ LOAD_VARIANTS = [
     ("autodist", "autodist", None),
 ]
 ONE_DEVICE = {"batch": 1, "model": 1}
+# One sequence of the Gemma 2B shape, LoRA, at these lengths (`child_long`).
+LONG_SEQUENCES = [32768]
+LONG_SEQUENCES_TINY = [256]
 GB = 1e9
 
 
@@ -216,12 +219,69 @@ def child_train(path, variant, lora_rank, batch, seq, steps, warmup, generate):
     return row
 
 
+def _attention_kernels(dump: pathlib.Path) -> list[str]:
+    """The fused attention kernels XLA called in the optimized programs it
+    dumped: cuDNN's (`__cudnn$fmha...`) by custom-call target, else none."""
+    found = set()
+    for path in dump.glob("*after_optimizations*.txt"):
+        for word in path.read_text(errors="replace").split('"'):
+            if word.startswith("__cudnn$fmha") or "flash" in word.lower():
+                found.add(word)
+    return sorted(found)
+
+
+def child_long(path, variant, seq, steps):
+    """A one-sequence LoRA step at `seq` tokens, the attention kernel XLA
+    chose for it (read from the optimized program it dumped), its step time
+    and device peak. `variant` "keras-hub" is plain `from_preset`;
+    "autodist-context" a one-device mesh with a context axis, which runs
+    the context-parallel attention path."""
+    import jax
+    import keras
+    import keras_hub
+    import numpy as np
+
+    import keras_hub_autodist  # noqa: F401  (the plugin, without a .pth hook)
+
+    dump = pathlib.Path(os.environ["BENCH_XLA_DUMP"])
+    kwargs = dict(preprocessor=None, dtype="bfloat16")
+    if variant == "autodist-context":
+        devices = keras.distribution.list_devices()[:1]
+        kwargs["device_mesh"] = keras.distribution.DeviceMesh(
+            (1, 1), ("batch", "context"), devices
+        )
+    lm = keras_hub.models.GemmaCausalLM.from_preset(path, **kwargs)
+    lm.backbone.enable_lora(8)
+    lm.compile(optimizer=keras.optimizers.Adam(1e-5))
+    ids = np.random.default_rng(0).integers(1, 1000, (1, seq)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    y = np.roll(ids, -1, axis=1)
+    times = []
+    for _ in range(1 + steps):
+        start = time.perf_counter()
+        logs = lm.train_on_batch(x, y, return_dict=True)
+        jax.block_until_ready(logs["loss"])
+        times.append(time.perf_counter() - start)
+    peak, final = _device_memory()
+    return dict(
+        first_step_s=times[0],
+        step_s=statistics.median(times[1:]),
+        tokens_per_s=seq / statistics.median(times[1:]),
+        peak_bytes=peak,
+        final_bytes=final,
+        attention_kernels=_attention_kernels(dump),
+    )
+
+
 def _child_main(argv):
     _setup_child()
     kind, *args = argv
     if kind == "load":
         path, variant, dtype = args
         row = child_load(path, None if variant == "-" else variant, _none(dtype))
+    elif kind == "long":
+        path, variant, seq, steps = args
+        row = child_long(path, variant, int(seq), int(steps))
     elif kind == "train":
         path, variant, *sizes = args
         row = child_train(path, variant, *map(int, sizes))
@@ -234,8 +294,11 @@ def _none(text):
     return None if text == "-" else text
 
 
-def _run_child(*args, timeout=600):
+def _run_child(*args, timeout=600, dump=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if dump is not None:  # the optimized programs, to read the kernels off
+        env["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+        env["BENCH_XLA_DUMP"] = str(dump)
     root = pathlib.Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(root), env.get("PYTHONPATH", "")) if p
@@ -349,8 +412,19 @@ def _train_rows(path, step, results, save):
         save()
 
 
-def run(tiny=False, root=None, out=None, parts=("load", "train")):
-    """Make the presets and measure `parts` ("load", "train"); the results
+def _long_rows(path, folder, tiny, results, save):
+    for seq in LONG_SEQUENCES_TINY if tiny else LONG_SEQUENCES:
+        for variant in ("keras-hub", "autodist-context"):
+            print(f"long context: {seq} tokens, {variant}", flush=True)
+            dump = pathlib.Path(folder) / f"dump-{variant}-{seq}"
+            row = _run_child("long", path, variant, seq, 2, dump=dump)
+            shutil.rmtree(dump, ignore_errors=True)
+            results["long_context"].append(dict(variant=variant, seq=seq, **row))
+            save()
+
+
+def run(tiny=False, root=None, out=None, parts=("load", "train", "long")):
+    """Make the presets and measure `parts` ("load", "train", "long"); the results
     are saved to `out/accelerator.json` after every row, so that a run cut
     short keeps what it measured."""
     started = time.perf_counter()
@@ -361,6 +435,7 @@ def run(tiny=False, root=None, out=None, parts=("load", "train")):
         tiny=tiny,
         loading=[],
         training=[],
+        long_context=[],
     )
 
     def save():
@@ -384,6 +459,8 @@ def run(tiny=False, root=None, out=None, parts=("load", "train")):
                 for step in steps:
                     if step.shape == shape:
                         _train_rows(path, step, results, save)
+            if shape == "2b" and "long" in parts:
+                _long_rows(path, folder, tiny, results, save)
             shutil.rmtree(path)
     save()
     return results
@@ -469,7 +546,39 @@ def render(results, predictions=None) -> str:
             f"{'' if generated is None else f'{generated:,.0f}'} |"
         )
     lines += _memory_table(results, predictions)
+    lines += _long_table(results)
     return "\n".join(lines) + "\n"
+
+
+def _long_table(results) -> list[str]:
+    rows = results.get("long_context") or []
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### Long context (Gemma 2B shape, LoRA 8, one sequence, bfloat16)",
+        "",
+        "The fused attention kernel is read from the optimized programs XLA "
+        "dumped on the device (`--xla_dump_to`): cuDNN's custom calls are "
+        "named `__cudnn$fmha...`; none listed means XLA's own attention.",
+        "",
+        "| tokens | variant | s/step | tokens/s | first step s | device peak "
+        "| fused attention kernels |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['seq']} | {r['variant']} | fails: {r['error']} | | | | |"
+            )
+            continue
+        kernels = ", ".join(f"`{k}`" for k in r["attention_kernels"]) or "none"
+        lines.append(
+            f"| {r['seq']} | {r['variant']} | {r['step_s']:.3f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['first_step_s']:.1f} | "
+            f"{_gb(r.get('peak_bytes'))} | {kernels} |"
+        )
+    return lines
 
 
 def _memory_table(results, predictions) -> list[str]:
@@ -539,7 +648,9 @@ def main(argv=None) -> int:
     parser.add_argument("--insert", default=None, help="a Markdown file to update")
     parser.add_argument("--tmp", default=None, help="where to write the presets")
     parser.add_argument(
-        "--parts", default="load,train", help="comma-separated: load, train"
+        "--parts",
+        default="load,train,long",
+        help="comma-separated: load, train, long",
     )
     parser.add_argument(
         "--target", default="h200", help="whose committed predictions to report"
