@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 from bench import accelerator_steps
 from bench.file_reads import read_file_only
@@ -275,7 +276,18 @@ def child_long(path, variant, seq, steps):
 
 def _child_main(argv):
     _setup_child()
-    kind, *args = argv
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        row = _child_row(*argv)
+    # Python warnings raised during the measurement (Keras' sharding
+    # warnings among them), each once.
+    row["warnings"] = sorted(
+        {f"{w.category.__name__}: {w.message}"[:300] for w in caught}
+    )
+    print(json.dumps(row))
+
+
+def _child_row(kind, *args):
     if kind == "load":
         path, variant, dtype = args
         row = child_load(path, None if variant == "-" else variant, _none(dtype))
@@ -287,7 +299,7 @@ def _child_main(argv):
         row = child_train(path, variant, *map(int, sizes))
     else:
         raise SystemExit(f"unknown child {kind!r}")
-    print(json.dumps(row))
+    return row
 
 
 def _none(text):
@@ -520,6 +532,19 @@ def render(results, predictions=None) -> str:
             f"{_gb(r.get('final_bytes'))} | "
             f"{_ratio(r.get('peak_bytes'), r.get('final_bytes'))} |"
         )
+    warned = sorted(
+        {
+            w
+            for r in results["loading"]
+            if r["variant"] == "autodist"
+            for w in r.get("warnings", [])
+        }
+    )
+    lines += [
+        "",
+        "Python warnings during autodist's loads: "
+        + ("; ".join(f"`{w}`" for w in warned) if warned else "none."),
+    ]
     lines += [
         "",
         "### Training (bfloat16, Adam, `train_on_batch`, one device)",

@@ -99,7 +99,7 @@ def predict(target: str, tiny: bool = False) -> dict:
         )
         start = time.perf_counter()
         compiled = keras_hub_autodist.compiled_memory(
-            plan, step.batch, step.sequence, "adam", device_memory=target
+            plan, step.batch, step.sequence, "adam", preset=preset, device=target
         )
         seconds = time.perf_counter() - start
         closed = plan.training_bytes_per_device(
@@ -111,7 +111,8 @@ def predict(target: str, tiny: bool = False) -> dict:
         rows[step.name] = dict(
             target_peak_bytes=compiled.peak_bytes,
             target_argument_bytes=compiled.argument_bytes,
-            compiled_for=getattr(compiled, "compiled_for", None),
+            compiled_for=compiled.compiled_for(),
+            attention=compiled.attention,
             compile_s=seconds,
             closed_form_bytes=closed,
             calibrated_bytes=calibrated,
