@@ -1,0 +1,84 @@
+"""The accelerator bench's report: each measured peak against the answers
+given before the run, from a saved result (no run, no device)."""
+
+from bench import accelerator
+from bench import accelerator_steps
+
+
+def _results():
+    return dict(
+        machine="1 x NVIDIA H200, 143771 MiB",
+        versions={"jax": "0.11.2", "keras": "3.15.1"},
+        date="2026-12-04",
+        tiny=False,
+        elapsed_s=400.0,
+        loading=[
+            dict(
+                variant="autodist",
+                dtype="bfloat16",
+                seconds=9.0,
+                peak_bytes=17.2e9,
+                final_bytes=17.2e9,
+                warnings=["UserWarning: a sharding warning"],
+            ),
+            dict(variant="keras-hub", dtype=None, error=["OOM"]),
+        ],
+        training=[
+            dict(
+                step="gemma_2b full 4x1024",
+                variant="autodist",
+                step_s=0.128,
+                tokens_per_s=32000.0,
+                tflops=480.0,
+                first_step_s=14.0,
+                peak_bytes=32e9,
+                compiled_peak_bytes=30e9,
+                closed_form_bytes=40e9,
+                calibrated_bytes=36e9,
+            ),
+            dict(step="gemma_7b full 2x1024", variant="autodist", error=["OOM"]),
+        ],
+        long_context=[
+            dict(
+                variant="autodist-context",
+                seq=32768,
+                step_s=1.5,
+                tokens_per_s=21845.0,
+                first_step_s=30.0,
+                peak_bytes=20e9,
+                attention_kernels=["__cudnn$fmhaSoftmax"],
+            ),
+        ],
+    )
+
+
+def test_each_answer_is_reported_as_a_ratio_of_the_measured_peak():
+    predictions = {"gemma_2b full 4x1024": {"target_peak_bytes": 33.6e9}}
+    text = accelerator.render(_results(), predictions)
+    row = next(
+        line
+        for line in text.splitlines()
+        if line.startswith("| gemma_2b full 4x1024 | 32.00 GB")
+    )
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[2:] == [
+        "33.60 GB (1.05)",  # the target compile, made before the run
+        "30.00 GB (0.94)",  # the local compile on the device
+        "40.00 GB (1.25)",  # the plan's closed form
+        "36.00 GB (1.12)",  # the calibrated closed form
+    ]
+
+
+def test_failures_warnings_and_kernels_are_shown_not_dropped():
+    text = accelerator.render(_results(), {})
+    assert "| gemma_7b full 2x1024 | autodist | fails: ['OOM']" in text
+    assert "`UserWarning: a sharding warning`" in text
+    assert "`__cudnn$fmhaSoftmax`" in text
+
+
+def test_the_committed_h200_predictions_name_every_measured_step():
+    predicted = accelerator_steps.read_predictions("h200")
+    assert set(predicted) == {step.name for step in accelerator_steps.STEPS}
+    for figures in predicted.values():
+        assert figures["compiled_for"]["device_kind"] == "NVIDIA H200"
+        assert figures["target_peak_bytes"] > figures["target_argument_bytes"] > 0
