@@ -47,6 +47,7 @@ import time
 import warnings
 
 from bench import accelerator_steps
+from bench import accelerator_targets
 from bench.file_reads import read_file_only
 
 GEMMA_7B = dict(
@@ -572,6 +573,7 @@ def render(results, predictions=None) -> str:
         )
     lines += _memory_table(results, predictions)
     lines += _long_table(results)
+    lines += accelerator_targets.table(results, predictions)
     return "\n".join(lines) + "\n"
 
 

@@ -82,3 +82,25 @@ def test_the_committed_h200_predictions_name_every_measured_step():
     for figures in predicted.values():
         assert figures["compiled_for"]["device_kind"] == "NVIDIA H200"
         assert figures["target_peak_bytes"] > figures["target_argument_bytes"] > 0
+
+
+def test_targets_are_met_on_their_bounds_and_missed_past_them():
+    from bench import accelerator_targets
+
+    results = _results()
+    # 34 GB predicted against 32 measured: 1.0625, outside 5%; 33.5: within.
+    outside = accelerator_targets.verdicts(
+        results, {"gemma_2b full 4x1024": {"target_peak_bytes": 34e9}}
+    )
+    inside = accelerator_targets.verdicts(
+        results, {"gemma_2b full 4x1024": {"target_peak_bytes": 30.5e9}}
+    )
+    name = "target compile's peak / measured peak"
+    assert [v[3] for v in outside if v[0] == name] == [False]
+    assert [v[3] for v in inside if v[0] == name] == [True]
+    # A bound is met exactly on it (binary fractions: no rounding).
+    assert accelerator_targets.met("load without dtype= / load in bfloat16", 1.125)
+    assert not accelerator_targets.met(
+        "device peak / final bytes while loading", 1.0625
+    )
+    assert accelerator_targets.met("device peak / final bytes while loading", 1.0)

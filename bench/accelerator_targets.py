@@ -1,0 +1,123 @@
+"""The accelerator run's targets, checked against its results: each target
+is a row of `TARGETS` (what is compared, the bound), and `verdicts` gives
+every measured instance of each its ratio and whether it is met."""
+
+from __future__ import annotations
+
+# target: (how its ratio is bounded, the bound). "at most": the ratio is at
+# or under the bound; "within": the ratio is within the bound of 1.
+TARGETS = {
+    "target compile's peak / measured peak": ("within", 0.05),
+    "calibrated closed form / measured peak": ("within", 0.15),
+    "7B bfloat16 load / single-thread raw read": ("at most", 1.0),
+    "load without dtype= / load in bfloat16": ("at most", 1.15),
+    "device peak / final bytes while loading": ("at most", 1.0),
+    "keras-hub's training tokens/s / autodist's": ("at most", 1.0),
+}
+
+
+def met(target: str, ratio: float) -> bool:
+    """Whether `ratio` meets `target`.
+
+    Example:
+    >>> met("target compile's peak / measured peak", 0.96)
+    True
+    """
+    kind, bound = TARGETS[target]
+    return abs(ratio - 1) <= bound if kind == "within" else ratio <= bound
+
+
+def _row(loading, variant, dtype):
+    return next(
+        (
+            r
+            for r in loading
+            if r["variant"] == variant and r["dtype"] == dtype and "error" not in r
+        ),
+        None,
+    )
+
+
+def _ratios(results, predictions):
+    """(target, instance, ratio) for every instance the results hold."""
+    loading = results["loading"]
+    raw = _row(loading, "raw read", None)
+    bf16 = _row(loading, "autodist", "bfloat16")
+    plain = _row(loading, "autodist", None)
+    if raw and bf16:
+        yield (
+            "7B bfloat16 load / single-thread raw read",
+            "autodist",
+            (bf16["seconds"] / raw["seconds"]),
+        )
+    if bf16 and plain:
+        yield (
+            "load without dtype= / load in bfloat16",
+            "autodist",
+            (plain["seconds"] / bf16["seconds"]),
+        )
+    for row in (bf16, plain):
+        if row and row.get("peak_bytes") and row.get("final_bytes"):
+            label = f"autodist, dtype={row['dtype']}"
+            yield (
+                "device peak / final bytes while loading",
+                label,
+                (row["peak_bytes"] / row["final_bytes"]),
+            )
+    trained = [r for r in results["training"] if "error" not in r]
+    for row in trained:
+        peak = row.get("peak_bytes")
+        if row["variant"] != "autodist" or not peak:
+            continue
+        predicted = predictions.get(row["step"], {}).get("target_peak_bytes")
+        if predicted:
+            yield "target compile's peak / measured peak", row["step"], predicted / peak
+        calibrated = row.get("calibrated_bytes")
+        if calibrated:
+            yield (
+                "calibrated closed form / measured peak",
+                row["step"],
+                (calibrated / peak),
+            )
+    for row in trained:
+        if row["variant"] != "keras-hub":
+            continue
+        ours = next(
+            (r for r in trained if r["step"] == row["step"] and r is not row), None
+        )
+        if ours:
+            yield (
+                "keras-hub's training tokens/s / autodist's",
+                row["step"],
+                (row["tokens_per_s"] / ours["tokens_per_s"]),
+            )
+
+
+def verdicts(results, predictions) -> list[tuple[str, str, float, bool]]:
+    """(target, instance, ratio, met) for each measured instance."""
+    return [
+        (target, instance, ratio, met(target, ratio))
+        for target, instance, ratio in _ratios(results, predictions)
+    ]
+
+
+def table(results, predictions) -> list[str]:
+    """The verdicts as Markdown lines."""
+    rows = verdicts(results, predictions)
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### Targets",
+        "",
+        "| target | instance | ratio | bound | met |",
+        "|---|---|---|---|---|",
+    ]
+    for target, instance, ratio, is_met in rows:
+        kind, bound = TARGETS[target]
+        shown = f"1 ± {bound:.2f}" if kind == "within" else f"<= {bound:.2f}"
+        lines.append(
+            f"| {target} | {instance} | {ratio:.3f} | {shown} | "
+            f"{'yes' if is_met else '**no**'} |"
+        )
+    return lines
