@@ -85,9 +85,26 @@ LOAD_VARIANTS = [
     ("autodist", "autodist", None),
 ]
 ONE_DEVICE = {"batch": 1, "model": 1}
+PARTS = ("load", "train", "long", "attention")
+# The parts that use each preset.
+PRESET_PARTS = {"7b": {"load", "train"}, "2b": {"train", "long"}}
 # One sequence of the Gemma 2B shape, LoRA, at these lengths (`child_long`).
 LONG_SEQUENCES = [32768]
 LONG_SEQUENCES_TINY = [256]
+# Attention alone (`child_attention`): (variant, queries, keys). A whole
+# 32k-token sequence on one device with cuDNN's kernel and the per-device
+# blockwise one, then one device's share of a context axis of 8. (XLA's own
+# attention holds the 32k x 32k scores per head; it is run on tiny shapes.)
+ATTENTION_CASES = [
+    ("cudnn", 32768, 32768),
+    ("blockwise", 32768, 32768),
+    ("blockwise", 4096, 32768),
+]
+ATTENTION_CASES_TINY = [
+    ("xla", 256, 256),
+    ("blockwise", 256, 256),
+    ("blockwise", 64, 256),
+]
 GB = 1e9
 
 
@@ -235,9 +252,9 @@ def _attention_kernels(dump: pathlib.Path) -> list[str]:
 def child_long(path, variant, seq, steps):
     """A one-sequence LoRA step at `seq` tokens, the attention kernel XLA
     chose for it (read from the optimized program it dumped), its step time
-    and device peak. `variant` "keras-hub" is plain `from_preset`;
-    "autodist-context" a one-device mesh with a context axis, which runs
-    the context-parallel attention path."""
+    and device peak. `variant` "keras-hub" is plain `from_preset`,
+    "autodist" a one-device mesh: the distribution must keep the fused
+    kernel keras-hub picks. (A context axis needs more than one device.)"""
     import jax
     import keras
     import keras_hub
@@ -247,11 +264,8 @@ def child_long(path, variant, seq, steps):
 
     dump = pathlib.Path(os.environ["BENCH_XLA_DUMP"])
     kwargs = dict(preprocessor=None, dtype="bfloat16")
-    if variant == "autodist-context":
-        devices = keras.distribution.list_devices()[:1]
-        kwargs["device_mesh"] = keras.distribution.DeviceMesh(
-            (1, 1), ("batch", "context"), devices
-        )
+    if variant == "autodist":
+        kwargs["device_mesh"] = ONE_DEVICE
     lm = keras_hub.models.GemmaCausalLM.from_preset(path, **kwargs)
     lm.backbone.enable_lora(8)
     lm.compile(optimizer=keras.optimizers.Adam(1e-5))
@@ -275,6 +289,71 @@ def child_long(path, variant, seq, steps):
     )
 
 
+def child_attention(variant, queries, keys, heads, kv_heads, head_dim, repeats):
+    """Causal attention alone, forward and backward, in bfloat16: `queries`
+    (the last of the sequence) against `keys`. `variant` "cudnn" and "xla"
+    are `jax.nn.dot_product_attention`'s implementations; "blockwise" is the
+    per-device attention of the context axis
+    (`planning.blockwise_attention`). Median seconds and device peak."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    q = normal(1, queries, heads, head_dim)
+    k = normal(1, keys, kv_heads, head_dim)
+    v = normal(1, keys, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    if variant == "blockwise":
+        from keras_hub_autodist.planning import blockwise_attention as blockwise
+
+        rule = blockwise.AttentionRule(scale=scale)
+        query_positions = jnp.arange(keys - queries, keys, dtype=jnp.int32)
+        key_positions = jnp.arange(keys, dtype=jnp.int32)
+        valid = jnp.ones((1, keys), bool)
+        groups = heads // kv_heads
+
+        def attend(q, k, v):
+            grouped = q.reshape(1, queries, kv_heads, groups, head_dim)
+            out = blockwise.blockwise_attention(
+                rule, grouped, k, v, query_positions, key_positions, valid
+            )
+            return out.reshape(1, queries, heads, head_dim)
+    else:
+        if queries != keys:
+            raise SystemExit("cudnn and xla variants attend a whole sequence")
+
+        def attend(q, k, v):
+            return jax.nn.dot_product_attention(
+                q, k, v, scale=scale, is_causal=True, implementation=variant
+            )
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    start = time.perf_counter()
+    jax.block_until_ready(step(q, k, v))
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(q, k, v))
+        times.append(time.perf_counter() - start)
+    peak, _ = _device_memory()
+    text = step.lower(q, k, v).compile().as_text()
+    return dict(
+        compile_s=compile_s,
+        step_s=statistics.median(times),
+        peak_bytes=peak,
+        fused=sorted({w for w in text.split('"') if w.startswith("__cudnn$fmha")}),
+    )
+
+
 def _child_main(argv):
     _setup_child()
     with warnings.catch_warnings(record=True) as caught:
@@ -292,6 +371,9 @@ def _child_row(kind, *args):
     if kind == "load":
         path, variant, dtype = args
         row = child_load(path, None if variant == "-" else variant, _none(dtype))
+    elif kind == "attention":
+        variant, *sizes = args
+        row = child_attention(variant, *map(int, sizes))
     elif kind == "long":
         path, variant, seq, steps = args
         row = child_long(path, variant, int(seq), int(steps))
@@ -427,7 +509,7 @@ def _train_rows(path, step, results, save):
 
 def _long_rows(path, folder, tiny, results, save):
     for seq in LONG_SEQUENCES_TINY if tiny else LONG_SEQUENCES:
-        for variant in ("keras-hub", "autodist-context"):
+        for variant in ("keras-hub", "autodist"):
             print(f"long context: {seq} tokens, {variant}", flush=True)
             dump = pathlib.Path(folder) / f"dump-{variant}-{seq}"
             row = _run_child("long", path, variant, seq, 2, dump=dump)
@@ -436,8 +518,29 @@ def _long_rows(path, folder, tiny, results, save):
             save()
 
 
-def run(tiny=False, root=None, out=None, parts=("load", "train", "long")):
-    """Make the presets and measure `parts` ("load", "train", "long"); the results
+def _attention_rows(tiny, results, save):
+    heads, kv_heads, head_dim = (4, 1, 16) if tiny else (8, 1, 256)
+    for variant, queries, keys in ATTENTION_CASES_TINY if tiny else ATTENTION_CASES:
+        print(f"attention: {variant}, {queries} x {keys}", flush=True)
+        row = _run_child(
+            "attention", variant, queries, keys, heads, kv_heads, head_dim, 5
+        )
+        results["attention"].append(
+            dict(
+                variant=variant,
+                queries=queries,
+                keys=keys,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                **row,
+            )
+        )
+        save()
+
+
+def run(tiny=False, root=None, out=None, parts=PARTS):
+    """Make the presets and measure `parts` (of `PARTS`); the results
     are saved to `out/accelerator.json` after every row, so that a run cut
     short keeps what it measured."""
     started = time.perf_counter()
@@ -449,6 +552,7 @@ def run(tiny=False, root=None, out=None, parts=("load", "train", "long")):
         loading=[],
         training=[],
         long_context=[],
+        attention=[],
     )
 
     def save():
@@ -459,6 +563,8 @@ def run(tiny=False, root=None, out=None, parts=("load", "train", "long")):
     steps = accelerator_steps.steps_of(tiny)
     with tempfile.TemporaryDirectory(dir=root) as folder:
         for shape, config in (("7b", GEMMA_7B), ("2b", GEMMA_2B)):
+            if not set(parts) & PRESET_PARTS[shape]:
+                continue
             path, results[f"save_{shape}_s"] = make_preset(
                 folder, f"gemma_{shape}_shape", TINY if tiny else config
             )
@@ -475,6 +581,8 @@ def run(tiny=False, root=None, out=None, parts=("load", "train", "long")):
             if shape == "2b" and "long" in parts:
                 _long_rows(path, folder, tiny, results, save)
             shutil.rmtree(path)
+    if "attention" in parts:
+        _attention_rows(tiny, results, save)
     save()
     return results
 
@@ -573,8 +681,41 @@ def render(results, predictions=None) -> str:
         )
     lines += _memory_table(results, predictions)
     lines += _long_table(results)
+    lines += _attention_table(results)
     lines += accelerator_targets.table(results, predictions)
     return "\n".join(lines) + "\n"
+
+
+def _attention_table(results) -> list[str]:
+    rows = results.get("attention") or []
+    if not rows:
+        return []
+    first = rows[0]
+    lines = [
+        "",
+        "### Attention alone (causal, bfloat16, forward and backward)",
+        "",
+        f"{first['heads']} query heads, {first['kv_heads']} key/value head, "
+        f"head_dim {first['head_dim']}, batch 1; the last `queries` of a "
+        "sequence of `keys` tokens. cudnn and xla: "
+        "`jax.nn.dot_product_attention`'s implementations over a whole "
+        "sequence; blockwise: the context axis' per-device attention (at "
+        "queries = keys / 8, one device's share of a context axis of 8).",
+        "",
+        "| variant | queries x keys | s | device peak | compile s | fused kernels |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        size = f"{r['queries']} x {r['keys']}"
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {size} | fails: {r['error']} | | | |")
+            continue
+        kernels = ", ".join(f"`{k}`" for k in r["fused"]) or "none"
+        lines.append(
+            f"| {r['variant']} | {size} | {r['step_s']:.4f} | "
+            f"{_gb(r.get('peak_bytes'))} | {r['compile_s']:.1f} | {kernels} |"
+        )
+    return lines
 
 
 def _long_table(results) -> list[str]:
@@ -676,8 +817,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tmp", default=None, help="where to write the presets")
     parser.add_argument(
         "--parts",
-        default="load,train,long",
-        help="comma-separated: load, train, long",
+        default="load,train,long,attention",
+        help="comma-separated: load, train, long, attention",
     )
     parser.add_argument(
         "--target", default="h200", help="whose committed predictions to report"
