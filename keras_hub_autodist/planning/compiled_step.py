@@ -388,7 +388,8 @@ def memory_of(compiled, **fields) -> CompiledMemory:
     Args:
         compiled: the result of `jax.jit(f).lower(...).compile()`.
         **fields: `batch_size`, `sequence_length`, `optimizer`, `devices`,
-            `platform`.
+            `platform`, and `padded_batch_size` when the batch compiled
+            differs from `batch_size`.
 
     Example:
     ```python
@@ -407,6 +408,8 @@ def memory_of(compiled, **fields) -> CompiledMemory:
         return int(getattr(analysis, name, 0) or 0)
 
     sizes = {field: read(name) for field, name in _ANALYSIS_FIELDS.items()}
+    # Unless said, the batch compiled is the one asked for.
+    fields.setdefault("padded_batch_size", fields.get("batch_size"))
     held = (
         sizes["argument_bytes"]
         + sizes["output_bytes"]
