@@ -143,24 +143,27 @@ def test_the_advice_proposes_only_steps_the_mesh_runs(
 ):
     # Before: on context=8 the advice proposed "1 x 4 tokens", which the
     # mesh refuses; and batches below the batch axis, which cost as much.
-    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], mesh)
+    # A LoRA fine-tune: the state is small, the activations count.
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], mesh, lora_rank=4)
     axes = plan.mesh_axes
     full = step_memory.step_estimate(plan, batch_size, sequence_length).total_bytes
     state = step_memory.step_estimate(plan, None, None).total_bytes
     proposed = []
     # Every budget between the state alone and the whole step.
-    for step in range(1, 41):
-        capacity = state + (full - state) * step // 40
-        tight = plan.replace(device_memory_bytes=capacity, lora_rank=4)
+    for step in range(1, 61):
+        capacity = state + (full - state) * step // 60
+        tight = plan.replace(device_memory_bytes=capacity)
         advice = tight.fit_advice(batch_size, sequence_length)
         for batch, sequence in _proposed_steps(advice, batch_size, sequence_length):
             proposed.append((batch, sequence))
-            # The mesh runs it (no SequenceLengthError) ...
+            # The mesh runs it: the context axis splits the sequence ...
+            assert sequence % axes.size(axes.context_axis) == 0, advice
             runs = step_shape.runnable_step(axes, batch, sequence)
             assert batch < batch_size or sequence < sequence_length
             # ... and a smaller batch is whole rows per device, not one the
             # mesh pads back to the size of a larger one.
             if batch < batch_size:
+                assert batch % axes.size(axes.batch_axis) == 0, advice
                 assert not runs.padded, (batch, advice)
             fits, _, _ = report.memory_verdict(tight, batch, sequence)
             assert fits, (batch, sequence, advice)
