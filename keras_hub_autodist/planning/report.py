@@ -215,7 +215,10 @@ def memory_verdict(
     plan.device_memory_bytes`, with the estimate and the verdict as a line.
 
     Without `batch_size` and `sequence_length` the estimate counts weights,
-    gradients and optimizer state alone, and the line says so.
+    gradients and optimizer state alone, and the line says so. With them it
+    is the step a bound `fit` runs (`step_shape.runnable_step`): a batch
+    the batch axis doesn't divide counts padded, and the line says so; a
+    sequence the context axis doesn't divide raises `SequenceLengthError`.
 
     Example:
     ```python
