@@ -23,10 +23,10 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 
+from keras_hub_autodist.cli_flags import as_flags
 from keras_hub_autodist.planning.device_memory import GIB
 from keras_hub_autodist.planning.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.planning.options import STRATEGY_CHOICES
@@ -341,6 +341,8 @@ def _answer(args) -> dict:
         lora_rank=args.lora_rank,
         remat=args.remat,
         num_devices=args.devices,
+        # `--mesh auto` chooses a batch axis that divides `--batch`.
+        batch_size=args.batch if args.mesh == "auto" else None,
     )
     memory = None
     if args.compiled:
@@ -383,6 +385,7 @@ def _answer(args) -> dict:
         "dtype": result.dtype,
         "optimizer": args.optimizer,
         "batch_size": args.batch,
+        "padded_batch_size": _padded_batch(result, args),
         "sequence_length": args.seq,
         "lora_rank": result.lora_rank,
         "remat": result.remat,
@@ -401,6 +404,16 @@ def _answer(args) -> dict:
     if memory is not None:
         answer["compiled_peak_bytes_per_device"] = memory.peak_bytes
     return {"text": "\n".join(lines), "json": answer}
+
+
+def _padded_batch(result, args) -> int | None:
+    """The batch a bound model runs for `--batch`: padded up to a multiple
+    of the batch axis (None without a step)."""
+    from keras_hub_autodist.planning.step_shape import runnable_step
+
+    if args.batch is None:
+        return None
+    return runnable_step(result.mesh_axes, args.batch, args.seq).rows
 
 
 def _check_step_flags(args) -> None:
@@ -426,8 +439,10 @@ def _check_step_flags(args) -> None:
 def _step_lines(result, args, estimate, platform, memory) -> str:
     """The closed-form estimate of the step, and the compiled check."""
     gib = GIB
+    padded = _padded_batch(result, args)
+    batch = f"{args.batch}" + (f" (padded to {padded})" if padded != args.batch else "")
     lines = [
-        f"training step, batch {args.batch} x {args.seq} tokens, "
+        f"training step, batch {batch} x {args.seq} tokens, "
         f"{args.optimizer}, estimated per device ({platform}): "
         f"{estimate.total_bytes / gib:.2f} GiB (weights "
         f"{estimate.weights / gib:.2f}, optimizer state "
@@ -481,60 +496,6 @@ def _prepare_environment() -> None:
     # (CUDA driver probes) from TensorFlow when keras-hub imports it.
     os.environ.setdefault("KERAS_BACKEND", "jax")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-
-# The options messages name as keywords (`errors.option`), and the flag
-# each is on this command.
-FLAGS = {
-    "batch_axis": "--batch-axis",
-    "model_axis": "--model-axis",
-    "context_axis": "--context-axis",
-    "strategy": "--strategy",
-    "dtype": "--dtype",
-    "device_memory": "--device-memory",
-    "lora_rank": "--lora-rank",
-    "remat": "--remat",
-    "devices": "--devices",
-    "num_devices": "--devices",
-    "device_mesh": "--mesh",
-}
-_KEYWORD = re.compile(r"`([a-z_]+)=([^`]*)`")
-# An option named bare, as a message's `Received: name=value` part names it.
-_BARE_KEYWORD = re.compile(r"(?<![\w`-])([a-z_]+)=")
-
-
-def as_flags(message: str) -> str:
-    """`message` with the options it names as keywords named as this
-    command's flags, in its advice and in its `Received:` part.
-
-    Example:
-    >>> as_flags("pass `batch_axis=`, e.g. `device_mesh={'batch': 1, 'model': 8}`")
-    'pass `--batch-axis`, e.g. `--mesh batch=1,model=8`'
-    >>> as_flags("Received: device_memory=0, preset='x'")
-    "Received: --device-memory 0, preset='x'"
-    """
-
-    def flag(match):
-        name, value = match.groups()
-        if name not in FLAGS:
-            return match.group(0)
-        if not value:
-            return f"`{FLAGS[name]}`"
-        if name == "device_mesh" and value.strip("'\"") != "auto":
-            sizes = re.findall(r"'(\w+)': (\d+)", value)
-            value = ",".join(f"{axis}={size}" for axis, size in sizes)
-        return f"`{FLAGS[name]} {value.strip(chr(39))}`"
-
-    def bare(match):
-        name = match.group(1)
-        return f"{FLAGS[name]} " if name in FLAGS else match.group(0)
-
-    advice, received, values = message.partition("Received:")
-    return (
-        _KEYWORD.sub(flag, advice)
-        + received
-        + _BARE_KEYWORD.sub(bare, _KEYWORD.sub(flag, values))
-    )
 
 
 def _one_line(error: BaseException) -> str:

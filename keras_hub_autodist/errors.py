@@ -78,7 +78,7 @@ class DeviceMeshTypeError(AutodistError, TypeError):
 def option(name: str, value: str | None = None) -> str:
     """How a message names option `name` (and its `value`): as the keyword
     argument, in backquotes. The CLI rewrites these into its flags
-    (`cli.as_flags`).
+    (`cli_flags.as_flags`).
 
     Args:
         name: the keyword argument, e.g. `"batch_axis"`.

@@ -33,7 +33,7 @@ def test_plan_options_are_the_planning_options():
 
 
 def test_plan_takes_the_planning_options():
-    assert _keywords(planner.plan, skip={"num_devices"}) == {
+    assert _keywords(planner.plan, skip={"num_devices", "batch_size"}) == {
         name: DECLARED[name] for name in options.PLANNING_KEYWORDS
     }
 

@@ -26,7 +26,7 @@ from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.planning.step_memory import OPTIMIZERS
 from keras_hub_autodist.planning.step_memory import check_lora_rank
-from keras_hub_autodist.planning.step_memory import check_sizes
+from keras_hub_autodist.planning.step_shape import runnable_step
 
 if TYPE_CHECKING:
     import keras
@@ -53,11 +53,14 @@ class CompiledMemory:
             `argument_bytes + output_bytes - alias_bytes + temp_bytes`
             (XLA's own `peak_memory_in_bytes` where the backend reports one
             that is larger).
-        batch_size: the global batch size compiled for.
+        batch_size: the global batch size asked for.
         sequence_length: tokens per sequence.
         optimizer: the optimizer's name.
         devices: the devices of the mesh.
         platform: the devices' platform (`"cpu"`, `"gpu"`, `"tpu"`).
+        padded_batch_size: the global batch compiled for: `batch_size`
+            padded to a multiple of the batch axis, as a bound `fit` pads
+            it (`None`: not said, taken as `batch_size`).
 
     Example:
     ```python
@@ -78,6 +81,7 @@ class CompiledMemory:
     optimizer: str
     devices: int
     platform: str
+    padded_batch_size: int | None = None
 
     def summary(self) -> str:
         """The check as a few lines of text, in MiB per device."""
@@ -85,10 +89,14 @@ class CompiledMemory:
         def mib(n):
             return f"{n / MIB:,.1f} MiB"
 
+        padded = self.padded_batch_size not in (None, self.batch_size)
+        batch = f"{self.batch_size}" + (
+            f" (padded to {self.padded_batch_size})" if padded else ""
+        )
         return "\n".join(
             [
                 f"compiled training step (XLA, {self.platform}, {self.devices} "
-                f"devices), batch {self.batch_size} x {self.sequence_length} "
+                f"devices), batch {batch} x {self.sequence_length} "
                 f"tokens, {self.optimizer}; per device:",
                 f"  arguments (weights, optimizer state, batch): "
                 f"{mib(self.argument_bytes)}",
@@ -128,16 +136,6 @@ def default_task_class(backbone_cls: type) -> type:
         )
     # The most general one: a subclass of a CausalLM (a variant) comes last.
     return min(found, key=lambda cls: len(cls.__mro__))
-
-
-def _check_sizes(batch_size, sequence_length, batch_axis_size) -> None:
-    check_sizes(batch_size, sequence_length, "compiled memory check")
-    if batch_size % batch_axis_size:
-        raise PlanError(
-            f"The batch is split over a batch axis of {batch_axis_size} "
-            f"devices; pass a batch_size that is a multiple of "
-            f"{batch_axis_size}. Received: batch_size={batch_size}"
-        )
 
 
 def _optimizer(optimizer):
@@ -292,8 +290,11 @@ def compiled_memory(
 
     Args:
         plan: a `LayoutPlan`.
-        batch_size: the global batch size, split over the batch axis.
-        sequence_length: tokens per sequence.
+        batch_size: the global batch size, split over the batch axis; one
+            that the batch axis doesn't divide is padded up to a multiple
+            of it, as a bound `fit` pads it.
+        sequence_length: tokens per sequence; the context axis, if any,
+            must divide it (`SequenceLengthError`, as `fit` raises).
         optimizer: `"adam"`, `"sgd"`, `"sgd_momentum"`, or a
             `keras.optimizers.Optimizer` (a copy is built; yours is left
             as it is).
@@ -321,9 +322,13 @@ def compiled_memory(
     import numpy as np
 
     mesh = _mesh_of(plan, device_mesh)
-    _check_sizes(batch_size, sequence_length, plan.mesh_axes.size(plan.batch_axis))
+    # The step a bound `fit` runs: the batch padded to the batch axis, a
+    # sequence the context axis doesn't divide refused.
+    runs = runnable_step(
+        plan.mesh_axes, batch_size, sequence_length, "compiled memory check"
+    )
     keras_optimizer, optimizer_name = _optimizer(optimizer)
-    tokens = jax.ShapeDtypeStruct((batch_size, sequence_length), np.int32)
+    tokens = jax.ShapeDtypeStruct((runs.rows, sequence_length), np.int32)
     build_batch = ({"token_ids": tokens, "padding_mask": tokens}, tokens)
     if lora_rank is None:
         lora_rank = plan.lora_rank
@@ -350,6 +355,7 @@ def compiled_memory(
     return memory_of(
         compiled,
         batch_size=batch_size,
+        padded_batch_size=runs.rows,
         sequence_length=sequence_length,
         optimizer=optimizer_name,
         devices=len(devices),
@@ -382,7 +388,8 @@ def memory_of(compiled, **fields) -> CompiledMemory:
     Args:
         compiled: the result of `jax.jit(f).lower(...).compile()`.
         **fields: `batch_size`, `sequence_length`, `optimizer`, `devices`,
-            `platform`.
+            `platform`, and `padded_batch_size` when the batch compiled
+            differs from `batch_size`.
 
     Example:
     ```python
@@ -401,6 +408,8 @@ def memory_of(compiled, **fields) -> CompiledMemory:
         return int(getattr(analysis, name, 0) or 0)
 
     sizes = {field: read(name) for field, name in _ANALYSIS_FIELDS.items()}
+    # Unless said, the batch compiled is the one asked for.
+    fields.setdefault("padded_batch_size", fields.get("batch_size"))
     held = (
         sizes["argument_bytes"]
         + sizes["output_bytes"]

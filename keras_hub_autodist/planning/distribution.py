@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import keras
 
 from keras_hub_autodist import compat
-from keras_hub_autodist.errors import SequenceLengthError
+from keras_hub_autodist.planning.step_shape import sequence_length_error
 
 # Set while a bound model decodes (`generate`).
 _DECODING = contextvars.ContextVar("keras_hub_autodist_decoding", default=False)
@@ -78,13 +78,14 @@ class ContextParallel(keras.distribution.ModelParallel):
             return layout
         length = data_shape[1]
         if length is not None and length % self.context_size:
-            raise SequenceLengthError(
-                f"The context axis {self.context_dim_name!r} splits each "
-                f"sequence over {self.context_size} devices, but a batch has "
-                f"{length} tokens per sequence. Use a sequence length that is "
-                f"a multiple of {self.context_size} (the preprocessor's "
-                "`sequence_length`), or a mesh whose context axis divides it. "
-                f"Received: a batch of shape {tuple(data_shape)}"
+            mesh = self.device_mesh
+            raise sequence_length_error(
+                dict(zip(mesh.axis_names, mesh.shape)),
+                self.batch_dim_name,
+                self.context_dim_name,
+                length,
+                change="a sequence length (the preprocessor's `sequence_length`)",
+                received=f"a batch of shape {tuple(data_shape)}",
             )
         axes = list(layout.axes)
         axes[1] = self.context_dim_name

@@ -77,7 +77,8 @@ def activation_bytes_per_device(
 
     Args:
         batch_size: the global batch size, split over the batch axis.
-        sequence_length: tokens per sequence.
+        sequence_length: tokens per sequence; a length the context axis
+            doesn't divide raises `SequenceLengthError`, as `fit` does.
         platform: `"cpu"` (default), `"gpu"` or `"tpu"`.
 
     Example:

@@ -67,6 +67,7 @@ def plan(
     sequence_parallel: bool = False,
     strict: bool = True,
     num_devices: int | None = None,
+    batch_size: int | None = None,
 ) -> LayoutPlan:
     """Plan the layout of a preset's weights on a device mesh.
 
@@ -126,6 +127,9 @@ def plan(
             (`UnplannedWeightWarning`) and is planned replicated.
         num_devices: with `device_mesh="auto"`, choose the mesh for this
             many devices without asking JAX (the CLI's `--devices`).
+        batch_size: with `device_mesh="auto"`, the global batch of the
+            training step planned for (the CLI's `--batch`): only a batch
+            axis that divides it is chosen, so that no row is padded.
 
     Returns:
         A `LayoutPlan`; `plan.fits` tells whether training fits.
@@ -150,7 +154,9 @@ def plan(
         strict=strict,
     )
     weights = model_weights(read_config(preset), options)
-    mesh = resolve_mesh(device_mesh, weights, options, num_devices=num_devices)
+    mesh = resolve_mesh(
+        device_mesh, weights, options, num_devices=num_devices, batch_size=batch_size
+    )
     return plan_model(weights, mesh, options)
 
 
@@ -197,6 +203,7 @@ def resolve_mesh(
     *,
     devices=None,
     num_devices: int | None = None,
+    batch_size: int | None = None,
 ) -> ResolvedMesh:
     """`device_mesh=` resolved once, into the mesh every later step takes.
 
@@ -216,6 +223,8 @@ def resolve_mesh(
         devices: the devices a mapping or `"auto"` lays out.
         num_devices: with `"auto"`, plan for this many devices without
             asking JAX.
+        batch_size: with `"auto"`, choose only a batch axis that divides
+            this global batch.
 
     Example:
     ```python
@@ -225,13 +234,15 @@ def resolve_mesh(
     ```
     """
     argument = read_device_mesh(device_mesh)
-    if num_devices is not None and not argument.auto:
-        raise MeshError(
-            f"{option('num_devices')} goes with "
-            f"{option('device_mesh', repr('auto'))}; a mesh given by axis "
-            "sizes has as many devices as their product. Received: "
-            f"num_devices={num_devices!r}, device_mesh={device_mesh!r}"
-        )
+    for name, value in (("num_devices", num_devices), ("batch_size", batch_size)):
+        if value is not None and not argument.auto:
+            raise MeshError(
+                f"{option(name)} goes with {option('device_mesh', repr('auto'))}, "
+                "which it helps choose; a mesh given by axis sizes has as many "
+                "devices as their product, and pads a batch its batch axis "
+                f"doesn't divide. Received: {name}={value!r}, "
+                f"device_mesh={device_mesh!r}"
+            )
     reason = ""
     if argument.auto:
         count = _device_count(num_devices)
@@ -242,7 +253,9 @@ def resolve_mesh(
                 devices = jax.devices()
             count = len(devices)
         capacity, source = device_memory_info(devices or (), options.device_memory)
-        shape, reason = _auto_mesh(model, options, count, capacity, source)
+        shape, reason = _auto_mesh(
+            model, options, count, capacity, source, _batch_size(batch_size)
+        )
         argument = read_device_mesh(shape)
     else:
         if argument.devices is not None:
@@ -265,6 +278,21 @@ def resolve_mesh(
         reason,
         argument.device_mesh,
     )
+
+
+def _batch_size(batch_size) -> int | None:
+    if batch_size is None:
+        return None
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, int)
+        or batch_size < 1
+    ):
+        raise MeshError(
+            "The batch the automatic mesh is chosen for is a positive integer "
+            f"or None. Received: batch_size={batch_size}"
+        )
+    return batch_size
 
 
 def _device_count(num_devices) -> int | None:
@@ -364,11 +392,13 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
 
 
 def _auto_mesh(
-    model, options, num_devices, capacity, source
+    model, options, num_devices, capacity, source, batch_size=None
 ) -> tuple[dict[str, int], str]:
     """The mesh `device_mesh="auto"` picks: every candidate's `"tp"` plan
     costed in one pass over the weights, then `policy.choose_mesh`."""
-    candidates = [resolve_mesh_axes(m) for m in policy.mesh_candidates(num_devices)]
+    candidates = [
+        resolve_mesh_axes(m) for m in policy.mesh_candidates(num_devices, batch_size)
+    ]
     alternatives = [
         Alternative(mesh_axes, "tp", kv_fallback)
         for mesh_axes in candidates
@@ -386,7 +416,7 @@ def _auto_mesh(
                 held[Alternative(mesh_axes, "tp", kv_fallback)],
             )
         )
-    return policy.choose_mesh(needs, num_devices, capacity, source)
+    return policy.choose_mesh(needs, num_devices, capacity, source, batch_size)
 
 
 def device_name(device_memory) -> str:

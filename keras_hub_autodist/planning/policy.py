@@ -210,13 +210,19 @@ def choose_strategy(
     )
 
 
-def mesh_candidates(num_devices: int) -> list[dict[str, int]]:
+def mesh_candidates(
+    num_devices: int, batch_size: int | None = None
+) -> list[dict[str, int]]:
     """The `{"batch": b, "model": n // b}` meshes over `num_devices`, the
-    largest batch axis first.
+    largest batch axis first; with `batch_size`, only those whose batch axis
+    divides it (a bound model would pad the batch to the batch axis, and
+    compute the padded rows for nothing).
 
     Example:
     >>> mesh_candidates(4)
     [{'batch': 4, 'model': 1}, {'batch': 2, 'model': 2}, {'batch': 1, 'model': 4}]
+    >>> mesh_candidates(4, batch_size=2)
+    [{'batch': 2, 'model': 2}, {'batch': 1, 'model': 4}]
     """
     divisors = set()
     for small in range(1, int(num_devices**0.5) + 1):
@@ -225,34 +231,44 @@ def mesh_candidates(num_devices: int) -> list[dict[str, int]]:
     return [
         {"batch": batch, "model": num_devices // batch}
         for batch in sorted(divisors, reverse=True)
+        if batch_size is None or batch_size % batch == 0
     ]
 
 
 def choose_mesh(
-    tp_training_bytes: list[int], num_devices: int, capacity: int, source: str
+    tp_training_bytes: list[int],
+    num_devices: int,
+    capacity: int,
+    source: str,
+    batch_size: int | None = None,
 ) -> tuple[dict[str, int], str]:
     """The mesh `device_mesh="auto"` picks, and why.
 
     The largest batch axis (the least tensor parallelism) whose `"tp"`
-    plan leaves room for activations; if none does, every device on the
-    model axis.
+    plan leaves room for activations, and that divides `batch_size` when
+    one is given; if none does, every device on the model axis.
 
     Args:
         tp_training_bytes: weights + gradients + Adam state per device under
-            `"tp"`, for each of `mesh_candidates(num_devices)` in order.
+            `"tp"`, for each of `mesh_candidates(num_devices, batch_size)`
+            in order.
         num_devices: how many devices the mesh spans.
         capacity: bytes of memory per device.
         source: where `capacity` comes from, for the reason.
+        batch_size: the global batch of the training step planned for, or
+            `None`.
 
     Example:
     >>> choose_mesh([8 * GIB, 4 * GIB], 2, 6 * GIB, "given")[0]
     {'batch': 1, 'model': 2}
     """
-    for mesh, need in zip(mesh_candidates(num_devices), tp_training_bytes):
+    dividing = "" if batch_size is None else f" that divides the batch of {batch_size}"
+    candidates = mesh_candidates(num_devices, batch_size)
+    for mesh, need in zip(candidates, tp_training_bytes):
         if leaves_room_for_activations(need, capacity):
             return mesh, (
-                f"auto over {counted(num_devices, 'device')}: the largest batch axis "
-                f"whose tp plan fits {_budget(capacity, source)}"
+                f"auto over {counted(num_devices, 'device')}: the largest batch axis"
+                f"{dividing} whose tp plan fits {_budget(capacity, source)}"
             )
     return {"batch": 1, "model": num_devices}, (
         f"auto over {counted(num_devices, 'device')}: no tp plan fits "

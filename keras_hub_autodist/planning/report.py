@@ -13,6 +13,7 @@ from keras_hub_autodist.errors import option
 from keras_hub_autodist.planning import memory
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning import step_memory
+from keras_hub_autodist.planning import step_shape
 from keras_hub_autodist.planning.device_memory import DEVICE_MEMORY_ENV
 from keras_hub_autodist.planning.device_memory import DEVICE_MEMORY_GB_ENV
 from keras_hub_autodist.planning.device_memory import MEMORY_ASSUMED
@@ -53,6 +54,10 @@ def memory_note(plan: PlanRecord) -> str:
     return "given"
 
 
+# How the advice names the compiled check (the CLI names its flag instead).
+COMPILED_CHECK = (
+    "`keras_hub_autodist.compiled_memory(plan, batch_size, sequence_length)`"
+)
 # The LoRA rank the advice proposes (keras-hub's examples use 4).
 ADVISED_LORA_RANK = 4
 
@@ -71,6 +76,9 @@ def fit_advice(
     many more devices the model axis needs. Last, how to check the estimate
     by compiling.
     """
+    if batch_size is not None or sequence_length is not None:
+        # A step the mesh refuses has no advice but the refusal.
+        step_shape.runnable_step(plan.mesh_axes, batch_size, sequence_length)
     capacity = plan.device_memory_bytes
 
     def need(**changes):
@@ -118,7 +126,7 @@ def fit_advice(
         context = _context_mesh(plan, need, capacity, sequence_length)
         if context:
             advice.append(context)
-        smaller = _smaller_step(need, capacity, batch_size, sequence_length)
+        smaller = _smaller_step(plan, need, capacity, batch_size, sequence_length)
         if smaller:
             advice.append(smaller)
     if plan.dtype in ("float32", "float64") and need(scale=0.5) <= capacity:
@@ -137,11 +145,7 @@ def fit_advice(
             f"if your devices have more than "
             f"{format_bytes(capacity)}, say so with {option('device_memory')}"
         )
-    advice.append(
-        "check this estimate against the compiled step: "
-        "`keras_hub_autodist.compiled_memory(plan, batch_size, sequence_length)` "
-        "(`plan ... --batch B --seq S --compiled` on the command line)"
-    )
+    advice.append(f"check this estimate against the compiled step: {COMPILED_CHECK}")
     return advice
 
 
@@ -179,18 +183,24 @@ def _context_mesh(plan: PlanRecord, need, capacity, sequence_length) -> str:
     return ""
 
 
-def _smaller_step(need, capacity, batch_size, sequence_length) -> str:
-    """The largest halving of the batch, else of the sequence, that fits."""
-    batch = batch_size
-    while batch > 1:
-        batch //= 2
+def _smaller_step(plan: PlanRecord, need, capacity, batch_size, sequence_length) -> str:
+    """The largest about-halving of the batch, else of the sequence, that
+    fits and that the mesh runs: a batch of whole rows per device of the
+    batch axis (a smaller one is padded to that), a sequence the context
+    axis divides (`step_shape.runnable_batches`, `runnable_lengths`)."""
+    axes = plan.mesh_axes
+    for batch in step_shape.runnable_batches(axes, batch_size):
         if need(batch_size=batch) <= capacity:
-            return f"a smaller batch: {batch} sequences of {sequence_length} tokens"
-    sequence = sequence_length
-    while sequence > 1:
-        sequence //= 2
+            return (
+                f"a smaller batch: {batch} sequences of {sequence_length} tokens "
+                f"({option('batch_size', str(batch))})"
+            )
+    for sequence in step_shape.runnable_lengths(axes, sequence_length):
         if need(sequence_length=sequence) <= capacity:
-            return f"shorter sequences: {batch_size} x {sequence} tokens"
+            return (
+                f"shorter sequences: {batch_size} x {sequence} tokens "
+                f"({option('sequence_length', str(sequence))})"
+            )
     return ""
 
 
@@ -205,7 +215,10 @@ def memory_verdict(
     plan.device_memory_bytes`, with the estimate and the verdict as a line.
 
     Without `batch_size` and `sequence_length` the estimate counts weights,
-    gradients and optimizer state alone, and the line says so.
+    gradients and optimizer state alone, and the line says so. With them it
+    is the step a bound `fit` runs (`step_shape.runnable_step`): a batch
+    the batch axis doesn't divide counts padded, and the line says so; a
+    sequence the context axis doesn't divide raises `SequenceLengthError`.
 
     Example:
     ```python
@@ -219,7 +232,8 @@ def memory_verdict(
     fits = estimate.total_bytes <= capacity
     training = f"LoRA rank {plan.lora_rank} fine-tune" if plan.lora_rank else "training"
     what = (
-        f"{training} step of {batch_size} x {sequence_length} tokens with {optimizer}"
+        f"{training} step of {_step_text(plan, batch_size, sequence_length)} "
+        f"with {optimizer}"
         if estimate.covers == step_memory.STEP
         else f"{training} with {optimizer}, weights+grads+optimizer state only "
         "(no activations: give a batch and sequence length to count them)"
@@ -246,6 +260,19 @@ def memory_verdict(
             )
         )
     return fits, estimate, line
+
+
+def _step_text(plan: PlanRecord, batch_size: int, sequence_length: int) -> str:
+    """`"8 x 2048 tokens"`, and the padded batch a bound model runs when the
+    batch axis doesn't divide the batch."""
+    step = step_shape.runnable_step(plan.mesh_axes, batch_size, sequence_length)
+    padded = (
+        f" (padded to {step.rows} sequences, a multiple of the "
+        f"{plan.mesh_axes.size(plan.batch_axis)} devices of the batch axis)"
+        if step.padded
+        else ""
+    )
+    return f"{batch_size} x {sequence_length} tokens{padded}"
 
 
 def summary(plan: PlanRecord) -> str:

@@ -63,6 +63,7 @@ from keras_hub_autodist.planning.memory_factors import FLOAT32_ACTIVATIONS
 from keras_hub_autodist.planning.memory_factors import FLOAT32_BYTES
 from keras_hub_autodist.planning.memory_factors import UPDATE_TEMPORARIES
 from keras_hub_autodist.planning.memory_factors import WEIGHT_TERMS
+from keras_hub_autodist.planning.step_shape import runnable_step
 from keras_hub_autodist.reading.dtypes import ITEMSIZES
 from keras_hub_autodist.reading.dtypes import itemsize
 
@@ -289,19 +290,6 @@ STEP = "step"
 STATE_ONLY = "state only"
 
 
-def check_sizes(batch_size, sequence_length, what: str = "memory estimate") -> None:
-    """Raise `PlanError` unless both sizes are positive integers."""
-    for name, value in (
-        ("batch_size", batch_size),
-        ("sequence_length", sequence_length),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(
-                f"`{name}` must be a positive integer for the {what}. "
-                f"Received: {name}={value!r}"
-            )
-
-
 def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, float]:
     """Elements per device of each term of `ACTIVATION_FACTORS`, unweighted
     (bytes for the terms of weights: `WEIGHT_TERMS`).
@@ -311,7 +299,9 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     activation_terms(plan, 8, 2048)["scores"]  # b·H·s² / shards of H
     ```
     """
-    check_sizes(batch_size, sequence_length)
+    # The step a bound model runs: refused unless the context axis divides
+    # the sequence; the batch padded to a multiple of the batch axis.
+    step = runnable_step(plan.mesh_axes, batch_size, sequence_length)
     axes = plan.mesh_axes
     parallel = {"vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"}
 
@@ -345,9 +335,8 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         )
     output = vocab[-1]
     layers = _num_blocks(plan)
-    # A bound model pads a batch to a multiple of the batch axis: each
-    # device holds at least one whole sequence.
-    b = math.ceil(batch_size / axes.size(axes.batch_axis))
+    # Each device of the batch axis holds its share of the padded batch.
+    b = step.rows // axes.size(axes.batch_axis)
     # With a context axis each device holds its block of every sequence;
     # only the keys and values are gathered whole for attention.
     s = sequence_length / axes.size(axes.context_axis)
