@@ -1,0 +1,227 @@
+"""Attention over blocks of keys, with an online softmax: memory linear in
+the sequence.
+
+One device's queries attend to a sequence of keys and values one block of
+keys at a time, keeping a running maximum, denominator and weighted sum per
+query (the online softmax of flash attention). Nothing holds more than one
+`[queries, key block]` block of scores. The backward pass is written out too
+(`jax.custom_vjp`): it recomputes each block's probabilities from the saved
+softmax maximum and sum, so that XLA can't keep every block's scores for the
+gradient (left to autodiff, XLA on CPU merges the recomputation back into
+the whole score matrix).
+
+The masking is keras' `Softmax(mask=...)`: a masked score is replaced by
+`-1e9` (`MASKED_SCORE`), not dropped, so a query with no key to attend gets
+keras' answer (equal weights over every key), and every other query gets
+exactly zero weight on its masked keys. A key is masked when it is padding,
+after the query (causal), or `window` or more positions before it (sliding
+windows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# keras' `Softmax` puts this in place of each masked score (float32).
+MASKED_SCORE = -1e9
+
+# Keys per block: the scores held at once are `[batch, heads, queries,
+# KEY_BLOCK]` in float32.
+KEY_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionRule:
+    """What a query may attend to, and how its scores are formed.
+
+    Args:
+        scale: the factor on each query before the dot product.
+        soft_cap: `cap · tanh(score / cap)` on each score, or `None`.
+        window: a key `window` or more positions before its query is
+            masked (sliding-window attention), or `None`.
+        causal: a key after its query is masked.
+        key_block: keys per block.
+    """
+
+    scale: float
+    soft_cap: float | None = None
+    window: int | None = None
+    causal: bool = True
+    key_block: int = KEY_BLOCK
+
+
+def key_block_size(length: int, most: int) -> int:
+    """The largest divisor of `length` that is at most `most`.
+
+    Example:
+    >>> key_block_size(4096, 512), key_block_size(24, 16)
+    (512, 12)
+    """
+    for size in range(min(length, most), 0, -1):
+        if length % size == 0:
+            return size
+    return length
+
+
+def _allowed(rule, query_positions, key_positions, key_valid):
+    """`[batch, 1, 1, queries, keys]`: which scores count."""
+    allowed = key_valid[:, None, None, None, :]
+    distance = query_positions[:, None] - key_positions[None, :]
+    if rule.causal:
+        allowed = allowed & (distance >= 0)
+    if rule.window is not None:
+        allowed = allowed & (distance < rule.window)
+    return allowed
+
+
+def _scores(rule, scaled_queries, keys):
+    """Raw scores `[batch, kv_heads, groups, queries, keys]` and the capped
+    ones (the same without a soft cap)."""
+    raw = jnp.einsum("btkgd,bskd->bkgts", scaled_queries, keys)
+    if rule.soft_cap is None:
+        return raw, raw
+    return raw, rule.soft_cap * jnp.tanh(raw / rule.soft_cap)
+
+
+def _blocks(array, size):
+    """`[batch, sequence, ...]` -> `[blocks, batch, size, ...]`."""
+    batch, length = array.shape[:2]
+    blocked = array.reshape(batch, length // size, size, *array.shape[2:])
+    return jnp.moveaxis(blocked, 1, 0)
+
+
+def _unblocks(blocked):
+    """The inverse of `_blocks`."""
+    array = jnp.moveaxis(blocked, 0, 1)
+    return array.reshape(array.shape[0], -1, *array.shape[3:])
+
+
+def _forward(rule, queries, keys, values, query_positions, key_positions, key_valid):
+    """The output `[batch, queries, kv_heads, groups, head_dim]` (float32),
+    and each query's highest score and sum of `exp(score - highest)`: kept
+    apart, as a log-sum-exp near `MASKED_SCORE` would lose the sum's log
+    to rounding (a query with every key masked)."""
+    size = key_block_size(keys.shape[1], rule.key_block)
+    scaled = queries.astype(jnp.float32) * rule.scale
+    batch, length, kv_heads, groups, _ = queries.shape
+    shape = (batch, kv_heads, groups, length)
+    start = (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, values.shape[-1]), jnp.float32),
+    )
+
+    def step(carry, block):
+        high, total, weighted = carry
+        key, value, positions, valid = block
+        _, scores = _scores(rule, scaled, key.astype(jnp.float32))
+        allowed = _allowed(rule, query_positions, positions, valid)
+        scores = jnp.where(allowed, scores, MASKED_SCORE)
+        new_high = jnp.maximum(high, scores.max(axis=-1))
+        weights = jnp.exp(scores - new_high[..., None])
+        decay = jnp.exp(high - new_high)
+        total = total * decay + weights.sum(axis=-1)
+        weighted = weighted * decay[..., None] + jnp.einsum(
+            "bkgts,bskd->bkgtd", weights, value.astype(jnp.float32)
+        )
+        return (new_high, total, weighted), None
+
+    blocks = (
+        _blocks(keys, size),
+        _blocks(values, size),
+        key_positions.reshape(-1, size),
+        _blocks(key_valid, size),
+    )
+    (high, total, weighted), _ = jax.lax.scan(step, start, blocks)
+    output = weighted / total[..., None]
+    return jnp.einsum("bkgtd->btkgd", output), (high, total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def blockwise_attention(
+    rule, queries, keys, values, query_positions, key_positions, key_valid
+):
+    """Attention of `queries` to `keys` and `values`, one key block at a time.
+
+    Args:
+        rule: the `AttentionRule`.
+        queries: `[batch, queries, kv_heads, groups, head_dim]`; query head
+            `k · groups + g` attends with key/value head `k`.
+        keys: `[batch, keys, kv_heads, head_dim]`.
+        values: as `keys`.
+        query_positions: `[queries]` int32, each query's place in the
+            sequence.
+        key_positions: `[keys]` int32, each key's.
+        key_valid: `[batch, keys]` bool, `False` on padding.
+
+    Returns:
+        `[batch, queries, kv_heads, groups, head_dim]` in the queries' dtype.
+    """
+    output, _ = _forward(
+        rule, queries, keys, values, query_positions, key_positions, key_valid
+    )
+    return output.astype(queries.dtype)
+
+
+def _attention_forward(
+    rule, queries, keys, values, query_positions, key_positions, key_valid
+):
+    output, softmax_sums = _forward(
+        rule, queries, keys, values, query_positions, key_positions, key_valid
+    )
+    saved = (queries, keys, values, query_positions, key_positions, key_valid)
+    return output.astype(queries.dtype), (saved, output, softmax_sums)
+
+
+def _attention_backward(rule, residuals, output_grad):
+    """Flash attention's backward pass, one key block at a time: each
+    block's probabilities come back from the saved maximum and sum."""
+    saved, output, (high, total) = residuals
+    queries, keys, values, query_positions, key_positions, key_valid = saved
+    size = key_block_size(keys.shape[1], rule.key_block)
+    scaled = queries.astype(jnp.float32) * rule.scale
+    output_grad = output_grad.astype(jnp.float32)
+    # Each query's sum of output x its gradient: softmax's correction term.
+    correction = jnp.einsum("btkgd,btkgd->bkgt", output_grad, output)
+
+    def step(query_grad, block):
+        key, value, positions, valid = block
+        key, value = key.astype(jnp.float32), value.astype(jnp.float32)
+        raw, scores = _scores(rule, scaled, key)
+        allowed = _allowed(rule, query_positions, positions, valid)
+        scores = jnp.where(allowed, scores, MASKED_SCORE)
+        weights = jnp.exp(scores - high[..., None]) / total[..., None]
+        value_grad = jnp.einsum("bkgts,btkgd->bskd", weights, output_grad)
+        weight_grad = jnp.einsum("btkgd,bskd->bkgts", output_grad, value)
+        score_grad = weights * (weight_grad - correction[..., None])
+        # A masked score is a constant: no gradient flows through it.
+        score_grad = jnp.where(allowed, score_grad, 0.0)
+        if rule.soft_cap is not None:
+            score_grad = score_grad * (1 - jnp.tanh(raw / rule.soft_cap) ** 2)
+        query_grad = query_grad + jnp.einsum("bkgts,bskd->btkgd", score_grad, key)
+        key_grad = jnp.einsum("bkgts,btkgd->bskd", score_grad, scaled)
+        return query_grad, (key_grad, value_grad)
+
+    blocks = (
+        _blocks(keys, size),
+        _blocks(values, size),
+        key_positions.reshape(-1, size),
+        _blocks(key_valid, size),
+    )
+    start = jnp.zeros(queries.shape, jnp.float32)
+    query_grad, (key_grads, value_grads) = jax.lax.scan(step, start, blocks)
+    return (
+        (query_grad * rule.scale).astype(queries.dtype),
+        _unblocks(key_grads).astype(keys.dtype),
+        _unblocks(value_grads).astype(values.dtype),
+        None,
+        None,
+        None,
+    )
+
+
+blockwise_attention.defvjp(_attention_forward, _attention_backward)

@@ -1,0 +1,217 @@
+"""Attention run per device under `jax.shard_map` on a context mesh.
+
+Each device holds a block of every sequence. Its attention layers project
+queries, keys and values on that block; here each device then all-gathers
+the keys and values over the context axis (MaxText's `all_gather`
+strategy) and attends its block of queries to the whole sequence with
+`blockwise_attention`, one block of keys at a time. The keys and values are
+gathered per key/value head, before any repeat to the query heads, so the
+gathers move `2 · sequence · kv_heads · head_dim` values per layer, and no
+device holds more than one `[queries, key block]` block of scores: memory
+linear in the sequence.
+
+Positions are the sequence's own: a device's queries are its block's,
+`block · index + arange(block)`, its keys the whole sequence's. RoPE was
+applied by the layer before, on each device's block, at those positions.
+The masks are rebuilt per block from the rule of the layer's family
+(`compat_attention.attention_reading`): causal, the key padding read off the
+decoder block's mask (its diagonal: a token always sees itself unless it is
+padding), and sliding windows.
+
+`install_per_device_attention` replaces `_compute_attention` on each known
+attention layer of a context-parallel model (`compat.patch_instance`, the
+`attention_per_device` patch). The replacement takes the layer's own path
+while decoding, with a cache, for dropout on the attention weights, or
+outside a `ContextParallel` scope.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import keras
+from jax.sharding import PartitionSpec
+
+from keras_hub_autodist import compat
+from keras_hub_autodist import compat_attention
+from keras_hub_autodist.planning import distribution as distribution_lib
+from keras_hub_autodist.planning.blockwise_attention import AttentionRule
+from keras_hub_autodist.planning.blockwise_attention import blockwise_attention
+
+# The context-parallel strategies implemented: each device gathers the
+# whole sequence's keys and values before attending.
+STRATEGIES = ("all_gather",)
+
+
+def install_per_device_attention(model, plan) -> int:
+    """Replace `_compute_attention` on every known keras-hub attention layer
+    of `model` with the attention run per device; return how many layers
+    changed (0 without a context axis of more than one device).
+
+    Args:
+        model: a keras-hub Backbone or Task, built.
+        plan: its `LayoutPlan`.
+    """
+    axes = plan.mesh_axes
+    if axes.size(axes.context_axis) <= 1:
+        return 0
+    model_axis = axes.model_axis if axes.size(axes.model_axis) > 1 else None
+    changed = 0
+    for layer in compat.sublayers(model):
+        reading = compat_attention.attention_reading(layer)
+        if reading is None:
+            continue
+        method = compat_attention.COMPUTE_ATTENTION_METHOD
+        replacement = functools.partial(
+            _compute_attention,
+            getattr(layer, method),
+            reading,
+            model_axis,
+        )
+        compat.patch_instance("attention_per_device", layer, method, replacement)
+        changed += 1
+    return changed
+
+
+def _argument(args, kwargs, index, name, default):
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+def _compute_attention(original, reading, model_axis, *args, **kwargs):
+    """A layer's `_compute_attention(q, k, v, attention_mask, ...)`, per
+    device when it can be, else the layer's own."""
+    query, key, value = args[:3]
+    mask = _argument(args, kwargs, 3, "attention_mask", None)
+    training = _argument(args, kwargs, 4, "training", False)
+    cache_index = _argument(args, kwargs, 5, "cache_update_index", 0)
+    distribution = keras.distribution.distribution()
+    own_path = (
+        not isinstance(distribution, distribution_lib.ContextParallel)
+        or distribution_lib.is_decoding()
+        or not (isinstance(cache_index, int) and cache_index == 0)
+        or query.shape[1] != key.shape[1]
+        or (reading.dropout and training is not False)
+    )
+    if own_path:
+        return original(*args, **kwargs)
+    if reading.repeats > 1:
+        # The layer repeated each key/value head to its query heads: take
+        # one of each (the repeat is local to each device's block).
+        key, value = key[:, :, :: reading.repeats], value[:, :, :: reading.repeats]
+    rule = AttentionRule(
+        scale=reading.scale,
+        soft_cap=reading.soft_cap,
+        window=reading.window,
+        causal=mask is not None,
+    )
+    return attention_per_device(
+        rule,
+        query,
+        key,
+        value,
+        key_padding(mask, query.shape[0], key.shape[1]),
+        mesh=distribution.device_mesh.backend_mesh,
+        batch_axis=distribution.batch_dim_name,
+        context_axis=distribution.context_dim_name,
+        model_axis=model_axis,
+    )
+
+
+def key_padding(mask, batch: int, length: int):
+    """`[batch, keys]` bool: the keys that are not padding, read off the
+    diagonal of a decoder block's `[batch, queries, keys]` mask (all keys
+    without a mask). A nonzero non-boolean mask entry counts as keras'
+    `Softmax` counts it (above 0.5)."""
+    if mask is None:
+        return jnp.ones((batch, length), bool)
+    diagonal = jnp.diagonal(jnp.asarray(mask), axis1=1, axis2=2)
+    if diagonal.dtype == jnp.bool_:
+        return diagonal
+    return diagonal > 0.5
+
+
+def _axis_sizes(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def attention_per_device(
+    rule: AttentionRule,
+    query,
+    key,
+    value,
+    key_valid,
+    *,
+    mesh,
+    batch_axis: str,
+    context_axis: str,
+    model_axis: str | None = None,
+):
+    """Attention of a whole batch on a context mesh, each device attending
+    its block of queries to the keys and values gathered over the context
+    axis.
+
+    Args:
+        rule: the `AttentionRule`.
+        query: `[batch, sequence, heads, head_dim]`.
+        key: `[batch, sequence, kv_heads, head_dim]`, one per key/value
+            head; query head `h` attends with key/value head
+            `h // (heads // kv_heads)`.
+        value: as `key`.
+        key_valid: `[batch, sequence]` bool, `False` on padding.
+        mesh: the `jax.sharding.Mesh`.
+        batch_axis: the mesh axis of the batch.
+        context_axis: the mesh axis that splits each sequence.
+        model_axis: the mesh axis of the heads, or `None`.
+
+    Returns:
+        `[batch, sequence, heads, head_dim]`, split as `query`.
+    """
+    batch, _, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    groups = heads // kv_heads
+    sizes = _axis_sizes(mesh)
+    batch_spec = batch_axis if batch % sizes.get(batch_axis, 1) == 0 else None
+    models = sizes.get(model_axis, 1)
+    heads_axis = model_axis if models > 1 and heads % models == 0 else None
+    local_heads = heads // models if heads_axis else heads
+    kv_axis = heads_axis if heads_axis and kv_heads % models == 0 else None
+    if heads_axis and not kv_axis and groups % local_heads:
+        # A device's query heads would straddle two key/value heads.
+        heads_axis, local_heads = None, heads
+    # Replicated over the model axis: each device slices its own head out.
+    slice_kv = heads_axis is not None and kv_axis is None
+
+    def local(query, key, value, key_valid):
+        key = jax.lax.all_gather(key, context_axis, axis=1, tiled=True)
+        value = jax.lax.all_gather(value, context_axis, axis=1, tiled=True)
+        block = query.shape[1]
+        start = jax.lax.axis_index(context_axis) * block
+        query_positions = start + jnp.arange(block, dtype=jnp.int32)
+        key_positions = jnp.arange(key.shape[1], dtype=jnp.int32)
+        if slice_kv:
+            first = jax.lax.axis_index(heads_axis) * local_heads // groups
+            key = jax.lax.dynamic_slice_in_dim(key, first, 1, axis=2)
+            value = jax.lax.dynamic_slice_in_dim(value, first, 1, axis=2)
+        shape = query.shape
+        grouped = query.reshape(
+            *shape[:2], key.shape[2], shape[2] // key.shape[2], head_dim
+        )
+        output = blockwise_attention(
+            rule, grouped, key, value, query_positions, key_positions, key_valid
+        )
+        return output.reshape(shape)
+
+    query_spec = PartitionSpec(batch_spec, context_axis, heads_axis, None)
+    kv_spec = PartitionSpec(batch_spec, context_axis, kv_axis, None)
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(query_spec, kv_spec, kv_spec, PartitionSpec(batch_spec, None)),
+        out_specs=query_spec,
+        check_vma=False,
+    )
+    return mapped(query, key, value, key_valid)
