@@ -33,6 +33,10 @@ MASKED_SCORE = -1e9
 # KEY_BLOCK]` in float32.
 KEY_BLOCK = 512
 
+# The planner's architectures whose attention layers run per device on a
+# context mesh (`compat_attention` reads their layers).
+PER_DEVICE_ARCHITECTURES = ("gemma", "gemma3", "llama", "mistral")
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionRule:
