@@ -104,22 +104,53 @@ def _unblocks(blocked):
     return array.reshape(array.shape[0], -1, *array.shape[3:])
 
 
+def _skipped(rule, query_positions, key_positions):
+    """Whether every score of these queries and keys is masked by position
+    (after every query, or out of every query's window): such a key block
+    is skipped. Padding never skips a block."""
+    skipped = jnp.asarray(False)
+    if rule.causal:
+        skipped = skipped | (key_positions.min() > query_positions.max())
+    if rule.window is not None:
+        distance = query_positions.min() - key_positions.max()
+        skipped = skipped | (distance >= rule.window)
+    return skipped
+
+
+def rows_with_a_key(rule, query_positions, key_valid):
+    """`[batch, queries]` bool: whether a query has any key to attend, the
+    keys being the whole sequence in order (`key_valid[:, j]` is position
+    `j`'s). keras gives a query without one equal weights over every key:
+    the skipped blocks too, so those queries are answered apart."""
+    length = key_valid.shape[1]
+    counts = jnp.cumsum(key_valid.astype(jnp.int32), axis=1)
+    # Valid keys before position j: counts_before[:, j].
+    counts_before = jnp.pad(counts, ((0, 0), (1, 0)))
+    end = query_positions + 1 if rule.causal else jnp.full_like(query_positions, length)
+    begin = jnp.zeros_like(query_positions)
+    if rule.window is not None:
+        begin = jnp.maximum(query_positions - rule.window + 1, 0)
+    end = jnp.clip(end, 0, length)
+    return (counts_before[:, end] - counts_before[:, begin]) > 0
+
+
 def _forward(rule, queries, keys, values, query_positions, key_positions, key_valid):
     """The output `[batch, queries, kv_heads, groups, head_dim]` (float32),
     and each query's highest score and sum of `exp(score - highest)`: kept
     apart, as a log-sum-exp near `MASKED_SCORE` would lose the sum's log
-    to rounding (a query with every key masked)."""
+    to rounding. Key blocks masked by position are skipped; a query with
+    no key at all gets the mean of every value (keras' equal weights)."""
     size = key_block_size(keys.shape[1], rule.key_block)
     scaled = queries.astype(jnp.float32) * rule.scale
     batch, length, kv_heads, groups, _ = queries.shape
     shape = (batch, kv_heads, groups, length)
     start = (
-        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.full(shape, MASKED_SCORE, jnp.float32),
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, values.shape[-1]), jnp.float32),
     )
 
-    def step(carry, block):
+    def attend(carry, block):
         high, total, weighted = carry
         key, value, positions, valid = block
         _, scores = _scores(rule, scaled, key.astype(jnp.float32))
@@ -132,7 +163,11 @@ def _forward(rule, queries, keys, values, query_positions, key_positions, key_va
         weighted = weighted * decay[..., None] + jnp.einsum(
             "bkgts,bskd->bkgtd", weights, value.astype(jnp.float32)
         )
-        return (new_high, total, weighted), None
+        return new_high, total, weighted
+
+    def step(carry, block):
+        skipped = _skipped(rule, query_positions, block[2])
+        return jax.lax.cond(skipped, lambda c, b: c, attend, carry, block), None
 
     blocks = (
         _blocks(keys, size),
@@ -141,7 +176,11 @@ def _forward(rule, queries, keys, values, query_positions, key_positions, key_va
         _blocks(key_valid, size),
     )
     (high, total, weighted), _ = jax.lax.scan(step, start, blocks)
-    output = weighted / total[..., None]
+    has_key = rows_with_a_key(rule, query_positions, key_valid)[:, None, None, :]
+    mean = values.astype(jnp.float32).mean(axis=1)[:, :, None, None, :]
+    output = jnp.where(
+        has_key[..., None], weighted / jnp.where(has_key, total, 1)[..., None], mean
+    )
     return jnp.einsum("bkgtd->btkgd", output), (high, total)
 
 
@@ -192,13 +231,19 @@ def _attention_backward(rule, residuals, output_grad):
     # Each query's sum of output x its gradient: softmax's correction term.
     correction = jnp.einsum("btkgd,btkgd->bkgt", output_grad, output)
 
-    def step(query_grad, block):
+    rows = rows_with_a_key(rule, query_positions, key_valid)
+    has_key = rows[:, None, None, :]
+    total = jnp.where(has_key, total, 1)
+
+    def attend(query_grad, block):
         key, value, positions, valid = block
         key, value = key.astype(jnp.float32), value.astype(jnp.float32)
         raw, scores = _scores(rule, scaled, key)
         allowed = _allowed(rule, query_positions, positions, valid)
         scores = jnp.where(allowed, scores, MASKED_SCORE)
         weights = jnp.exp(scores - high[..., None]) / total[..., None]
+        # A query without a key took the mean of the values: below.
+        weights = jnp.where(has_key[..., None], weights, 0.0)
         value_grad = jnp.einsum("bkgts,btkgd->bskd", weights, output_grad)
         weight_grad = jnp.einsum("btkgd,bskd->bkgts", output_grad, value)
         score_grad = weights * (weight_grad - correction[..., None])
@@ -210,6 +255,14 @@ def _attention_backward(rule, residuals, output_grad):
         key_grad = jnp.einsum("bkgts,btkgd->bskd", score_grad, scaled)
         return query_grad, (key_grad, value_grad)
 
+    def skip(query_grad, block):
+        zeros = jnp.zeros(block[0].shape, jnp.float32)
+        return query_grad, (zeros, zeros)
+
+    def step(query_grad, block):
+        skipped = _skipped(rule, query_positions, block[2])
+        return jax.lax.cond(skipped, skip, attend, query_grad, block)
+
     blocks = (
         _blocks(keys, size),
         _blocks(values, size),
@@ -218,10 +271,13 @@ def _attention_backward(rule, residuals, output_grad):
     )
     start = jnp.zeros(queries.shape, jnp.float32)
     query_grad, (key_grads, value_grads) = jax.lax.scan(step, start, blocks)
+    # The mean of the values, for the queries without a key.
+    keyless = jnp.einsum("btkgd,bt->bkd", output_grad, 1.0 - rows.astype(jnp.float32))
+    value_grad = _unblocks(value_grads) + keyless[:, None] / keys.shape[1]
     return (
         (query_grad * rule.scale).astype(queries.dtype),
         _unblocks(key_grads).astype(keys.dtype),
-        _unblocks(value_grads).astype(values.dtype),
+        value_grad.astype(values.dtype),
         None,
         None,
         None,
