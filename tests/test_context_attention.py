@@ -27,7 +27,8 @@ RULES = [
 
 
 def whole_matrix(rule, q, k, v, query_positions, key_positions, valid):
-    """Keras' attention: every score at once, masked scores set to -1e9."""
+    """Keras' attention: every score at once, masked scores set to -1e9 and
+    their weights to zero after the softmax (keras' `Softmax(mask=...)`)."""
     scores = jnp.einsum("btkgd,bskd->bkgts", q * rule.scale, k)
     if rule.soft_cap:
         scores = rule.soft_cap * jnp.tanh(scores / rule.soft_cap)
@@ -38,6 +39,7 @@ def whole_matrix(rule, q, k, v, query_positions, key_positions, valid):
     if rule.window:
         allowed = allowed & (distance < rule.window)
     weights = jax.nn.softmax(jnp.where(allowed, scores, MASKED_SCORE), axis=-1)
+    weights = jnp.where(allowed, weights, 0.0)
     return jnp.einsum("bkgts,bskd->btkgd", weights, v)
 
 
@@ -49,10 +51,11 @@ def test_blockwise_attention_and_its_gradients_equal_the_whole_matrix(rule):
     k = jnp.asarray(rng.normal(size=(batch, keys, kv_heads, dim)), "float32")
     v = jnp.asarray(rng.normal(size=(batch, keys, kv_heads, dim)), "float32")
     # The queries are the sequence's 8..15; the first row is left-padded up
-    # to 12 (its queries 8..11 see no key), the second right-padded from 20.
+    # to 12 (its queries 8..11 see no key), the second right-padded from 11
+    # (its query 15 has no key in a window of 5).
     query_positions = jnp.arange(queries) + 8
     key_positions = jnp.arange(keys)
-    valid = jnp.asarray(np.stack([np.arange(keys) >= 12, np.arange(keys) < 20]))
+    valid = jnp.asarray(np.stack([np.arange(keys) >= 12, np.arange(keys) < 11]))
     where = (query_positions, key_positions, valid)
     np.testing.assert_allclose(
         blockwise_attention(rule, q, k, v, *where),
@@ -134,8 +137,9 @@ def test_padded_training_and_logits_equal_one_device(
     np.testing.assert_allclose(
         np.asarray(lm.predict(batch[0], verbose=0)), expected, rtol=1e-5, atol=1e-4
     )
-    # Each decoder block's attention ran per device.
-    assert len(calls) == lm.backbone.num_layers, calls
+    # Each decoder block's attention ran per device, on the head and the
+    # tail half blocks of its queries (16 tokens over 4 devices).
+    assert len(calls) == 2 * lm.backbone.num_layers, calls
     assert_same_training(preset, batch=batch, device_mesh=mesh)
 
 

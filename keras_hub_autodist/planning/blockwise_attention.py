@@ -11,9 +11,9 @@ gradient (left to autodiff, XLA on CPU merges the recomputation back into
 the whole score matrix).
 
 The masking is keras' `Softmax(mask=...)`: a masked score is replaced by
-`-1e9` (`MASKED_SCORE`), not dropped, so a query with no key to attend gets
-keras' answer (equal weights over every key), and every other query gets
-exactly zero weight on its masked keys. A key is masked when it is padding,
+`-1e9` (`MASKED_SCORE`) and its weight set to zero after the softmax, so a
+query with no key to attend gets zeros, and every other query exactly zero
+weight on its masked keys. A key is masked when it is padding,
 after the query (causal), or `window` or more positions before it (sliding
 windows).
 """
@@ -120,8 +120,8 @@ def _skipped(rule, query_positions, key_positions):
 def rows_with_a_key(rule, query_positions, key_valid):
     """`[batch, queries]` bool: whether a query has any key to attend, the
     keys being the whole sequence in order (`key_valid[:, j]` is position
-    `j`'s). keras gives a query without one equal weights over every key:
-    the skipped blocks too, so those queries are answered apart."""
+    `j`'s). keras' `Softmax` zeroes every masked weight after the softmax,
+    so a query without a key gets no weight at all: an output of zeros."""
     length = key_valid.shape[1]
     counts = jnp.cumsum(key_valid.astype(jnp.int32), axis=1)
     # Valid keys before position j: counts_before[:, j].
@@ -139,7 +139,7 @@ def _forward(rule, queries, keys, values, query_positions, key_positions, key_va
     and each query's highest score and sum of `exp(score - highest)`: kept
     apart, as a log-sum-exp near `MASKED_SCORE` would lose the sum's log
     to rounding. Key blocks masked by position are skipped; a query with
-    no key at all gets the mean of every value (keras' equal weights)."""
+    no key at all gets zeros, as keras' `Softmax` gives it no weight."""
     size = key_block_size(keys.shape[1], rule.key_block)
     scaled = queries.astype(jnp.float32) * rule.scale
     batch, length, kv_heads, groups, _ = queries.shape
@@ -177,9 +177,8 @@ def _forward(rule, queries, keys, values, query_positions, key_positions, key_va
     )
     (high, total, weighted), _ = jax.lax.scan(step, start, blocks)
     has_key = rows_with_a_key(rule, query_positions, key_valid)[:, None, None, :]
-    mean = values.astype(jnp.float32).mean(axis=1)[:, :, None, None, :]
     output = jnp.where(
-        has_key[..., None], weighted / jnp.where(has_key, total, 1)[..., None], mean
+        has_key[..., None], weighted / jnp.where(has_key, total, 1)[..., None], 0.0
     )
     return jnp.einsum("bkgtd->btkgd", output), (high, total)
 
@@ -242,7 +241,7 @@ def _attention_backward(rule, residuals, output_grad):
         allowed = _allowed(rule, query_positions, positions, valid)
         scores = jnp.where(allowed, scores, MASKED_SCORE)
         weights = jnp.exp(scores - high[..., None]) / total[..., None]
-        # A query without a key took the mean of the values: below.
+        # A query without a key has no weights (an output of zeros).
         weights = jnp.where(has_key[..., None], weights, 0.0)
         value_grad = jnp.einsum("bkgts,btkgd->bskd", weights, output_grad)
         weight_grad = jnp.einsum("btkgd,bskd->bkgts", output_grad, value)
@@ -271,9 +270,7 @@ def _attention_backward(rule, residuals, output_grad):
     )
     start = jnp.zeros(queries.shape, jnp.float32)
     query_grad, (key_grads, value_grads) = jax.lax.scan(step, start, blocks)
-    # The mean of the values, for the queries without a key.
-    keyless = jnp.einsum("btkgd,bt->bkd", output_grad, 1.0 - rows.astype(jnp.float32))
-    value_grad = _unblocks(value_grads) + keyless[:, None] / keys.shape[1]
+    value_grad = _unblocks(value_grads)
     return (
         (query_grad * rule.scale).astype(queries.dtype),
         _unblocks(key_grads).astype(keys.dtype),

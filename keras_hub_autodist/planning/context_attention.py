@@ -44,6 +44,11 @@ from keras_hub_autodist.planning.blockwise_attention import blockwise_attention
 # whole sequence's keys and values before attending.
 STRATEGIES = ("all_gather",)
 
+# On a causal sequence, each device attends the queries of two half blocks,
+# one from each end of the sequence (`_balanced`), so that every device
+# computes the same number of unmasked score blocks.
+BALANCE_CAUSAL = True
+
 
 def install_per_device_attention(model, plan) -> int:
     """Replace `_compute_attention` on every known keras-hub attention layer
@@ -185,25 +190,39 @@ def attention_per_device(
     # Replicated over the model axis: each device slices its own head out.
     slice_kv = heads_axis is not None and kv_axis is None
 
-    def local(query, key, value, key_valid):
-        key = jax.lax.all_gather(key, context_axis, axis=1, tiled=True)
-        value = jax.lax.all_gather(value, context_axis, axis=1, tiled=True)
-        block = query.shape[1]
-        start = jax.lax.axis_index(context_axis) * block
-        query_positions = start + jnp.arange(block, dtype=jnp.int32)
-        key_positions = jnp.arange(key.shape[1], dtype=jnp.int32)
-        if slice_kv:
-            first = jax.lax.axis_index(heads_axis) * local_heads // groups
-            key = jax.lax.dynamic_slice_in_dim(key, first, 1, axis=2)
-            value = jax.lax.dynamic_slice_in_dim(value, first, 1, axis=2)
+    contexts = sizes[context_axis]
+    balanced = BALANCE_CAUSAL and rule.causal and query.shape[1] % (2 * contexts) == 0
+
+    def attend(query, key, value, key_valid, positions):
         shape = query.shape
         grouped = query.reshape(
             *shape[:2], key.shape[2], shape[2] // key.shape[2], head_dim
         )
+        key_positions = jnp.arange(key.shape[1], dtype=jnp.int32)
         output = blockwise_attention(
-            rule, grouped, key, value, query_positions, key_positions, key_valid
+            rule, grouped, key, value, positions, key_positions, key_valid
         )
         return output.reshape(shape)
+
+    def local(query, key, value, key_valid):
+        key = jax.lax.all_gather(key, context_axis, axis=1, tiled=True)
+        value = jax.lax.all_gather(value, context_axis, axis=1, tiled=True)
+        index = jax.lax.axis_index(context_axis)
+        if slice_kv:
+            first = jax.lax.axis_index(heads_axis) * local_heads // groups
+            key = jax.lax.dynamic_slice_in_dim(key, first, 1, axis=2)
+            value = jax.lax.dynamic_slice_in_dim(value, first, 1, axis=2)
+        block = query.shape[1]
+        if not balanced:
+            positions = index * block + jnp.arange(block, dtype=jnp.int32)
+            return attend(query, key, value, key_valid, positions)
+        return _balanced(
+            functools.partial(attend, key=key, value=value, key_valid=key_valid),
+            query,
+            index,
+            contexts,
+            context_axis,
+        )
 
     query_spec = PartitionSpec(batch_spec, context_axis, heads_axis, None)
     kv_spec = PartitionSpec(batch_spec, context_axis, kv_axis, None)
@@ -215,3 +234,83 @@ def attention_per_device(
         check_vma=False,
     )
     return mapped(query, key, value, key_valid)
+
+
+def balanced_chunks(contexts: int) -> list[tuple[int, int]]:
+    """The two half blocks of queries each device attends on a causal
+    sequence cut in `2 · contexts` half blocks: device `i` takes half
+    blocks `i` and `2 · contexts - 1 - i` (head and tail), so that each
+    has as many keys before its queries as any other.
+
+    Example:
+    >>> balanced_chunks(4)
+    [(0, 7), (1, 6), (2, 5), (3, 4)]
+    """
+    return [(i, 2 * contexts - 1 - i) for i in range(contexts)]
+
+
+def _owner(chunk: int, contexts: int) -> int:
+    """The device that attends half block `chunk` (`balanced_chunks`)."""
+    return chunk if chunk < contexts else 2 * contexts - 1 - chunk
+
+
+def _balanced(attend, query, index, contexts: int, context_axis: str):
+    """`attend(queries, positions)` over the head-and-tail half blocks
+    (`balanced_chunks`), from and back to the contiguous blocks the model
+    holds: device `i` holds half blocks `2i` and `2i + 1`, sends each to
+    the device that attends it (`ppermute`), attends the two it receives at
+    their positions in the sequence, and sends the outputs back."""
+    half = query.shape[1] // 2
+    sends = [
+        [(i, _owner(2 * i + slot, contexts)) for i in range(contexts)]
+        for slot in (0, 1)
+    ]
+    received = [
+        jax.lax.ppermute(part, context_axis, perm)
+        for part, perm in zip((query[:, :half], query[:, half:]), sends)
+    ]
+    # Whether the half block that arrived from the first halves is this
+    # device's head (the lower one), for each device.
+    source = {dest: src for src, dest in sends[0]}
+    head_first = jnp.asarray([2 * source[d] == d for d in range(contexts)])[index]
+    head = jnp.where(head_first, received[0], received[1])
+    tail = jnp.where(head_first, received[1], received[0])
+    steps = jnp.arange(half, dtype=jnp.int32)
+    head_out = attend(head, positions=index * half + steps)
+    tail_out = attend(tail, positions=(2 * contexts - 1 - index) * half + steps)
+    back = (
+        jnp.where(head_first, head_out, tail_out),
+        jnp.where(head_first, tail_out, head_out),
+    )
+    returned = [
+        jax.lax.ppermute(part, context_axis, [(d, s) for s, d in perm])
+        for part, perm in zip(back, sends)
+    ]
+    return jnp.concatenate(returned, axis=1)
+
+
+def score_blocks_per_device(
+    sequence: int, contexts: int, key_block: int, balanced: bool = True
+) -> list[int]:
+    """How many `[half block of queries, key block]` score blocks each
+    device computes on a causal sequence (key blocks after every query are
+    skipped), with the queries balanced (`balanced_chunks`) or contiguous.
+
+    Example:
+    >>> score_blocks_per_device(4096, 4, 256, balanced=False)
+    [6, 14, 22, 30]
+    >>> score_blocks_per_device(4096, 4, 256)
+    [18, 18, 18, 18]
+    """
+    half = sequence // (2 * contexts)
+    chunks = (
+        balanced_chunks(contexts)
+        if balanced
+        else [(2 * i, 2 * i + 1) for i in range(contexts)]
+    )
+
+    def blocks(chunk):
+        last_query = (chunk + 1) * half - 1
+        return sum(1 for start in range(0, sequence, key_block) if start <= last_query)
+
+    return [sum(blocks(chunk) for chunk in pair) for pair in chunks]
