@@ -23,6 +23,7 @@ does with its mask, which the decoder block built as causal and key padding:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 # keras-hub's name for the method the attention per device replaces.
@@ -42,6 +43,9 @@ class AttentionReading:
         repeats: how many times each key/value head arrives repeated (1:
             once per key/value head).
         dropout: the dropout rate on the attention weights, while training.
+        keyless_mean: a query with no key to attend gets the mean of every
+            value (the layer calls `ops.dot_product_attention`), not zeros
+            (it calls keras' `Softmax`, which zeroes masked weights).
     """
 
     scale: float
@@ -49,6 +53,7 @@ class AttentionReading:
     window: int | None
     repeats: int
     dropout: float
+    keyless_mean: bool = False
 
 
 def _gemma(layer) -> AttentionReading | None:
@@ -62,16 +67,24 @@ def _gemma(layer) -> AttentionReading | None:
     return AttentionReading(scale, layer.logit_soft_cap, window, 1, layer.dropout)
 
 
+def _takes_dot_product_attention(layer) -> bool:
+    """Whether a Llama or Mistral layer calls `ops.dot_product_attention`
+    (its module's `fused_attention_op_available()`), else keras' `Softmax`."""
+    return importlib.import_module(
+        type(layer).__module__
+    ).fused_attention_op_available()
+
+
 def _llama(layer) -> AttentionReading:
     groups = layer.num_key_value_groups
-    return AttentionReading(layer._inv_norm_factor, None, None, groups, 0.0)
+    mean = _takes_dot_product_attention(layer)
+    return AttentionReading(layer._inv_norm_factor, None, None, groups, 0.0, mean)
 
 
 def _mistral(layer) -> AttentionReading:
-    groups = layer._num_key_value_groups
-    return AttentionReading(
-        layer._inv_norm_factor, None, layer._sliding_window, groups, 0.0
-    )
+    groups, window = layer._num_key_value_groups, layer._sliding_window
+    mean = _takes_dot_product_attention(layer)
+    return AttentionReading(layer._inv_norm_factor, None, window, groups, 0.0, mean)
 
 
 # keras-hub attention class (module, name) -> its reading.

@@ -23,12 +23,14 @@ RULES = [
     AttentionRule(0.5, key_block=8),
     AttentionRule(0.5, soft_cap=2.0, window=5, key_block=8),
     AttentionRule(0.25, causal=False, key_block=16),
+    AttentionRule(0.5, window=5, keyless_mean=True, key_block=8),
 ]
 
 
 def whole_matrix(rule, q, k, v, query_positions, key_positions, valid):
     """Keras' attention: every score at once, masked scores set to -1e9 and
-    their weights to zero after the softmax (keras' `Softmax(mask=...)`)."""
+    their weights to zero after the softmax (keras' `Softmax(mask=...)`),
+    or left as they are (`jax.nn.dot_product_attention`, `keyless_mean`)."""
     scores = jnp.einsum("btkgd,bskd->bkgts", q * rule.scale, k)
     if rule.soft_cap:
         scores = rule.soft_cap * jnp.tanh(scores / rule.soft_cap)
@@ -39,11 +41,14 @@ def whole_matrix(rule, q, k, v, query_positions, key_positions, valid):
     if rule.window:
         allowed = allowed & (distance < rule.window)
     weights = jax.nn.softmax(jnp.where(allowed, scores, MASKED_SCORE), axis=-1)
-    weights = jnp.where(allowed, weights, 0.0)
+    if not rule.keyless_mean:
+        weights = jnp.where(allowed, weights, 0.0)
     return jnp.einsum("bkgts,bskd->btkgd", weights, v)
 
 
-@pytest.mark.parametrize("rule", RULES, ids=["causal", "cap_window", "no_mask"])
+@pytest.mark.parametrize(
+    "rule", RULES, ids=["causal", "cap_window", "no_mask", "keyless_mean"]
+)
 def test_blockwise_attention_and_its_gradients_equal_the_whole_matrix(rule):
     rng = np.random.default_rng(0)
     batch, queries, keys, kv_heads, groups, dim = 2, 8, 32, 2, 2, 4

@@ -10,12 +10,13 @@ softmax maximum and sum, so that XLA can't keep every block's scores for the
 gradient (left to autodiff, XLA on CPU merges the recomputation back into
 the whole score matrix).
 
-The masking is keras' `Softmax(mask=...)`: a masked score is replaced by
-`-1e9` (`MASKED_SCORE`) and its weight set to zero after the softmax, so a
-query with no key to attend gets zeros, and every other query exactly zero
-weight on its masked keys. A key is masked when it is padding,
-after the query (causal), or `window` or more positions before it (sliding
-windows).
+The masking is keras': a masked score is replaced by `-1e9`
+(`MASKED_SCORE`), so every query with a key to attend puts exactly zero
+weight on its masked keys. A query with none gets zeros (keras' `Softmax`
+zeroes masked weights after the softmax) or the mean of every value
+(`jax.nn.dot_product_attention`'s equal weights), as the layer would. A
+key is masked when it is padding, after the query (causal), or `window` or
+more positions before it (sliding windows).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class AttentionRule:
         window: a key `window` or more positions before its query is
             masked (sliding-window attention), or `None`.
         causal: a key after its query is masked.
+        keyless_mean: a query with no key to attend gets the mean of every
+            value (`jax.nn.dot_product_attention`'s equal weights), else
+            zeros (keras' `Softmax(mask=...)`, which zeroes masked weights).
         key_block: keys per block.
     """
 
@@ -55,6 +59,7 @@ class AttentionRule:
     soft_cap: float | None = None
     window: int | None = None
     causal: bool = True
+    keyless_mean: bool = False
     key_block: int = KEY_BLOCK
 
 
@@ -120,8 +125,8 @@ def _skipped(rule, query_positions, key_positions):
 def rows_with_a_key(rule, query_positions, key_valid):
     """`[batch, queries]` bool: whether a query has any key to attend, the
     keys being the whole sequence in order (`key_valid[:, j]` is position
-    `j`'s). keras' `Softmax` zeroes every masked weight after the softmax,
-    so a query without a key gets no weight at all: an output of zeros."""
+    `j`'s). Such a query is answered apart (`AttentionRule.keyless_mean`):
+    the blocks it would spread equal weights over are skipped."""
     length = key_valid.shape[1]
     counts = jnp.cumsum(key_valid.astype(jnp.int32), axis=1)
     # Valid keys before position j: counts_before[:, j].
@@ -139,7 +144,7 @@ def _forward(rule, queries, keys, values, query_positions, key_positions, key_va
     and each query's highest score and sum of `exp(score - highest)`: kept
     apart, as a log-sum-exp near `MASKED_SCORE` would lose the sum's log
     to rounding. Key blocks masked by position are skipped; a query with
-    no key at all gets zeros, as keras' `Softmax` gives it no weight."""
+    no key at all gets `rule.keyless_mean`'s answer."""
     size = key_block_size(keys.shape[1], rule.key_block)
     scaled = queries.astype(jnp.float32) * rule.scale
     batch, length, kv_heads, groups, _ = queries.shape
@@ -177,8 +182,11 @@ def _forward(rule, queries, keys, values, query_positions, key_positions, key_va
     )
     (high, total, weighted), _ = jax.lax.scan(step, start, blocks)
     has_key = rows_with_a_key(rule, query_positions, key_valid)[:, None, None, :]
+    keyless = 0.0
+    if rule.keyless_mean:
+        keyless = values.astype(jnp.float32).mean(axis=1)[:, :, None, None, :]
     output = jnp.where(
-        has_key[..., None], weighted / jnp.where(has_key, total, 1)[..., None], 0.0
+        has_key[..., None], weighted / jnp.where(has_key, total, 1)[..., None], keyless
     )
     return jnp.einsum("bkgtd->btkgd", output), (high, total)
 
@@ -241,7 +249,7 @@ def _attention_backward(rule, residuals, output_grad):
         allowed = _allowed(rule, query_positions, positions, valid)
         scores = jnp.where(allowed, scores, MASKED_SCORE)
         weights = jnp.exp(scores - high[..., None]) / total[..., None]
-        # A query without a key has no weights (an output of zeros).
+        # A query without a key has no weights here (see `keyless_mean`).
         weights = jnp.where(has_key[..., None], weights, 0.0)
         value_grad = jnp.einsum("bkgts,btkgd->bskd", weights, output_grad)
         weight_grad = jnp.einsum("btkgd,bskd->bkgts", output_grad, value)
@@ -271,6 +279,11 @@ def _attention_backward(rule, residuals, output_grad):
     start = jnp.zeros(queries.shape, jnp.float32)
     query_grad, (key_grads, value_grads) = jax.lax.scan(step, start, blocks)
     value_grad = _unblocks(value_grads)
+    if rule.keyless_mean:
+        # The queries without a key took the mean of the values.
+        keyless = 1.0 - rows.astype(jnp.float32)
+        keyless = jnp.einsum("btkgd,bt->bkd", output_grad, keyless)
+        value_grad = value_grad + keyless[:, None] / keys.shape[1]
     return (
         (query_grad * rule.scale).astype(queries.dtype),
         _unblocks(key_grads).astype(keys.dtype),

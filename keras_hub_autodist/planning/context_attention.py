@@ -112,6 +112,7 @@ def _compute_attention(original, reading, model_axis, *args, **kwargs):
         soft_cap=reading.soft_cap,
         window=reading.window,
         causal=mask is not None,
+        keyless_mean=reading.keyless_mean,
     )
     return attention_per_device(
         rule,
