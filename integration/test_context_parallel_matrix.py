@@ -167,3 +167,79 @@ def test_compiled_peak_at_4096_tokens_on_8_devices(tiny_presets_dir):
         peaks[len(mesh)] = memory.peak_bytes
     assert peaks[2] <= 0.30 * peaks[1], peaks
     assert keras.distribution.distribution() is None
+
+
+# Mistral with grouped heads and a sliding window of 4 tokens, which its
+# decoder blocks put in the mask itself.
+MISTRAL = dict(
+    vocabulary_size=64,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=16,
+    intermediate_dim=32,
+    sliding_window=4,
+)
+
+
+def padded_batch(preset):
+    """Row 0 left-padded (its first 3 tokens), row 1 right-padded (its last
+    5), the others whole."""
+    x, y = batch_for(preset, sequence_length=SEQUENCE)
+    x["padding_mask"][0, :3] = 0
+    x["padding_mask"][1, -5:] = 0
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def mistral_preset(tmp_path_factory):
+    return tiny_presets.save_preset(
+        tmp_path_factory.mktemp("mistral") / "mistral",
+        keras_hub.models.MistralBackbone,
+        MISTRAL,
+        task_class=keras_hub.models.MistralCausalLM,
+    )
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=mesh_id)
+@pytest.mark.parametrize("name", CAUSAL_LMS + ["mistral"])
+def test_padded_batches_match_one_device(tiny_presets_dir, mistral_preset, name, mesh):
+    """Left- and right-padded rows: logits to rtol 1e-5 / atol 1e-4, losses
+    and SGD weights as one device's."""
+    preset = mistral_preset if name == "mistral" else tiny_presets_dir[name]
+    batch = padded_batch(preset)
+    logits = single_device_logits(preset, batch[0])
+    lm = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh=mesh
+    )
+    np.testing.assert_allclose(
+        np.asarray(lm.predict(batch[0], verbose=0)), logits, rtol=1e-5, atol=1e-4
+    )
+    assert_same_training(preset, batch=batch, device_mesh=mesh)
+
+
+def test_compiled_peak_is_linear_in_the_sequence(tmp_path):
+    """A Gemma-shaped model (4 query heads, 1 key/value head, head_dim 64,
+    hidden 256, 2 layers) on context=8, batch 1: from 8k to 64k tokens each
+    doubling of the sequence costs at most 2.2x the compiled peak per
+    device (the whole score matrix would cost 4x)."""
+    path = tiny_presets.save_preset(
+        tmp_path / "gemma_shaped",
+        keras_hub.models.GemmaBackbone,
+        dict(
+            vocabulary_size=32768,
+            num_layers=2,
+            num_query_heads=4,
+            num_key_value_heads=1,
+            hidden_dim=256,
+            intermediate_dim=1024,
+            head_dim=64,
+        ),
+    )
+    plan = keras_hub_autodist.plan(path, {"batch": 1, "context": 8})
+    peaks = [
+        keras_hub_autodist.compiled_memory(plan, 1, tokens, "sgd").peak_bytes
+        for tokens in (8192, 16384, 32768, 65536)
+    ]
+    ratios = [after / before for before, after in zip(peaks, peaks[1:])]
+    assert max(ratios) <= 2.2, (peaks, ratios)

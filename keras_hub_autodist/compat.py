@@ -412,6 +412,8 @@ _FUSED = "_use_fused_attention_op"  # keras-hub attention: a fused kernel?
 _JAX_NN, _FLASH = "keras.src.backend.jax.nn", "_can_use_flash_attention"
 _CONTEXT = "keras_hub_autodist.planning.distribution"
 _REMAT = "keras_hub_autodist.planning.remat"
+_PER_DEVICE = "keras_hub_autodist.planning.context_attention"
+_RESUMABLE = "keras_hub_autodist.training.resumable"
 PATCHES = (
     Patch("variable_assign", _VARIABLE, "assign", _LOADING, WHILE_LOADING),
     Patch("variable_initializer", _VARIABLE, _INITIALIZE, _LOADING, WHILE_LOADING),
@@ -434,14 +436,11 @@ PATCHES = (
     Patch("bound_model_methods", None, _BOUND_METHODS, _BINDING, MODEL_LIFETIME),
     Patch("attention_through_xla", None, _FUSED, _CONTEXT, MODEL_LIFETIME),
     Patch("rematerialized_blocks", None, "call", _REMAT, MODEL_LIFETIME),
-    Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch(
-        "skipped_batches",
-        None,
-        "train_function",
-        "keras_hub_autodist.training.resumable",
-        WHILE_SKIPPING,
+        "attention_per_device", None, "_compute_attention", _PER_DEVICE, MODEL_LIFETIME
     ),
+    Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
+    Patch("skipped_batches", None, "train_function", _RESUMABLE, WHILE_SKIPPING),
 )
 _PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
 _MISSING = object()

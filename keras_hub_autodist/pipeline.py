@@ -36,6 +36,7 @@ from keras_hub_autodist.loading.progress import progress_enabled
 from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
 from keras_hub_autodist.loading.verify import verify_layouts
+from keras_hub_autodist.planning.context_attention import install_per_device_attention
 from keras_hub_autodist.planning.distribution import attention_through_xla
 from keras_hub_autodist.planning.distribution import plan_distribution
 from keras_hub_autodist.planning.options import PLAN_ONLY_KEYWORDS
@@ -209,6 +210,7 @@ def from_preset(
                 raise _quantized_preset_error(preset, error) from error
         rematerialize_blocks(model, layout_plan)
         attention_through_xla(model, layout_plan)
+        install_per_device_attention(model, layout_plan)
         verifying_started = time.perf_counter()
         check.built(model.weights)
         verify_layouts(model)

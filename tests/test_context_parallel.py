@@ -95,8 +95,12 @@ def test_the_estimate_splits_activations_over_the_context_axis(tiny_presets_dir)
     ratio = split.activation_bytes_per_device(
         1, 4096
     ) / one.activation_bytes_per_device(1, 4096)
-    # Everything but the gathered keys and values is split 8 ways.
-    assert 1 / 8 <= ratio < 0.2, ratio
+    # Everything but the gathered keys and values is split 8 ways, and the
+    # scores are one block of keys' per device instead of the sequence's.
+    assert ratio < 0.2, ratio
+    # The estimate grows linearly with the sequence, as the compiled step.
+    doubled = split.activation_bytes_per_device(1, 65536)
+    assert doubled / split.activation_bytes_per_device(1, 32768) <= 2.2
     assert split.activation_layouts() and not one.activation_layouts()
 
 

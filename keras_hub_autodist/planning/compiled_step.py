@@ -204,6 +204,9 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
     import keras
 
     from keras_hub_autodist import compat
+    from keras_hub_autodist.planning.context_attention import (
+        install_per_device_attention,
+    )
     from keras_hub_autodist.planning.distribution import attention_through_xla
     from keras_hub_autodist.planning.distribution import plan_distribution
     from keras_hub_autodist.planning.remat import remat_scope
@@ -225,6 +228,7 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
                 backbone.enable_lora(lora_rank)
         rematerialize_blocks(backbone, plan)
         attention_through_xla(backbone, plan)
+        install_per_device_attention(backbone, plan)
         # A task compiles itself with a default optimizer on construction,
         # whose scalar variables can't be deferred.
         model = task_cls(backbone=backbone, preprocessor=None)

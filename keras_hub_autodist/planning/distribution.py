@@ -49,6 +49,11 @@ def decoding() -> Iterator[None]:
         _DECODING.reset(token)
 
 
+def is_decoding() -> bool:
+    """Whether this thread is decoding (`decoding()`)."""
+    return _DECODING.get()
+
+
 class ContextParallel(keras.distribution.ModelParallel):
     """`ModelParallel` that splits each sequence over a context axis.
 

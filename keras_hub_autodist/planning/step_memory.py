@@ -57,6 +57,8 @@ import math
 
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.planning import sharding
+from keras_hub_autodist.planning.blockwise_attention import KEY_BLOCK
+from keras_hub_autodist.planning.blockwise_attention import PER_DEVICE_ARCHITECTURES
 from keras_hub_autodist.planning.memory_factors import ACTIVATION_FACTORS
 from keras_hub_autodist.planning.memory_factors import FLOAT16_DTYPES
 from keras_hub_autodist.planning.memory_factors import FLOAT32_ACTIVATIONS
@@ -290,6 +292,12 @@ STEP = "step"
 STATE_ONLY = "state only"
 
 
+def per_device_attention(plan) -> bool:
+    """Whether `plan`'s attention runs per device, one block of keys at a
+    time, on a context mesh (`planning.context_attention`)."""
+    return plan.architecture in PER_DEVICE_ARCHITECTURES
+
+
 def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, float]:
     """Elements per device of each term of `ACTIVATION_FACTORS`, unweighted
     (bytes for the terms of weights: `WEIGHT_TERMS`).
@@ -374,6 +382,12 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     )
 
     scores = layers * b * heads * s * whole / shards(query, {"heads"})
+    keys_held = whole
+    if axes.size(axes.context_axis) > 1 and per_device_attention(plan):
+        # Attention per device holds one block of keys' scores at a time and
+        # keeps none for the backward pass.
+        keys_held = min(whole, KEY_BLOCK)
+        scores = b * heads * s * keys_held / shards(query, {"heads"})
     # The device's shares of the 16-bit float weights, and their float32 copies.
     upcast = [row for row in plan.rows if row.dtype in FLOAT16_DTYPES]
 
@@ -385,8 +399,8 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         "attention": layers
         * (b * s * heads * h / q_shards + b * whole * kv_heads * h / kv_shards),
         "scores": scores,
-        "scores_one_block": scores / layers,
-        "masks": layers * b * s * whole,
+        "scores_one_block": scores / layers if keys_held == whole else scores,
+        "masks": layers * b * s * keys_held,
         "mlp": sum(b * s * dim(r, "mlp") * experts(r) / shards(r) for r in ups),
         "experts": sum(
             b * s * d * experts(r) / shards(r, {"expert"})

@@ -1,0 +1,112 @@
+"""The compat layer for keras-hub's attention layers: what each family's
+`_compute_attention` computes, read from its private attributes.
+
+A sibling of `compat` (which holds every other private touchpoint): the
+attention run per device on a context mesh (`planning.context_attention`)
+replaces a layer's `_compute_attention` through `compat.patch_instance`, and
+must compute what the layer would. `attention_reading(layer)` says how, for
+the layers whose rule is known; `None` for any other layer, which keeps
+keras-hub's own computation.
+
+What each known layer's `_compute_attention(q, k, v, attention_mask, ...)`
+does with its mask, which the decoder block built as causal and key padding:
+
+- Gemma and Gemma 3 take the keys and values per key/value head, scale the
+  queries (`1/sqrt(head_dim)`, or `1/sqrt(hidden_dim / heads)`), soft-cap
+  the scores, and on sliding-window layers also mask keys `window` or more
+  positions before their query.
+- Llama and Mistral take them repeated to the query heads (`ops.repeat` in
+  `call`, before `_compute_attention`); Mistral's decoder block masks its
+  sliding window into the mask itself, from the same `sliding_window`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+
+# keras-hub's name for the method the attention per device replaces.
+COMPUTE_ATTENTION_METHOD = "_compute_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionReading:
+    """What one attention layer computes in `_compute_attention`.
+
+    Args:
+        scale: the factor on the scores (on the queries before the dot
+            product, equivalently).
+        soft_cap: `cap · tanh(score / cap)`, or `None`.
+        window: keys `window` or more positions before their query are
+            masked, or `None`.
+        repeats: how many times each key/value head arrives repeated (1:
+            once per key/value head).
+        dropout: the dropout rate on the attention weights, while training.
+        keyless_mean: a query with no key to attend gets the mean of every
+            value (the layer calls `ops.dot_product_attention`), not zeros
+            (it calls keras' `Softmax`, which zeroes masked weights).
+    """
+
+    scale: float
+    soft_cap: float | None
+    window: int | None
+    repeats: int
+    dropout: float
+    keyless_mean: bool = False
+
+
+def _gemma(layer) -> AttentionReading | None:
+    if getattr(layer, "use_bidirectional_attention", False):
+        return None  # embedding models: a two-sided window
+    if layer.query_head_dim_normalize:
+        scale = 1 / math.sqrt(layer.head_dim)
+    else:
+        scale = 1 / math.sqrt(layer.hidden_dim // layer.num_query_heads)
+    window = layer.sliding_window_size if layer.use_sliding_window_attention else None
+    return AttentionReading(scale, layer.logit_soft_cap, window, 1, layer.dropout)
+
+
+def _takes_dot_product_attention(layer) -> bool:
+    """Whether a Llama or Mistral layer calls `ops.dot_product_attention`
+    (its module's `fused_attention_op_available()`), else keras' `Softmax`."""
+    return importlib.import_module(
+        type(layer).__module__
+    ).fused_attention_op_available()
+
+
+def _llama(layer) -> AttentionReading:
+    groups = layer.num_key_value_groups
+    mean = _takes_dot_product_attention(layer)
+    return AttentionReading(layer._inv_norm_factor, None, None, groups, 0.0, mean)
+
+
+def _mistral(layer) -> AttentionReading:
+    groups, window = layer._num_key_value_groups, layer._sliding_window
+    mean = _takes_dot_product_attention(layer)
+    return AttentionReading(layer._inv_norm_factor, None, window, groups, 0.0, mean)
+
+
+# keras-hub attention class (module, name) -> its reading.
+_READINGS = {
+    ("keras_hub.src.models.gemma.gemma_attention", "CachedGemmaAttention"): _gemma,
+    ("keras_hub.src.models.gemma3.gemma3_attention", "CachedGemma3Attention"): _gemma,
+    ("keras_hub.src.models.llama.llama_attention", "LlamaAttention"): _llama,
+    ("keras_hub.src.models.mistral.mistral_attention", "CachedMistralAttention"): (
+        _mistral
+    ),
+}
+
+
+def attention_reading(layer) -> AttentionReading | None:
+    """The rule of `layer`'s `_compute_attention`, or `None` when `layer` is
+    not one of the attention layers known here (exact class: a subclass may
+    compute otherwise)."""
+    kind = type(layer)
+    reading = _READINGS.get((kind.__module__, kind.__name__))
+    return None if reading is None else reading(layer)
+
+
+def known_attention_classes() -> list[tuple[str, str]]:
+    """The (module, class) of each attention layer with a known reading."""
+    return list(_READINGS)

@@ -1,0 +1,317 @@
+"""Attention run per device under `jax.shard_map` on a context mesh.
+
+Each device holds a block of every sequence. Its attention layers project
+queries, keys and values on that block; here each device then all-gathers
+the keys and values over the context axis (MaxText's `all_gather`
+strategy) and attends its block of queries to the whole sequence with
+`blockwise_attention`, one block of keys at a time. The keys and values are
+gathered per key/value head, before any repeat to the query heads, so the
+gathers move `2 · sequence · kv_heads · head_dim` values per layer, and no
+device holds more than one `[queries, key block]` block of scores: memory
+linear in the sequence.
+
+Positions are the sequence's own: a device's queries are its block's,
+`block · index + arange(block)`, its keys the whole sequence's. RoPE was
+applied by the layer before, on each device's block, at those positions.
+The masks are rebuilt per block from the rule of the layer's family
+(`compat_attention.attention_reading`): causal, the key padding read off the
+decoder block's mask (its diagonal: a token always sees itself unless it is
+padding), and sliding windows.
+
+`install_per_device_attention` replaces `_compute_attention` on each known
+attention layer of a context-parallel model (`compat.patch_instance`, the
+`attention_per_device` patch). The replacement takes the layer's own path
+while decoding, with a cache, for dropout on the attention weights, or
+outside a `ContextParallel` scope.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import keras
+from jax.sharding import PartitionSpec
+
+from keras_hub_autodist import compat
+from keras_hub_autodist import compat_attention
+from keras_hub_autodist.planning import distribution as distribution_lib
+from keras_hub_autodist.planning.blockwise_attention import AttentionRule
+from keras_hub_autodist.planning.blockwise_attention import blockwise_attention
+
+# The context-parallel strategies implemented: each device gathers the
+# whole sequence's keys and values before attending.
+STRATEGIES = ("all_gather",)
+
+# On a causal sequence, each device attends the queries of two half blocks,
+# one from each end of the sequence (`_balanced`), so that every device
+# computes the same number of unmasked score blocks.
+BALANCE_CAUSAL = True
+
+
+def install_per_device_attention(model, plan) -> int:
+    """Replace `_compute_attention` on every known keras-hub attention layer
+    of `model` with the attention run per device; return how many layers
+    changed (0 without a context axis of more than one device).
+
+    Args:
+        model: a keras-hub Backbone or Task, built.
+        plan: its `LayoutPlan`.
+    """
+    axes = plan.mesh_axes
+    if axes.size(axes.context_axis) <= 1:
+        return 0
+    model_axis = axes.model_axis if axes.size(axes.model_axis) > 1 else None
+    changed = 0
+    for layer in compat.sublayers(model):
+        reading = compat_attention.attention_reading(layer)
+        if reading is None:
+            continue
+        method = compat_attention.COMPUTE_ATTENTION_METHOD
+        replacement = functools.partial(
+            _compute_attention,
+            getattr(layer, method),
+            reading,
+            model_axis,
+        )
+        compat.patch_instance("attention_per_device", layer, method, replacement)
+        changed += 1
+    return changed
+
+
+def _argument(args, kwargs, index, name, default):
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+def _compute_attention(original, reading, model_axis, *args, **kwargs):
+    """A layer's `_compute_attention(q, k, v, attention_mask, ...)`, per
+    device when it can be, else the layer's own."""
+    query, key, value = args[:3]
+    mask = _argument(args, kwargs, 3, "attention_mask", None)
+    training = _argument(args, kwargs, 4, "training", False)
+    cache_index = _argument(args, kwargs, 5, "cache_update_index", 0)
+    distribution = keras.distribution.distribution()
+    own_path = (
+        not isinstance(distribution, distribution_lib.ContextParallel)
+        or distribution_lib.is_decoding()
+        or not (isinstance(cache_index, int) and cache_index == 0)
+        or query.shape[1] != key.shape[1]
+        or (reading.dropout and training is not False)
+    )
+    if own_path:
+        return original(*args, **kwargs)
+    if reading.repeats > 1:
+        # The layer repeated each key/value head to its query heads: take
+        # one of each (the repeat is local to each device's block).
+        key, value = key[:, :, :: reading.repeats], value[:, :, :: reading.repeats]
+    rule = AttentionRule(
+        scale=reading.scale,
+        soft_cap=reading.soft_cap,
+        window=reading.window,
+        causal=mask is not None,
+        keyless_mean=reading.keyless_mean,
+    )
+    return attention_per_device(
+        rule,
+        query,
+        key,
+        value,
+        key_padding(mask, query.shape[0], key.shape[1]),
+        mesh=distribution.device_mesh.backend_mesh,
+        batch_axis=distribution.batch_dim_name,
+        context_axis=distribution.context_dim_name,
+        model_axis=model_axis,
+    )
+
+
+def key_padding(mask, batch: int, length: int):
+    """`[batch, keys]` bool: the keys that are not padding, read off the
+    diagonal of a decoder block's `[batch, queries, keys]` mask (all keys
+    without a mask). A nonzero non-boolean mask entry counts as keras'
+    `Softmax` counts it (above 0.5)."""
+    if mask is None:
+        return jnp.ones((batch, length), bool)
+    diagonal = jnp.diagonal(jnp.asarray(mask), axis1=1, axis2=2)
+    if diagonal.dtype == jnp.bool_:
+        return diagonal
+    return diagonal > 0.5
+
+
+def _axis_sizes(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def attention_per_device(
+    rule: AttentionRule,
+    query,
+    key,
+    value,
+    key_valid,
+    *,
+    mesh,
+    batch_axis: str,
+    context_axis: str,
+    model_axis: str | None = None,
+):
+    """Attention of a whole batch on a context mesh, each device attending
+    its block of queries to the keys and values gathered over the context
+    axis.
+
+    Args:
+        rule: the `AttentionRule`.
+        query: `[batch, sequence, heads, head_dim]`.
+        key: `[batch, sequence, kv_heads, head_dim]`, one per key/value
+            head; query head `h` attends with key/value head
+            `h // (heads // kv_heads)`.
+        value: as `key`.
+        key_valid: `[batch, sequence]` bool, `False` on padding.
+        mesh: the `jax.sharding.Mesh`.
+        batch_axis: the mesh axis of the batch.
+        context_axis: the mesh axis that splits each sequence.
+        model_axis: the mesh axis of the heads, or `None`.
+
+    Returns:
+        `[batch, sequence, heads, head_dim]`, split as `query`.
+    """
+    batch, _, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    groups = heads // kv_heads
+    sizes = _axis_sizes(mesh)
+    batch_spec = batch_axis if batch % sizes.get(batch_axis, 1) == 0 else None
+    models = sizes.get(model_axis, 1)
+    heads_axis = model_axis if models > 1 and heads % models == 0 else None
+    local_heads = heads // models if heads_axis else heads
+    kv_axis = heads_axis if heads_axis and kv_heads % models == 0 else None
+    if heads_axis and not kv_axis and groups % local_heads:
+        # A device's query heads would straddle two key/value heads.
+        heads_axis, local_heads = None, heads
+    # Replicated over the model axis: each device slices its own head out.
+    slice_kv = heads_axis is not None and kv_axis is None
+
+    contexts = sizes[context_axis]
+    balanced = BALANCE_CAUSAL and rule.causal and query.shape[1] % (2 * contexts) == 0
+
+    def attend(query, key, value, key_valid, positions):
+        shape = query.shape
+        grouped = query.reshape(
+            *shape[:2], key.shape[2], shape[2] // key.shape[2], head_dim
+        )
+        key_positions = jnp.arange(key.shape[1], dtype=jnp.int32)
+        output = blockwise_attention(
+            rule, grouped, key, value, positions, key_positions, key_valid
+        )
+        return output.reshape(shape)
+
+    def local(query, key, value, key_valid):
+        key = jax.lax.all_gather(key, context_axis, axis=1, tiled=True)
+        value = jax.lax.all_gather(value, context_axis, axis=1, tiled=True)
+        index = jax.lax.axis_index(context_axis)
+        if slice_kv:
+            first = jax.lax.axis_index(heads_axis) * local_heads // groups
+            key = jax.lax.dynamic_slice_in_dim(key, first, 1, axis=2)
+            value = jax.lax.dynamic_slice_in_dim(value, first, 1, axis=2)
+        block = query.shape[1]
+        if not balanced:
+            positions = index * block + jnp.arange(block, dtype=jnp.int32)
+            return attend(query, key, value, key_valid, positions)
+        return _balanced(
+            functools.partial(attend, key=key, value=value, key_valid=key_valid),
+            query,
+            index,
+            contexts,
+            context_axis,
+        )
+
+    query_spec = PartitionSpec(batch_spec, context_axis, heads_axis, None)
+    kv_spec = PartitionSpec(batch_spec, context_axis, kv_axis, None)
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(query_spec, kv_spec, kv_spec, PartitionSpec(batch_spec, None)),
+        out_specs=query_spec,
+        check_vma=False,
+    )
+    return mapped(query, key, value, key_valid)
+
+
+def balanced_chunks(contexts: int) -> list[tuple[int, int]]:
+    """The two half blocks of queries each device attends on a causal
+    sequence cut in `2 · contexts` half blocks: device `i` takes half
+    blocks `i` and `2 · contexts - 1 - i` (head and tail), so that each
+    has as many keys before its queries as any other.
+
+    Example:
+    >>> balanced_chunks(4)
+    [(0, 7), (1, 6), (2, 5), (3, 4)]
+    """
+    return [(i, 2 * contexts - 1 - i) for i in range(contexts)]
+
+
+def _owner(chunk: int, contexts: int) -> int:
+    """The device that attends half block `chunk` (`balanced_chunks`)."""
+    return chunk if chunk < contexts else 2 * contexts - 1 - chunk
+
+
+def _balanced(attend, query, index, contexts: int, context_axis: str):
+    """`attend(queries, positions)` over the head-and-tail half blocks
+    (`balanced_chunks`), from and back to the contiguous blocks the model
+    holds: device `i` holds half blocks `2i` and `2i + 1`, sends each to
+    the device that attends it (`ppermute`), attends the two it receives at
+    their positions in the sequence, and sends the outputs back."""
+    half = query.shape[1] // 2
+    sends = [
+        [(i, _owner(2 * i + slot, contexts)) for i in range(contexts)]
+        for slot in (0, 1)
+    ]
+    received = [
+        jax.lax.ppermute(part, context_axis, perm)
+        for part, perm in zip((query[:, :half], query[:, half:]), sends)
+    ]
+    # Whether the half block that arrived from the first halves is this
+    # device's head (the lower one), for each device.
+    source = {dest: src for src, dest in sends[0]}
+    head_first = jnp.asarray([2 * source[d] == d for d in range(contexts)])[index]
+    head = jnp.where(head_first, received[0], received[1])
+    tail = jnp.where(head_first, received[1], received[0])
+    steps = jnp.arange(half, dtype=jnp.int32)
+    head_out = attend(head, positions=index * half + steps)
+    tail_out = attend(tail, positions=(2 * contexts - 1 - index) * half + steps)
+    back = (
+        jnp.where(head_first, head_out, tail_out),
+        jnp.where(head_first, tail_out, head_out),
+    )
+    returned = [
+        jax.lax.ppermute(part, context_axis, [(d, s) for s, d in perm])
+        for part, perm in zip(back, sends)
+    ]
+    return jnp.concatenate(returned, axis=1)
+
+
+def score_blocks_per_device(
+    sequence: int, contexts: int, key_block: int, balanced: bool = True
+) -> list[int]:
+    """How many `[half block of queries, key block]` score blocks each
+    device computes on a causal sequence (key blocks after every query are
+    skipped), with the queries balanced (`balanced_chunks`) or contiguous.
+
+    Example:
+    >>> score_blocks_per_device(4096, 4, 256, balanced=False)
+    [6, 14, 22, 30]
+    >>> score_blocks_per_device(4096, 4, 256)
+    [18, 18, 18, 18]
+    """
+    half = sequence // (2 * contexts)
+    chunks = (
+        balanced_chunks(contexts)
+        if balanced
+        else [(2 * i, 2 * i + 1) for i in range(contexts)]
+    )
+
+    def blocks(chunk):
+        last_query = (chunk + 1) * half - 1
+        return sum(1 for start in range(0, sequence, key_block) if start <= last_query)
+
+    return [sum(blocks(chunk) for chunk in pair) for pair in chunks]

@@ -1,0 +1,193 @@
+"""Attention run per device on a context mesh: the blockwise kernel against
+the whole-matrix attention keras computes, and models on a context mesh
+against one device with padded batches. integration/test_context_parallel_matrix.py
+runs every family and mesh with left and right padding."""
+
+import jax
+import jax.numpy as jnp
+import keras
+import keras_hub
+import numpy as np
+import pytest
+from equivalence import assert_same_training
+from equivalence import batch_for
+
+from keras_hub_autodist import compat
+from keras_hub_autodist import compat_attention
+from keras_hub_autodist.planning import context_attention
+from keras_hub_autodist.planning.blockwise_attention import MASKED_SCORE
+from keras_hub_autodist.planning.blockwise_attention import AttentionRule
+from keras_hub_autodist.planning.blockwise_attention import blockwise_attention
+
+RULES = [
+    AttentionRule(0.5, key_block=8),
+    AttentionRule(0.5, soft_cap=2.0, window=5, key_block=8),
+    AttentionRule(0.25, causal=False, key_block=16),
+    AttentionRule(0.5, window=5, keyless_mean=True, key_block=8),
+]
+
+
+def whole_matrix(rule, q, k, v, query_positions, key_positions, valid):
+    """Keras' attention: every score at once, masked scores set to -1e9 and
+    their weights to zero after the softmax (keras' `Softmax(mask=...)`),
+    or left as they are (`jax.nn.dot_product_attention`, `keyless_mean`)."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q * rule.scale, k)
+    if rule.soft_cap:
+        scores = rule.soft_cap * jnp.tanh(scores / rule.soft_cap)
+    distance = query_positions[:, None] - key_positions[None, :]
+    allowed = valid[:, None, None, None, :]
+    if rule.causal:
+        allowed = allowed & (distance >= 0)
+    if rule.window:
+        allowed = allowed & (distance < rule.window)
+    weights = jax.nn.softmax(jnp.where(allowed, scores, MASKED_SCORE), axis=-1)
+    if not rule.keyless_mean:
+        weights = jnp.where(allowed, weights, 0.0)
+    return jnp.einsum("bkgts,bskd->btkgd", weights, v)
+
+
+@pytest.mark.parametrize(
+    "rule", RULES, ids=["causal", "cap_window", "no_mask", "keyless_mean"]
+)
+def test_blockwise_attention_and_its_gradients_equal_the_whole_matrix(rule):
+    rng = np.random.default_rng(0)
+    batch, queries, keys, kv_heads, groups, dim = 2, 8, 32, 2, 2, 4
+    q = jnp.asarray(rng.normal(size=(batch, queries, kv_heads, groups, dim)), "float32")
+    k = jnp.asarray(rng.normal(size=(batch, keys, kv_heads, dim)), "float32")
+    v = jnp.asarray(rng.normal(size=(batch, keys, kv_heads, dim)), "float32")
+    # The queries are the sequence's 8..15; the first row is left-padded up
+    # to 12 (its queries 8..11 see no key), the second right-padded from 11
+    # (its query 15 has no key in a window of 5).
+    query_positions = jnp.arange(queries) + 8
+    key_positions = jnp.arange(keys)
+    valid = jnp.asarray(np.stack([np.arange(keys) >= 12, np.arange(keys) < 11]))
+    where = (query_positions, key_positions, valid)
+    np.testing.assert_allclose(
+        blockwise_attention(rule, q, k, v, *where),
+        whole_matrix(rule, q, k, v, *where),
+        atol=1e-6,
+    )
+
+    def loss(attention):
+        return lambda *qkv: (attention(rule, *qkv, *where) ** 2).sum()
+
+    got = jax.grad(loss(blockwise_attention), (0, 1, 2))(q, k, v)
+    expected = jax.grad(loss(whole_matrix), (0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got, expected):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+
+
+def test_no_step_holds_more_than_a_block_of_scores():
+    """The compiled forward and backward hold a `[queries, key block]`
+    block of scores, never `[queries, keys]`: the temporaries of 4x the
+    keys grow about 4x, not 16x."""
+    rule = AttentionRule(0.125, key_block=256)
+
+    def temporaries(keys):
+        q = jnp.zeros((1, 1024, 1, 4, 64))
+        k = jnp.zeros((1, keys, 1, 64))
+        where = (jnp.arange(1024), jnp.arange(keys), jnp.ones((1, keys), bool))
+
+        def loss(q, k, v):
+            return blockwise_attention(rule, q, k, v, *where).sum()
+
+        compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, k).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, large = temporaries(4096), temporaries(16384)
+    # One whole matrix of scores at 16k keys: 4 heads x 1024 x 16384 floats.
+    assert large < 4 * 1024 * 16384 * 4 / 2, large
+    assert large / small < 4.5, (small, large)
+
+
+def padded_batch(preset, sequence_length=16):
+    """Row 0 left-padded (its first 3 tokens), row 1 right-padded (its last
+    5); the other rows whole."""
+    x, y = batch_for(preset, sequence_length=sequence_length)
+    x["padding_mask"][0, :3] = 0
+    x["padding_mask"][1, -5:] = 0
+    return x, y
+
+
+def counting_kernel(monkeypatch):
+    calls = []
+    kernel = context_attention.blockwise_attention
+
+    def counted(rule, *arguments):
+        calls.append(rule)
+        return kernel(rule, *arguments)
+
+    monkeypatch.setattr(context_attention, "blockwise_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "name,mesh",
+    [
+        ("gemma_mqa", {"batch": 1, "context": 4, "model": 2}),
+        ("llama3_untied", {"batch": 2, "context": 4}),
+    ],
+)
+def test_padded_training_and_logits_equal_one_device(
+    tiny_presets_dir, monkeypatch, name, mesh
+):
+    preset = tiny_presets_dir[name]
+    batch = padded_batch(preset)
+    one = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None)
+    expected = np.asarray(one.predict(batch[0], verbose=0))
+    calls = counting_kernel(monkeypatch)
+    lm = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh=mesh
+    )
+    np.testing.assert_allclose(
+        np.asarray(lm.predict(batch[0], verbose=0)), expected, rtol=1e-5, atol=1e-4
+    )
+    # Each decoder block's attention ran per device, on the head and the
+    # tail half blocks of its queries (16 tokens over 4 devices).
+    assert len(calls) == 2 * lm.backbone.num_layers, calls
+    assert_same_training(preset, batch=batch, device_mesh=mesh)
+
+
+def test_the_known_attention_layers_are_replaced_on_a_context_mesh(tiny_presets_dir):
+    preset = tiny_presets_dir["gemma3_text"]
+    method = compat_attention.COMPUTE_ATTENTION_METHOD
+    lm = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh={"batch": 2, "context": 4}
+    )
+    replaced = [layer for layer in compat.sublayers(lm) if method in vars(layer)]
+    assert len(replaced) == lm.backbone.num_layers
+    readings = [compat_attention.attention_reading(layer) for layer in replaced]
+    # Gemma 3's local layers have a window, its global ones none.
+    windows = [
+        layer.sliding_window_size if layer.use_sliding_window_attention else None
+        for layer in replaced
+    ]
+    assert [r.window for r in readings] == windows
+    assert lm.backbone.sliding_window_size in windows
+    plain = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh={"batch": 8}
+    )
+    assert not any(method in vars(layer) for layer in compat.sublayers(plain))
+
+
+def test_every_known_attention_class_exists():
+    for module, name in compat_attention.known_attention_classes():
+        assert hasattr(__import__(module, fromlist=[name]), name), (module, name)
+
+
+def test_outside_a_context_scope_the_layer_computes_as_its_own(tiny_presets_dir):
+    preset = tiny_presets_dir["gemma_mqa"]
+    lm = keras_hub.models.CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh={"batch": 2, "context": 4}
+    )
+    x, _ = batch_for(preset, sequence_length=8)
+    # Called eagerly without the distribution's scope: keras-hub's path.
+    assert keras.distribution.distribution() is None
+    calls = []
+    original = context_attention.blockwise_attention
+    try:
+        context_attention.blockwise_attention = lambda *a: calls.append(a)
+        lm.backbone({k: keras.ops.convert_to_tensor(v) for k, v in x.items()})
+    finally:
+        context_attention.blockwise_attention = original
+    assert calls == []
