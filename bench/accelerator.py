@@ -467,7 +467,9 @@ def versions() -> dict:
             capture_output=True,
             text=True,
         )
-        found["driver"] = driver.stdout.strip().splitlines()[0:1]
+        lines = driver.stdout.strip().splitlines()
+        if lines:
+            found["driver"] = lines[0].strip()
     from importlib import metadata
 
     for name in (
@@ -619,7 +621,7 @@ def render(results, predictions=None) -> str:
         "## On one accelerator",
         "",
         f"{results['machine']}, {results['date']}; {found}; {shapes}; "
-        f"`python -m bench --accelerator` in {results['elapsed_s']:.0f} s. "
+        f"`python -m bench --accelerator` {_runs(results)}. "
         "Random bfloat16 weights saved by keras-hub; each measurement in a "
         "fresh process; device bytes from `memory_stats()` (empty where the "
         "device keeps none).",
@@ -747,6 +749,17 @@ def _long_table(results) -> list[str]:
             f"{_gb(r.get('peak_bytes'))} | {kernels} |"
         )
     return lines
+
+
+def _runs(results) -> str:
+    """How long the run took, or each of the runs whose parts were merged."""
+    runs = results.get("runs")
+    if not runs:
+        return f"in {results['elapsed_s']:.0f} s"
+    return "in {} runs ({})".format(
+        len(runs),
+        "; ".join(f"`--parts {r['parts']}` {r['elapsed_s']:.0f} s" for r in runs),
+    )
 
 
 def _memory_table(results, predictions) -> list[str]:
