@@ -123,7 +123,7 @@ def fit_advice(
             f"optimizer state over '{plan.batch_axis}' too"
         )
     if batch_size is not None and sequence_length is not None:
-        context = _context_mesh(plan, need, capacity, sequence_length)
+        context = _context_mesh(plan, need, capacity, batch_size, sequence_length)
         if context:
             advice.append(context)
         smaller = _smaller_step(plan, need, capacity, batch_size, sequence_length)
@@ -149,13 +149,15 @@ def fit_advice(
     return advice
 
 
-def _context_mesh(plan: PlanRecord, need, capacity, sequence_length) -> str:
+def _context_mesh(plan: PlanRecord, need, capacity, batch_size, sequence_length) -> str:
     """The smallest context axis, made of devices of the batch axis, that
     makes the step fit; `""` when none does (or the plan has one already).
 
     Each device then holds a block of every sequence instead of whole
     sequences: it helps when a batch is too small to fill the batch axis (a
     sequence per device is the least it can hold) and activations dominate.
+    A batch axis left with more devices than the batch has sequences would
+    hold padded sequences, so those splits are not proposed.
     """
     axes = plan.mesh_axes
     if axes.size(axes.context_axis) > 1:
@@ -163,6 +165,8 @@ def _context_mesh(plan: PlanRecord, need, capacity, sequence_length) -> str:
     batch_devices = axes.size(axes.batch_axis)
     for context in range(2, batch_devices + 1):
         if batch_devices % context or sequence_length % context:
+            continue
+        if batch_devices // context > batch_size:
             continue
         sizes = dict(zip(axes.axis_names, axes.shape))
         sizes[axes.batch_axis] = batch_devices // context
