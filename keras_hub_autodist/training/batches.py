@@ -163,12 +163,14 @@ def pad_batch(data, multiple: int):
 
         def weights(rows):
             rows = tf.cast(rows, "float32")
-            mask = tf.reshape(real, [-1] + [1] * (rows.shape.rank - 1))
+            # Rows of any rank, known when traced or not.
+            trailing = tf.ones([tf.rank(rows) - 1], "int32")
+            mask = tf.reshape(real, tf.concat([[-1], trailing], 0))
             return tf.where(mask, rows, 0.0)
 
         def ones(label):
             shape = tf.shape(label)
-            if not label.dtype.is_integer and label.shape.rank > 1:
+            if not label.dtype.is_integer and (label.shape.rank or 0) > 1:
                 shape = shape[:-1]
             return tf.ones(shape)
 
