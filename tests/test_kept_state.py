@@ -165,6 +165,9 @@ def trained_on(preset, x, y, steps):
     lm = causal_lm(preset, MESH)
     if steps:
         lm.fit(batches(x, y, steps), steps_per_epoch=steps, verbose=0)
+    else:  # what `fit` builds before its first step: zero slots
+        with keras_hub_autodist.distribution_of(lm).distribution.scope():
+            lm.optimizer.build(lm.trainable_variables)
     return state(lm)
 
 
@@ -197,6 +200,9 @@ def assert_kept_after_error(preset, tmp_path, stage, finished):
     state of a run of `finished` steps, and predicts and saves."""
     x, y = data(preset, 12)
     lm = causal_lm(preset, MESH, loss=refuse_long_sequences)
+    # Build the loss and metrics, so that `fit` draws its first batch inside
+    # its loop (after taking the variables), not before it to build them.
+    lm.evaluate(rows(x, 4), y[:4], verbose=0)
     callbacks = []
     if stage == "data":
         feed = batches(x, y, 3, fail_at=finished)
