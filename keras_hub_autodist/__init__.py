@@ -54,6 +54,7 @@ from keras_hub_autodist.errors import PresetError  # noqa: E402
 from keras_hub_autodist.errors import RestoreError  # noqa: E402
 from keras_hub_autodist.errors import SaveTargetError  # noqa: E402
 from keras_hub_autodist.errors import SequenceLengthError  # noqa: E402
+from keras_hub_autodist.errors import StateLostError  # noqa: E402
 from keras_hub_autodist.errors import StrategyError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
@@ -118,6 +119,7 @@ __all__ = [
     "ResumableCheckpoint",
     "SaveTargetError",
     "SequenceLengthError",
+    "StateLostError",
     "StrategyError",
     "summary",
     "UnplannedWeightError",

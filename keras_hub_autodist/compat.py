@@ -1,13 +1,11 @@
-"""Every private Keras and keras-hub touchpoint of the package, in one place.
-
-Nothing else in `keras_hub_autodist` imports `keras.src` or `keras_hub.src`
-or reads a private attribute of a Keras or keras-hub object: it goes through
-a function or name here. `TOUCHPOINTS` lists them all, and
-`tests/test_compat.py` checks each one against the installed Keras and
-keras-hub, so an upgrade shows exactly what broke. Every attribute of Keras
-or keras-hub that the package replaces is registered in `PATCHES` (what,
-by whom, for how long, whether every thread sees it) and installed by the
-functions at the end of this module, which alone set such attributes.
+"""Every private Keras and keras-hub touchpoint of the package, here and in
+`compat_steps.py` (the trainer's). Nothing else in `keras_hub_autodist`
+imports `keras.src` or `keras_hub.src` or reads a private attribute of a
+Keras or keras-hub object. `tests/test_compat.py` checks each of
+`TOUCHPOINTS` against the installed Keras and keras-hub, so an upgrade
+shows exactly what broke. Every attribute of Keras or keras-hub that the
+package replaces is registered in `PATCHES` (what, by whom, for how long,
+whether every thread sees it) and set only by the functions at the end.
 
 The needs that have no public API:
 
@@ -29,6 +27,8 @@ import contextlib
 import dataclasses
 import importlib
 import threading
+
+from keras_hub_autodist import compat_steps
 
 # keras-hub's constants naming the files of its preset format.
 PRESET_FORMAT_NAMES = tuple(
@@ -65,7 +65,7 @@ TOUCHPOINTS = (
     ("keras.src.saving.saving_lib", "_save_state"),
     ("keras.src.layers.layer", "Layer._flatten_layers"),
     ("keras.src.backend.jax.nn", "_can_use_flash_attention"),
-)
+) + compat_steps.TOUCHPOINTS
 
 
 def check_touchpoints() -> list[str]:
@@ -441,7 +441,7 @@ PATCHES = (
     ),
     Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch("skipped_batches", None, "train_function", _RESUMABLE, WHILE_SKIPPING),
-)
+) + tuple(Patch(*fields) for fields in compat_steps.PATCH_FIELDS)
 _PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
 _MISSING = object()
 # Process-wide patches in place: name -> [contexts holding it, previous value].

@@ -158,6 +158,11 @@ class CheckpointOptionError(RestoreError, TypeError):
     for the checks it replaces keep working."""
 
 
+class StateLostError(AutodistError, RuntimeError):
+    """A bound method's step failed after it had consumed the model's state
+    (its buffers donated to the step): the state can't be put back whole."""
+
+
 class SequenceLengthError(AutodistError, ValueError):
     """A batch's sequence length doesn't divide the context axis that
     splits it."""

@@ -18,6 +18,7 @@ import keras_hub_autodist
 from keras_hub_autodist import BatchSizeError
 from keras_hub_autodist.training.batches import pad_batch
 from keras_hub_autodist.training.batches import requested_rows
+from keras_hub_autodist.training.padded_steps import unmarked
 
 MESH = {"batch": 4, "model": 2}
 PRESET = "gemma_mqa"
@@ -53,14 +54,18 @@ def preset(tiny_presets_dir):
     return tiny_presets_dir[PRESET]
 
 
-def test_pad_batch_scales_real_rows_and_zeroes_padding():
-    x, y, w = pad_batch((np.arange(6.0).reshape(2, 3), np.ones(2)), 4, scale=True)
+def test_pad_batch_zeroes_padding_and_marks_the_real_rows():
+    x, y, w = pad_batch((np.arange(6.0).reshape(2, 3), np.ones(2)), 4)
     assert x.shape == (4, 3) and y.shape == (4,)
     np.testing.assert_array_equal(x[3], x[1])
-    np.testing.assert_array_equal(w, [2, 2, 0, 0])
+    weights, real = unmarked(w)
+    np.testing.assert_array_equal(weights, [1, 1, 0, 0])  # not scaled
+    np.testing.assert_array_equal(real, [1, 1, 0, 0])
     user = np.array([[1.0, 0.5], [0.0, 1.0], [1.0, 1.0]])
-    _, _, w = pad_batch((np.ones((3, 2)), np.ones((3, 2)), user), 2, scale=False)
-    np.testing.assert_array_equal(w, [[1, 0.5], [0, 1], [1, 1], [0, 0]])
+    _, _, w = pad_batch((np.ones((3, 2)), np.ones((3, 2)), user), 2)
+    weights, real = unmarked(w)
+    np.testing.assert_array_equal(weights, [[1, 0.5], [0, 1], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(real, [1, 1, 1, 0])  # a real row of weight 0
 
 
 def test_the_rows_a_fit_asks_for_are_read_before_any_padding():

@@ -18,6 +18,7 @@ STAGES = (
         "environment",
         "compat",
         "compat_attention",
+        "compat_steps",
         "on_import",
         "devices",
         "tiny_tokenizers",

@@ -2,9 +2,10 @@
 
 A sharded batch must split evenly over the batch axis of the mesh (times the
 number of processes). `check_batch` refuses a batch that won't, before
-anything runs; `pad_batch` pads a batch with zero-weight rows so the loss and
-gradients equal those of the unpadded batch; `predict_unpadded` and
-`generate_padded` drop the padded rows from what the user gets back.
+anything runs; `pad_batch` pads a batch with zero-weight rows, marked so
+that a bound task's steps count only its real rows (`padded_steps`);
+`predict_unpadded` and `generate_padded` drop the padded rows from what the
+user gets back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from keras_hub_autodist.errors import BatchSizeError
 from keras_hub_autodist.errors import PaddingWarning
 from keras_hub_autodist.errors import warn
+from keras_hub_autodist.training.padded_steps import marked
 from keras_hub_autodist.words import counted
 
 # Keras' default batch size for arrays passed without `batch_size`.
@@ -122,39 +124,28 @@ def rows_multiple(distribution) -> int:
     return axis_size // math.gcd(axis_size, distribution.num_processes)
 
 
-# Loss reductions that divide by the number of rows of the batch: a padded
-# batch needs its real rows' weights scaled by padded/real rows.
-_ROW_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
-
-
-def _scales_padded_rows(model) -> bool:
-    losses = [loss for loss in keras.tree.flatten(getattr(model, "loss", None)) if loss]
-    reductions = {getattr(loss, "reduction", "sum_over_batch_size") for loss in losses}
-    return bool(reductions & set(_ROW_MEAN_REDUCTIONS))
-
-
 def _is_tf(leaf) -> bool:
     return type(leaf).__module__.startswith("tensorflow")
 
 
-def pad_batch(data, multiple: int, scale: bool):
-    """Pad a batch up to a multiple of `multiple` rows with zero-weight rows.
+def pad_batch(data, multiple: int):
+    """Pad a batch up to a multiple of `multiple` rows, marking its real rows.
 
-    Extra rows repeat the last row (any dtype, strings included) and get
-    sample weight 0; when the loss divides by the number of rows (`scale`),
-    the real rows' weights are multiplied by padded/real rows, so that the
-    loss and its gradient equal those of the unpadded batch. Works on NumPy
-    (and JAX) arrays and inside a `tf.data` map.
+    Extra rows repeat the last row (any dtype, strings included). A batch
+    with labels gets a marked sample weight (`padded_steps.marked`): the
+    caller's weights (ones when none) with 0 on padded rows, and which rows
+    are real, from which a bound task's steps count the batch as its real
+    rows alone (`padded_steps`). Works on NumPy (and JAX) arrays and inside
+    a `tf.data` map.
 
     Args:
         data: `x`, or `(x, y)` / `(x, y, sample_weight)` as keras packs them.
         multiple: the rows of the result are a multiple of it.
-        scale: scale the real rows' weights (see above).
 
     Example:
     ```python
-    x, y, w = pad_batch((np.ones((2, 3)), np.ones((2,))), 4, scale=True)
-    # x.shape == (4, 3); w == [2., 2., 0., 0.]
+    x, y, w = pad_batch((np.ones((2, 3)), np.ones((2,))), 4)
+    # x.shape == (4, 3); unmarked(w) == ([1., 1., 0., 0.], [1., 1., 0., 0.])
     ```
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -166,26 +157,26 @@ def pad_batch(data, multiple: int, scale: bool):
         target = (count + multiple - 1) // multiple * multiple
         index = tf.minimum(tf.range(target), count - 1)
         real = tf.range(target) < count
-        factor = tf.cast(target, "float32") / tf.cast(count, "float32")
 
         def take(leaf):
             return tf.gather(leaf, index)
 
         def weights(rows):
             rows = tf.cast(rows, "float32")
-            mask = tf.reshape(real, [-1] + [1] * (rows.shape.rank - 1))
-            return tf.where(mask, rows * (factor if scale else 1.0), 0.0)
+            # Rows of any rank, known when traced or not.
+            trailing = tf.ones([tf.rank(rows) - 1], "int32")
+            mask = tf.reshape(real, tf.concat([[-1], trailing], 0))
+            return tf.where(mask, rows, 0.0)
 
         def ones(label):
             shape = tf.shape(label)
-            if not label.dtype.is_integer and label.shape.rank > 1:
+            if not label.dtype.is_integer and (label.shape.rank or 0) > 1:
                 shape = shape[:-1]
             return tf.ones(shape)
 
+        real_rows = tf.cast(real, "float32")
     else:
         count = int(first.shape[0])
-        if count % multiple == 0:
-            return data
         target = -(-count // multiple) * multiple
         index = np.minimum(np.arange(target), count - 1)
         real = np.arange(target) < count
@@ -196,14 +187,15 @@ def pad_batch(data, multiple: int, scale: bool):
         def weights(rows):
             rows = np.asarray(rows, dtype="float32")
             mask = real.reshape((-1,) + (1,) * (rows.ndim - 1))
-            factor = target / count if scale else 1.0
-            return np.where(mask, rows * factor, 0.0).astype("float32")
+            return np.where(mask, rows, 0.0).astype("float32")
 
         def ones(label):
             shape = np.shape(label)
             if not np.issubdtype(np.asarray(label).dtype, np.integer):
                 shape = shape[:1] + shape[1:-1]
             return np.ones(shape, dtype="float32")
+
+        real_rows = real.astype("float32")
 
     def pad(structure):
         return keras.tree.map_structure(
@@ -218,7 +210,8 @@ def pad_batch(data, multiple: int, scale: bool):
         # (batch,) weight against (batch, sequence) losses would be broadcast
         # over the sequence axis by keras.
         sample_weight = ones(keras.tree.flatten(y)[0])
-    return pad(x), pad(y), keras.tree.map_structure(weights, pad(sample_weight))
+    padded_weights = keras.tree.map_structure(weights, pad(sample_weight))
+    return pad(x), pad(y), marked(padded_weights, real_rows)
 
 
 def _batch_sizes(x, batch_size, steps=None):
@@ -304,22 +297,39 @@ def warn_padding(model, method: str, rows: int | None, multiple: int) -> None:
     )
 
 
-def padding_preprocess(preprocess_samples, model, multiple: int):
+def padding_preprocess(preprocess_samples, multiple: int):
     """Wrap a task's `preprocess_samples` so that it pads every batch.
 
     Args:
         preprocess_samples: the task's own `preprocess_samples` method.
-        model: the task; its loss tells whether real rows are scaled.
         multiple: the rows of each batch are padded to a multiple of it.
     """
 
     @functools.wraps(preprocess_samples)
     def call(x, y=None, sample_weight=None):
-        data = preprocess_samples(x, y, sample_weight)
-        return pad_batch(data, multiple, scale=_scales_padded_rows(model))
+        return pad_batch(preprocess_samples(x, y, sample_weight), multiple)
 
     call.__keras_hub_autodist_scoped__ = True  # binding._WRAPPED_ATTR
     return call
+
+
+def on_padded_batch(model, method: str, x, y=None, sample_weight=None, **kwargs):
+    """`train_on_batch`/`test_on_batch` (`method`) of a task that pads its
+    batches: keras-hub's own method, whose conversion of the sample weight
+    to one tensor would break the mark of the real rows, is replaced by
+    what it does: preprocess (and pad) the batch, then Keras' method.
+    """
+
+    def tensors(structure):
+        if structure is None:
+            return None
+        return keras.tree.map_structure(keras.ops.convert_to_tensor, structure)
+
+    data = model.preprocess_samples(x, y, sample_weight)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    run = getattr(keras.Model, method)
+    weights = tensors(sample_weight)
+    return run(model, x=tensors(x), y=tensors(y), sample_weight=weights, **kwargs)
 
 
 def check_batch(distribution, method: str, args, kwargs) -> None:

@@ -17,6 +17,7 @@ fingerprint into their file (`weights_files.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -34,12 +35,18 @@ from keras_hub_autodist.saving.gathering import several_processes
 from keras_hub_autodist.training.batches import check_batch
 from keras_hub_autodist.training.batches import feeding_rows
 from keras_hub_autodist.training.batches import generate_padded
+from keras_hub_autodist.training.batches import on_padded_batch
 from keras_hub_autodist.training.batches import padding_preprocess
 from keras_hub_autodist.training.batches import predict_unpadded
 from keras_hub_autodist.training.batches import requested_rows
 from keras_hub_autodist.training.batches import rows_multiple
 from keras_hub_autodist.training.batches import sample_count
 from keras_hub_autodist.training.batches import warn_padding
+from keras_hub_autodist.training.drawn_batches import check_sequences_first
+from keras_hub_autodist.training.drawn_batches import checking_drawn_batches
+from keras_hub_autodist.training.keeping import keeping_state
+from keras_hub_autodist.training.keeping import record_steps
+from keras_hub_autodist.training.padded_steps import count_real_rows
 from keras_hub_autodist.training.placement import place_state
 from keras_hub_autodist.training.restore import note_compiled
 from keras_hub_autodist.training.restore import restore
@@ -96,16 +103,51 @@ class _Bound:
     padded: bool
 
 
-def _feeding(name, method, bound, args, kwargs):
-    """A method that feeds batches: each checked against the batch axis
-    (unless keras-hub's preprocessing pads them), run in the scope."""
+@contextlib.contextmanager
+def _loop(name, bound, args, kwargs):
+    """Around a method that feeds batches: its inputs checked before Keras'
+    loop starts, each batch it draws checked before it reaches a step, the
+    model's state put back if it raises (`keeping.py`), in the scope."""
     if not bound.padded:
         check_batch(bound.distribution, name, args, kwargs)
-    elif name in ("fit", "evaluate", "predict"):
+    check_sequences_first(bound.distribution, bound.model, name, args, kwargs)
+    with (
+        keeping_state(bound.model, name),
+        checking_drawn_batches(bound.distribution, name),
+        bound.distribution.scope(),
+    ):
+        yield
+
+
+def _warn_padding(name, bound, args, kwargs):
+    """`PaddingWarning`, once per model and method, when a padded task's
+    batches of the rows its caller asked for are padded."""
+    if not bound.padded:
+        return
+    if name.endswith("_on_batch"):
+        rows = sample_count(args[0] if args else kwargs.get("x"))
+    else:
         rows = requested_rows(name, args, kwargs)
-        warn_padding(bound.model, name, rows, bound.multiple)
-    with bound.distribution.scope():
+    warn_padding(bound.model, name, rows, bound.multiple)
+
+
+def _feeding(name, method, bound, args, kwargs):
+    """A method that feeds batches: each checked against the batch axis
+    (unless keras-hub's preprocessing pads them), run in `_loop`."""
+    _warn_padding(name, bound, args, kwargs)
+    with _loop(name, bound, args, kwargs):
         return method(*args, **kwargs)
+
+
+def _on_batch(name, method, bound, args, kwargs):
+    """`train_on_batch`/`test_on_batch`: `_feeding`; a padded task's batch
+    (marked, `padded_steps`) goes to Keras' own method, as keras-hub's
+    would after preprocessing it, but with the mark kept whole."""
+    if not bound.padded:
+        return _feeding(name, method, bound, args, kwargs)
+    _warn_padding(name, bound, args, kwargs)
+    with _loop(name, bound, args, kwargs):
+        return on_padded_batch(bound.model, name, *args, **kwargs)
 
 
 def _fitting(name, method, bound, args, kwargs):
@@ -126,6 +168,8 @@ def _compiling(name, method, bound, args, kwargs):
         result = method(*args, **kwargs)
         place_state(bound.model, bound.distribution)
         note_compiled(bound.model)
+        if bound.padded:
+            count_real_rows(bound.model)  # the new loss tracker
         return result
 
 
@@ -133,7 +177,8 @@ def _predicting(name, method, bound, args, kwargs):
     """`predict`: padded rows dropped from the outputs."""
     if not bound.padded:
         return _feeding(name, method, bound, args, kwargs)
-    with bound.distribution.scope():
+    _warn_padding(name, bound, args, kwargs)
+    with _loop(name, bound, args, kwargs):
         return predict_unpadded(method, bound.multiple, *args, **kwargs)
 
 
@@ -141,8 +186,9 @@ def _predicting_on_batch(name, method, bound, args, kwargs):
     """`predict_on_batch`: padded rows dropped from the outputs."""
     if not bound.padded:
         return _feeding(name, method, bound, args, kwargs)
+    _warn_padding(name, bound, args, kwargs)
     rows = sample_count(args[0] if args else kwargs.get("x"))
-    with bound.distribution.scope():
+    with _loop(name, bound, args, kwargs):
         outputs = method(*args, **kwargs)
     return keras.tree.map_structure(lambda output: output[:rows], outputs)
 
@@ -190,9 +236,12 @@ def _saving(path_argument: str, whole_folder: bool):
 
 def _placing(name, method, bound, args, kwargs):
     """A maker of jitted steps: every variable placed on the mesh first,
-    outside the scope (the step takes the state's shardings)."""
+    outside the scope (the step takes the state's shardings); the step it
+    makes records its state (`keeping.record_steps`)."""
     place_state(bound.model, bound.distribution)
-    return method(*args, **kwargs)
+    result = method(*args, **kwargs)
+    record_steps(bound.model, name.replace("make_", ""))
+    return result
 
 
 # Each method a bound model wraps, and how it runs.
@@ -200,8 +249,8 @@ BOUND_METHODS = {
     "compile": _compiling,
     "fit": _fitting,
     "evaluate": _feeding,
-    "train_on_batch": _feeding,
-    "test_on_batch": _feeding,
+    "train_on_batch": _on_batch,
+    "test_on_batch": _on_batch,
     "predict": _predicting,
     "predict_on_batch": _predicting_on_batch,
     "generate": _generating,
@@ -252,8 +301,10 @@ def bind(model, distribution, plan: LayoutPlan):
                 "bound_model_methods",
                 target,
                 "preprocess_samples",
-                padding_preprocess(preprocess, target, multiple),
+                padding_preprocess(preprocess, multiple),
             )
+        if padded:
+            count_real_rows(target)
         bound = _Bound(target, distribution, multiple, padded)
         for name, runs in BOUND_METHODS.items():
             method = getattr(target, name, None)
