@@ -17,6 +17,7 @@ STAGES = (
         "errors",
         "environment",
         "compat",
+        "compat_state",
         "on_import",
         "devices",
         "tiny_tokenizers",
