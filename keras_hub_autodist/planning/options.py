@@ -18,9 +18,9 @@ from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
 from keras_hub_autodist.planning.device_profiles import device_profile
+from keras_hub_autodist.planning.remat_arguments import check_remat
 from keras_hub_autodist.planning.sharding import STRATEGIES
 from keras_hub_autodist.planning.step_memory import check_lora_rank
-from keras_hub_autodist.planning.step_memory import check_remat
 from keras_hub_autodist.reading.dtypes import check_dtype
 
 STRATEGY_CHOICES = ("auto",) + STRATEGIES
