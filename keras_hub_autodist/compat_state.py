@@ -7,6 +7,9 @@ package reaches into `keras.src` for these: `TOUCHPOINTS` lists them and
 
 The need that has no public API:
 
+- A wrapped optimizer (`LossScaleOptimizer`) keeps its inner optimizer as
+  an attribute, which Keras' weights files store under that attribute's
+  name: `optimizer_children` finds them by Keras' own walk.
 - A rematerialized block threads its seed generators' state through the
   recomputed call. Inside Keras' own stateless scope (every traced step of
   its JAX trainer), a variable's assignment is that scope's update; outside
@@ -20,7 +23,10 @@ import contextlib
 import importlib
 
 # (module, attribute) pairs this module relies on.
-TOUCHPOINTS = (("keras.src.backend.common.stateless_scope", "in_stateless_scope"),)
+TOUCHPOINTS = (
+    ("keras.src.backend.common.stateless_scope", "in_stateless_scope"),
+    ("keras.src.saving.saving_lib", "_walk_saveable"),
+)
 
 
 def check_touchpoints() -> list[str]:
@@ -80,3 +86,23 @@ def stateless_state(variables):
         yield current
     for variable in variables:
         variable.assign(scope.get_current_value(variable))
+
+
+def optimizer_children(optimizer) -> list[tuple[str, object]]:
+    """The optimizers `optimizer` keeps as attributes (a
+    `LossScaleOptimizer`'s `inner_optimizer`), with those attributes' names,
+    as Keras' weights-file writer walks them (`saving_lib._walk_saveable`).
+
+    Example:
+    ```python
+    optimizer_children(lm.optimizer)  # [('inner_optimizer', <Adam ...>)]
+    ```
+    """
+    import keras
+    from keras.src.saving import saving_lib
+
+    return [
+        (name, child)
+        for name, child in saving_lib._walk_saveable(optimizer)
+        if isinstance(child, keras.optimizers.Optimizer) and child is not optimizer
+    ]
