@@ -27,9 +27,8 @@ def without_owner(path: str) -> str:
 
 # Keras' per-process number of an auto-named object (`adam_1`).
 _PROCESS_NUMBER = re.compile(r"_\d+$")
-# The variables an optimizer has before it is built; the learning rate is a
-# setting (a schedule has no variable), not state a resume must match.
-UNBUILT_NAMES = ("iteration", "learning_rate")
+# The learning rate's variable: a setting of the run (a schedule has none),
+# not state a resume must match.
 LEARNING_RATE = "learning_rate"
 
 
