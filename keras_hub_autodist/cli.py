@@ -205,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the axis that splits each sequence, if not context",
     )
-    plan.add_argument("--dtype", default=None, help="e.g. bfloat16")
+    plan.add_argument(
+        "--dtype",
+        default=None,
+        help="float16, bfloat16, float32, float64, mixed_float16 or mixed_bfloat16",
+    )
     plan.add_argument(
         "--device-memory",
         type=parse_gib,

@@ -92,7 +92,7 @@ def test_an_unreadable_cache_file_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path))
     config = {**CONFIG, "hidden_dim": 24}
     path = disk_cache._disk_file(
-        "variables", abstract._variables_key("LlamaBackbone", config)
+        abstract.CACHE_KIND, abstract._variables_key("LlamaBackbone", config)
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     # Not JSON, or JSON of another shape (an older format, a truncated row).
@@ -168,7 +168,7 @@ def test_a_keras_hub_conversion_is_reused_by_a_later_process(tmp_path, monkeypat
     expected = keras_hub_autodist.plan(preset, {"batch": 2, "model": 4})
     assert {p.name.split("-")[0] for p in cache.glob("*.json")} == {
         "conversion",
-        "variables",
+        abstract.CACHE_KIND,
     }
     code = textwrap.dedent(
         f"""

@@ -45,7 +45,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _only_entry(cache):
-    (path,) = cache.glob("variables-*.json")
+    (path,) = cache.glob(f"{abstract.CACHE_KIND}-*.json")
     return path
 
 
@@ -95,7 +95,7 @@ def test_an_entry_records_what_it_answers(tmp_path, cache):
     abstract.model_variables(keras_hub.models.LlamaBackbone, config)
     entry = json.loads(_only_entry(cache).read_text())
     assert entry["format"] == disk_cache.ENTRY_FORMAT
-    assert entry["kind"] == "variables"
+    assert entry["kind"] == abstract.CACHE_KIND
     assert entry["key"] == abstract._variables_key("LlamaBackbone", config)
     assert entry["key"].startswith("LlamaBackbone|")
     assert json.loads(entry["key"].partition("|")[2]) == config

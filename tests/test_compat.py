@@ -5,12 +5,27 @@ import pathlib
 import re
 
 from keras_hub_autodist import compat
+from keras_hub_autodist import compat_state
 
 PACKAGE = pathlib.Path(compat.__file__).parent
+# The modules of the compat layer: the only ones that reach into Keras.
+COMPAT_MODULES = ("compat.py", "compat_state.py")
 
 
 def test_every_touchpoint_exists_in_the_installed_keras_and_keras_hub():
     assert compat.check_touchpoints() == []
+    assert compat_state.check_touchpoints() == []
+
+
+def test_a_missing_touchpoint_of_the_state_module_is_named(monkeypatch):
+    monkeypatch.setattr(
+        compat_state,
+        "TOUCHPOINTS",
+        compat_state.TOUCHPOINTS + (("keras.src.saving.saving_lib", "Nope"),),
+    )
+    assert compat_state.check_touchpoints() == [
+        "keras.src.saving.saving_lib.Nope: no such attribute"
+    ]
 
 
 def test_a_missing_touchpoint_is_named():
@@ -29,7 +44,7 @@ def test_only_compat_imports_private_modules():
     offenders = [
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*.py")
-        if path.name != "compat.py" and private.search(path.read_text())
+        if path.name not in COMPAT_MODULES and private.search(path.read_text())
     ]
     assert offenders == []
 
@@ -45,7 +60,7 @@ def test_only_compat_replaces_attributes_of_keras_objects():
     of its own. Everything else goes through `compat.PATCHES`."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "compat.py":
+        if path.name in COMPAT_MODULES:
             continue
         for match in _SETS.finditer(path.read_text()):
             obj, name = match.group(1), match.group(2).strip()

@@ -71,3 +71,66 @@ def test_from_preset_refuses_an_option_of_plan_alone_with_what_to_do(
             device_mesh={"batch": 2, "model": 4},
             **{name: value},
         )
+
+
+# --- remat= is checked whole --------------------------------------------------
+
+ACCEPTED_REMAT = [
+    None,
+    "full",
+    "larger_than",
+    {"mode": "full"},
+    {"mode": "larger_than"},
+    {"mode": "larger_than", "output_size_threshold": 2**20},
+    {"mode": "list_of_layers", "layer_names": ["mlp"]},
+    {"mode": "list_of_layers", "layer_names": ("mlp", "attention")},
+]
+REFUSED_REMAT = {
+    "keras-argument-misnamed": {"mode": "larger_than", "threshold": 1024},
+    "unknown-key-under-full": {"mode": "full", "layers": ["mlp"]},
+    "threshold-under-full": {"mode": "full", "output_size_threshold": 8},
+    "names-under-larger-than": {"mode": "larger_than", "layer_names": ["mlp"]},
+    "threshold-a-string": {"mode": "larger_than", "output_size_threshold": "big"},
+    "threshold-zero": {"mode": "larger_than", "output_size_threshold": 0},
+    "threshold-a-bool": {"mode": "larger_than", "output_size_threshold": True},
+    "threshold-a-float": {"mode": "larger_than", "output_size_threshold": 1e3},
+    "names-missing": {"mode": "list_of_layers"},
+    "names-empty": {"mode": "list_of_layers", "layer_names": []},
+    "names-a-string": {"mode": "list_of_layers", "layer_names": "mlp"},
+    "names-not-strings": {"mode": "list_of_layers", "layer_names": [3]},
+    "list-mode-bare": "list_of_layers",
+    "no-mode": {"output_size_threshold": 8},
+    "mode-unknown": {"mode": "most"},
+    "mode-not-a-string": {"mode": ["full"]},
+    "name-unknown": "most",
+    "a-list": ["full"],
+    "a-bool": True,
+}
+
+
+@pytest.mark.parametrize("remat", ACCEPTED_REMAT)
+def test_every_accepted_remat_form_passes(remat):
+    assert options.PlanOptions(remat=remat).remat is remat
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED_REMAT))
+def test_every_other_remat_is_refused_at_the_door(kind):
+    remat = REFUSED_REMAT[kind]
+    with pytest.raises(keras_hub_autodist.PlanError) as raised:
+        options.PlanOptions(remat=remat)
+    message = str(raised.value)
+    assert f"Received: remat={remat!r}" in message
+    assert "{'mode': 'larger_than', 'output_size_threshold': 2**20}" in message
+
+
+def test_from_preset_refuses_a_wrong_remat_before_loading(monkeypatch, tmp_path):
+    monkeypatch.setattr(
+        pipeline, "original_from_preset", lambda cls: pytest.fail("loaded")
+    )
+    with pytest.raises(keras_hub_autodist.PlanError, match="'threshold'"):
+        keras_hub_autodist.from_preset(
+            keras_hub.models.GemmaCausalLM,
+            str(tmp_path),
+            device_mesh={"batch": 2},
+            remat={"mode": "larger_than", "threshold": 1024},
+        )

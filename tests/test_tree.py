@@ -19,6 +19,7 @@ STAGES = (
         "compat",
         "compat_attention",
         "compat_steps",
+        "compat_state",
         "on_import",
         "devices",
         "tiny_tokenizers",

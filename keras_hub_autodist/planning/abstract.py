@@ -24,6 +24,10 @@ from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.reading.disk_cache import read_stored
 from keras_hub_autodist.reading.disk_cache import store
 
+# The disk cache's kind for abstract builds: their weights, without the
+# non-weight state earlier entries (kind "variables") listed.
+CACHE_KIND = "weights"
+
 
 def _config_key(config: Mapping) -> tuple[str, bool]:
     """The config as one canonical text, and whether it is plain JSON.
@@ -48,7 +52,9 @@ def _config_key(config: Mapping) -> tuple[str, bool]:
 
 
 def model_variables(backbone_cls: type, config: Mapping) -> tuple[Weight, ...]:
-    """Every variable of `backbone_cls.from_config(config)`, built abstractly.
+    """Every weight of `backbone_cls.from_config(config)`, built abstractly:
+    its variables but for Keras' non-weight state (RNG seeds, metrics),
+    which Keras' layout map leaves replicated.
 
     Args:
         backbone_cls: a keras-hub `Backbone` subclass.
@@ -56,7 +62,7 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[Weight, ...]:
             preset's `config.json` "config").
 
     Returns:
-        One `Weight` (path, shape, dtype) per variable, in the model's order.
+        One `Weight` (path, shape, dtype) per weight, in the model's order.
 
     Example:
     ```python
@@ -76,7 +82,7 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[Weight, ...]:
     found = _cached_variables(backbone_cls, text, _Frozen(config))
     if plain:  # a config that is not plain JSON is cached in memory only
         store(
-            "variables",
+            CACHE_KIND,
             _disk_key(backbone_cls.__name__, text),
             [[v.path, list(v.shape), v.dtype] for v in found],
         )
@@ -109,7 +115,7 @@ def stored_variables(class_name: str, config: Mapping) -> tuple[Weight, ...] | N
         config: its constructor arguments.
     """
     key = _variables_key(class_name, config)
-    rows = read_stored("variables", key) if key is not None else None
+    rows = read_stored(CACHE_KIND, key) if key is not None else None
     try:
         return tuple(
             Weight(str(p), shape=tuple(int(n) for n in shape), dtype=str(dtype))
@@ -169,9 +175,14 @@ def _cached_variables(backbone_cls, key, frozen) -> tuple[Weight, ...]:
             f"`{backbone_cls.__name__}.from_config(config)` works. Received: "
             f"config keys {sorted(config)}"
         ) from error
+    # Keras' weights: its non-weight state (the seed generators' RNG
+    # state, metric state) is not planned and stays replicated, and is left
+    # out here by the class Keras gives it, not by its name.
+    weight_ids = {id(weight) for weight in backbone.weights}
     found = tuple(
         Weight(v.path, shape=tuple(int(size) for size in v.shape), dtype=str(v.dtype))
         for v in backbone.variables
+        if id(v) in weight_ids
     )
     del backbone
     return found

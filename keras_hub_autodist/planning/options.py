@@ -18,9 +18,10 @@ from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
 from keras_hub_autodist.planning.device_profiles import device_profile
+from keras_hub_autodist.planning.remat_arguments import check_remat
 from keras_hub_autodist.planning.sharding import STRATEGIES
 from keras_hub_autodist.planning.step_memory import check_lora_rank
-from keras_hub_autodist.planning.step_memory import check_remat
+from keras_hub_autodist.reading.dtypes import check_dtype
 
 STRATEGY_CHOICES = ("auto",) + STRATEGIES
 
@@ -135,8 +136,9 @@ class PlanOptions:
             `model`/`tensor`.
         context_axis: the mesh axis that splits each sequence, if not
             `context`.
-        dtype: the dtype (policy) the model will be loaded with; `None`: the
-            preset's.
+        dtype: the float dtype or mixed-precision policy the model will be
+            loaded with (`reading.dtypes.ACCEPTED_DTYPES`); `None`: Keras'
+            global policy, as keras-hub's `from_preset` loads a preset.
         device_memory: bytes per device, or a named device of
             `device_profiles.DEVICE_PROFILES` (e.g. `"t4"`); `None`: asked of
             the devices, the environment, or assumed
@@ -185,6 +187,7 @@ class PlanOptions:
                 "on the sequence over the model axis) or False. Received: "
                 f"sequence_parallel={self.sequence_parallel!r}"
             )
+        check_dtype(self.dtype)
         check_lora_rank(self.lora_rank)
         check_remat(self.remat)
         if isinstance(self.device_memory, str):

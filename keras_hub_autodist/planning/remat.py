@@ -12,6 +12,11 @@ keras-hub's blocks test some of them in Python, so a step built under it
 does not trace. The blocks are found from the plan: the layer that holds
 each query kernel.
 
+A block's non-weight state (its dropout layers' seed generators) is threaded
+through the recomputed call as explicit inputs and outputs: the state the
+block advances comes out of it as a value, assigned after it, and the
+backward pass recomputes with the same seeds the forward pass drew.
+
 The other modes (`"larger_than"`, `"list_of_layers"`) are Keras'
 `keras.RematScope`, for layers whose arguments are all arrays.
 """
@@ -22,6 +27,7 @@ import contextlib
 import functools
 
 from keras_hub_autodist import compat
+from keras_hub_autodist import compat_state
 from keras_hub_autodist.planning.step_memory import remat_mode
 
 # The one mode this module implements itself; others are `keras.RematScope`.
@@ -64,25 +70,52 @@ def block_paths(plan) -> list[str]:
     return paths
 
 
-def checkpointed(call):
+def non_weight_state(layer) -> list:
+    """The variables of `layer` (and its sublayers) that are not weights:
+    Keras' class of state such as seed generators' RNG state.
+
+    Example:
+    >>> import keras
+    >>> [v.name for v in non_weight_state(keras.layers.Dropout(0.1))]
+    ['seed_generator_state']
+    """
+    weight_ids = {id(weight) for weight in layer.weights}
+    return [v for v in layer.variables if id(v) not in weight_ids]
+
+
+def checkpointed(call, state=()):
     """`call` recomputed in the backward pass (`recomputed_in_backward`):
     its array arguments traced, the others (flags, indices, `None`) held as
-    given."""
+    given, and the variables of `state` (the block's non-weight state, e.g.
+    its seed generators') passed in and out as values."""
     import jax
+
+    state = list(state)
 
     @functools.wraps(call)
     def run(*args, **kwargs):
         leaves, structure = jax.tree_util.tree_flatten((args, kwargs))
         traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+        with compat_state.stateless_state(state) as values:
 
-        def pure(*arrays):
-            merged = list(leaves)
-            for index, array in zip(traced, arrays):
-                merged[index] = array
-            inner_args, inner_kwargs = jax.tree_util.tree_unflatten(structure, merged)
-            return call(*inner_args, **inner_kwargs)
+            def pure(*arrays):
+                merged = list(leaves)
+                for index, array in zip(traced, arrays[: len(traced)]):
+                    merged[index] = array
+                for variable, value in zip(state, arrays[len(traced) :]):
+                    variable.assign(value)
+                inner_args, inner_kwargs = jax.tree_util.tree_unflatten(
+                    structure, merged
+                )
+                outputs = call(*inner_args, **inner_kwargs)
+                return outputs, [variable.value for variable in state]
 
-        return recomputed_in_backward(pure, *(leaves[i] for i in traced))
+            outputs, advanced = recomputed_in_backward(
+                pure, *(leaves[i] for i in traced), *values
+            )
+            for variable, value in zip(state, advanced):
+                variable.assign(value)
+        return outputs
 
     return run
 
@@ -164,7 +197,10 @@ def rematerialize_blocks(model, plan) -> int:
     for layer in compat.sublayers(model):
         if layer.path in wanted and "call" not in vars(layer):
             compat.patch_instance(
-                "rematerialized_blocks", layer, "call", checkpointed(layer.call)
+                "rematerialized_blocks",
+                layer,
+                "call",
+                checkpointed(layer.call, non_weight_state(layer)),
             )
             changed += 1
     return changed

@@ -26,6 +26,7 @@ from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.reading.configs import CONFIG_DICT
 from keras_hub_autodist.reading.configs import HF_CONFIG_DICT
 from keras_hub_autodist.reading.configs import PresetConfig
+from keras_hub_autodist.reading.dtypes import loaded_policy
 from keras_hub_autodist.reading.dtypes import variable_dtype
 
 
@@ -116,9 +117,26 @@ def model_weights(preset_config: PresetConfig, options: PlanOptions) -> ModelWei
         architecture=architecture.name,
         config_fields=fields,
         sequence_parallel_outputs=outputs,
-        dtype=variable_dtype(preset_config.config, options.dtype),
+        dtype=variable_dtype(
+            preset_config.config, built_policy(preset_config, options)
+        ),
         weights=tuple(weights),
     )
+
+
+def built_policy(preset_config: PresetConfig, options: PlanOptions):
+    """The dtype policy the model of `preset_config` is built with, by
+    keras-hub's rule (`reading.dtypes.loaded_policy`): what the plan, its
+    bytes and the abstract build of the memory check all read.
+
+    Example:
+    ```python
+    built_policy(read_config("./gemma_2b"), PlanOptions())  # 'float32'
+    ```
+    """
+    # Config dicts and instances are labelled "<...>": they keep their dtype.
+    preset_files = not str(preset_config.preset).startswith("<")
+    return loaded_policy(preset_config.config, options.dtype, preset_files=preset_files)
 
 
 def backbone_class_named(name: str) -> type:

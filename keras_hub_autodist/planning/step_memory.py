@@ -65,6 +65,7 @@ from keras_hub_autodist.planning.memory_factors import FLOAT32_ACTIVATIONS
 from keras_hub_autodist.planning.memory_factors import FLOAT32_BYTES
 from keras_hub_autodist.planning.memory_factors import UPDATE_TEMPORARIES
 from keras_hub_autodist.planning.memory_factors import WEIGHT_TERMS
+from keras_hub_autodist.planning.remat_arguments import check_remat
 from keras_hub_autodist.planning.step_shape import runnable_step
 from keras_hub_autodist.reading.dtypes import ITEMSIZES
 from keras_hub_autodist.reading.dtypes import itemsize
@@ -101,32 +102,6 @@ LORA_LAYERS = ("query", "value", "query_dense", "value_dense")
 # Weight dtypes that are never trained: quantized kernels are frozen and
 # trained only through LoRA.
 FROZEN_DTYPES = ("int8", "uint8", "int4", "float8_e4m3fn", "float8_e5m2")
-
-
-# `keras.RematScope` modes `remat=` takes. With `"full"` every layer's
-# call is recomputed in the backward pass: a block keeps only its input;
-# the other modes recompute some layers, which the estimate does not count
-# (it stays an upper bound for them).
-REMAT_MODES = ("full", "larger_than", "list_of_layers")
-
-
-def check_remat(remat):
-    """`remat=` checked: `None`, a mode of `REMAT_MODES`, or a mapping of
-    `keras.RematScope`'s arguments with its `mode`.
-
-    Example:
-    >>> check_remat("full")
-    'full'
-    """
-    mode = remat.get("mode") if isinstance(remat, dict) else remat
-    if remat is not None and mode not in REMAT_MODES:
-        raise PlanError(
-            "`remat` is None, a `keras.RematScope` mode "
-            f"({', '.join(map(repr, REMAT_MODES))}) or a dict of its "
-            "arguments, e.g. {'mode': 'larger_than', "
-            f"'output_size_threshold': 2**20}}. Received: remat={remat!r}"
-        )
-    return remat
 
 
 def remat_mode(remat) -> str | None:

@@ -45,6 +45,100 @@ def itemsize(dtype: str) -> int:
 
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_MIXED_POLICIES = ("mixed_float16", "mixed_bfloat16")
+# Every dtype a model may be loaded with: Keras' float policies and its
+# mixed-precision policies (float32 variables, a 16-bit compute dtype).
+ACCEPTED_DTYPES = _FLOAT_DTYPES + _MIXED_POLICIES
+
+
+def _accepted_policy_name(dtype) -> str | None:
+    """The name of `dtype` when it is one of `ACCEPTED_DTYPES` (as a name, a
+    plain `keras.DTypePolicy` or its serialized form); `None` otherwise."""
+    name = _policy_name(dtype)
+    if name is None:
+        keras = sys.modules.get("keras")
+        policy_class = getattr(keras, "DTypePolicy", None)
+        plain = (
+            policy_class is not None
+            and isinstance(dtype, policy_class)
+            and getattr(dtype, "quantization_mode", None) is None
+            and not hasattr(dtype, "policy_map")
+        )
+        name = dtype.name if plain else None
+    return name if name in ACCEPTED_DTYPES else None
+
+
+def check_dtype(dtype):
+    """`dtype=` as a user passes it to `from_preset`, `plan` or `--dtype`,
+    checked: `None`, a float dtype name or a Keras mixed-precision policy (a
+    name, a plain `keras.DTypePolicy` or its serialized form). Returned
+    unchanged.
+
+    Integer, boolean, string and quantized dtypes are refused: Keras would
+    cast every float weight to them (an integer model of zeros) or fail with
+    its own error.
+
+    Raises:
+        DTypeError: for anything else, listing what is accepted.
+
+    Example:
+    >>> check_dtype("mixed_bfloat16")
+    'mixed_bfloat16'
+    """
+    if dtype is None or _accepted_policy_name(dtype) is not None:
+        return dtype
+    shown = repr(dtype)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise DTypeError(
+        "`dtype` is the float dtype or mixed-precision policy the model is "
+        f"loaded with: one of {list(ACCEPTED_DTYPES)}, or a "
+        "`keras.DTypePolicy` of one of them. Integer, boolean and quantized "
+        "dtypes are not load dtypes (to quantize, load in a float dtype and "
+        'call `model.quantize("int8")`). Received: '
+        f"dtype={shown} of type {type(dtype).__name__}"
+    )
+
+
+def global_policy_name() -> str:
+    """The name of Keras' global dtype policy (`keras.config.dtype_policy()`),
+    read without importing Keras when it isn't imported (then `floatx()`).
+
+    Example:
+    >>> global_policy_name() in ACCEPTED_DTYPES
+    True
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "config"):
+        return str(keras.config.dtype_policy().name)
+    return floatx()
+
+
+def loaded_policy(config: Mapping, dtype=None, *, preset_files: bool):
+    """The dtype policy the backbone is built with: keras-hub's own rule.
+
+    `dtype` (as passed to `from_preset`) wins. Without it, keras-hub's
+    `from_preset` builds a preset read from files (Keras or Hugging Face) in
+    Keras' global policy, whatever float dtype it was saved in; a saved
+    policy that is not a plain float one (a quantized policy map) is kept.
+    A config dict or an instance (`preset_files=False`) keeps its own
+    `dtype`, as building it does.
+
+    Args:
+        config: the backbone's constructor arguments.
+        dtype: `dtype=` as passed, or `None`.
+        preset_files: whether the config was read from a preset's files.
+
+    Example:
+    >>> loaded_policy({"dtype": "float16"}, preset_files=False)
+    'float16'
+    """
+    if dtype is not None:
+        return dtype
+    saved = config.get("dtype")
+    if preset_files and (saved is None or _policy_name(saved) in ACCEPTED_DTYPES):
+        return global_policy_name()
+    return saved
 
 
 def floatx() -> str:
@@ -106,7 +200,7 @@ def variable_dtype(config: Mapping, dtype=None) -> str:
     name = _policy_name(policy)
     if name in _FLOAT_DTYPES:
         return name
-    if name in ("mixed_float16", "mixed_bfloat16"):
+    if name in _MIXED_POLICIES:
         return "float32"
     source = "dtype" if dtype is not None else "the preset's config dtype"
     if not isinstance(policy, (str, Mapping)) and not hasattr(policy, "variable_dtype"):

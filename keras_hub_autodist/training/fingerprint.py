@@ -24,7 +24,12 @@ model's `save_weights` and `save` write it into their HDF5 file
 ```
 
 Optimizer variables are named without the optimizer's own name, which Keras
-numbers per process (`adam/iteration`, `adam_1/iteration`, ...). Dtypes are
+numbers per process (`adam/iteration`, `adam_1/iteration`, ...). A wrapped
+optimizer (Keras' `LossScaleOptimizer` around an `Adam`, under
+`mixed_float16`) lists its own variables and its inner optimizer's, both
+with an `iteration` and a `learning_rate`: there each is named by its
+owner's name less that number (`loss_scale_optimizer/iteration`,
+`adam/iteration`; `optimizer_keys`). Dtypes are
 those the arrays are stored in (under JAX without 64-bit mode, `int64`
 variables hold `int32` arrays). A mesh is not part of a fingerprint: a
 checkpoint restores onto any mesh.
@@ -40,6 +45,9 @@ import json
 import re
 from collections.abc import Iterable
 from collections.abc import Mapping
+
+from keras_hub_autodist.training.optimizer_state import optimizer_keys
+from keras_hub_autodist.training.optimizer_state import without_one_sided_rates
 
 FORMAT = "keras_hub_autodist.fingerprint"
 VERSION = 1
@@ -173,11 +181,6 @@ def stored_dtype(dtype) -> str:
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
 
 
-def without_owner(path: str) -> str:
-    """An optimizer variable's path without the optimizer's own name."""
-    return path.split("/", 1)[-1]
-
-
 def model_optimizer(model):
     """The model's Keras optimizer, or None (not compiled)."""
     import keras
@@ -193,12 +196,14 @@ def live_variables(model) -> dict[str, dict[str, object]]:
     return {
         TRAINABLE: {v.path: v for v in model.trainable_variables},
         NON_TRAINABLE: {v.path: v for v in model.non_trainable_variables},
-        OPTIMIZER: {
-            without_owner(v.path): v
-            for v in (optimizer.variables if optimizer is not None else [])
-        },
+        OPTIMIZER: _keyed(optimizer.variables if optimizer is not None else []),
         METRICS: {v.path: v for v in getattr(model, "metrics_variables", [])},
     }
+
+
+def _keyed(variables) -> dict[str, object]:
+    keys = optimizer_keys(v.path for v in variables)
+    return {keys[v.path]: v for v in variables}
 
 
 def of_model(model, training: Training | None = None) -> Fingerprint:
@@ -229,14 +234,27 @@ def from_state_metadata(
 
     variables = {}
     for group, tree in metadata.items():
+        items = list(flat_items(tree or {}))
+        keys = saved_keys(group, (path for path, _ in items))
         variables[group] = {
-            (without_owner(path) if group == OPTIMIZER else path): (
-                tuple(int(n) for n in meta.shape),
-                stored_dtype(meta.dtype),
-            )
-            for path, meta in flat_items(tree or {})
+            keys[path]: (tuple(int(n) for n in meta.shape), stored_dtype(meta.dtype))
+            for path, meta in items
         }
     return Fingerprint(variables, optimizer, training)
+
+
+def saved_keys(group: str, paths: Iterable[str]) -> dict[str, str]:
+    """Saved path -> the key of the live variable it restores, in `group`
+    of Keras' state tree (`optimizer_keys` for the optimizer's).
+
+    Example:
+    >>> saved_keys(OPTIMIZER, ["adam_1/iteration"])
+    {'adam_1/iteration': 'iteration'}
+    """
+    paths = list(paths)
+    if group == OPTIMIZER:
+        return optimizer_keys(paths)
+    return {path: path for path in paths}
 
 
 def flat_items(tree: Mapping, prefix: str = ""):
@@ -455,7 +473,9 @@ def mismatch_error(
                     f"{current.optimizer}"
                 ],
             )
-        lines = variable_differences(saved.group(OPTIMIZER), current.group(OPTIMIZER))
+        lines = variable_differences(
+            *without_one_sided_rates(saved.group(OPTIMIZER), current.group(OPTIMIZER))
+        )
         if lines:
             return _error(
                 source,

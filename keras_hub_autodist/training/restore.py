@@ -177,11 +177,15 @@ def _load(ocp, model, distribution, folder, metadata, restored, extras):
         replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     live = fingerprints.live_variables(model)
     targets = {}  # (group, saved path) -> the variable it restores
+    keys = {  # group -> saved path -> the key of the live variable
+        group: fingerprints.saved_keys(
+            group, (path for path, _ in fingerprints.flat_items(tree or {}))
+        )
+        for group, tree in metadata.items()
+    }
 
     def abstract(group, path, meta):
-        optimizer = group == fingerprints.OPTIMIZER
-        key = fingerprints.without_owner(path) if optimizer else path
-        variable = live.get(group, {}).get(key)
+        variable = live.get(group, {}).get(keys[group][path])
         if group == fingerprints.OPTIMIZER and not restored:
             variable = None
         sharding = replicated

@@ -393,8 +393,13 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         self.checkpointer.reload()
         self.resumed_from = restored.folder
         self._saved_training = restored.fingerprint.training
+        # The batches trained: the step Orbax saved at (its batch count). An
+        # optimizer's `iterations` counts the updates it applied, fewer when
+        # a `LossScaleOptimizer` skipped some (non-finite float16 gradients).
         optimizer = fingerprints.model_optimizer(self.model)
-        done = int(optimizer.iterations) if optimizer is not None else restored.step
+        done = restored.step
+        if done is None:
+            done = int(optimizer.iterations) if optimizer is not None else 0
         epoch, skip = divmod(done, steps)
         epochs = (self.params or {}).get("epochs")
         compat.orbax_resume_counters(self, done)

@@ -42,10 +42,11 @@ from keras_hub_autodist.errors import warn
 from keras_hub_autodist.saving.weight_stores import root_datasets_written
 from keras_hub_autodist.training import fingerprint as fingerprints
 from keras_hub_autodist.training.fingerprint import Fingerprint
+from keras_hub_autodist.training.optimizer_state import optimizer_chain
 from keras_hub_autodist.training.placement import build_optimizer
 
 # An optimizer that was never built holds these two variables only
-# (`iteration` and `learning_rate`).
+# (`iteration` and `learning_rate`), and a wrapper two per optimizer.
 UNBUILT_OPTIMIZER_VARIABLES = 2
 KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"
 # Keras' weights files (`.weights.h5`, the `model.weights.h5` of a `.keras`)
@@ -54,6 +55,25 @@ KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"
 # `optimizer/vars/<i>` for its i-th variable.
 OPTIMIZER_H5_GROUP = "optimizer/vars"
 _OPTIMIZER_PREFIX = OPTIMIZER_H5_GROUP + "/"
+# Everything the optimizer writes, an inner optimizer's
+# `optimizer/inner_optimizer/vars/<i>` included.
+_OPTIMIZER_ROOT = "optimizer/"
+
+
+def optimizer_file_groups(optimizer) -> dict[str, list]:
+    """The groups Keras' `save_weights` writes for `optimizer` and each
+    optimizer it keeps inside -> their variables, by index.
+
+    Example:
+    ```python
+    list(optimizer_file_groups(lm.optimizer))
+    # ['optimizer/vars', 'optimizer/inner_optimizer/vars']
+    ```
+    """
+    return {
+        "/".join(filter(None, ("optimizer", path, "vars"))): list(member.variables)
+        for path, member in optimizer_chain(optimizer)
+    }
 
 
 def _recording_store(base):
@@ -117,19 +137,25 @@ class WeightsFile:
 
     def layers(self) -> dict:
         return {
-            k: v
-            for k, v in self.datasets.items()
-            if not k.startswith(_OPTIMIZER_PREFIX)
+            k: v for k, v in self.datasets.items() if not k.startswith(_OPTIMIZER_ROOT)
         }
 
+    def optimizer_groups(self) -> dict[str, list]:
+        """The optimizer's groups (`optimizer/vars`, and an inner
+        optimizer's `optimizer/inner_optimizer/vars`) -> their variables'
+        (shape, dtype), by index."""
+        found = {}
+        for key, spec in self.datasets.items():
+            group, _, index = key.rpartition("/")
+            if key.startswith(_OPTIMIZER_ROOT) and group.endswith("vars"):
+                if index.isdigit():
+                    found.setdefault(group, {})[int(index)] = spec
+        return {g: [by[i] for i in sorted(by)] for g, by in found.items()}
+
     def optimizer(self) -> list:
-        """The optimizer's variables' (shape, dtype), by index."""
-        found = {
-            int(k[len(_OPTIMIZER_PREFIX) :]): v
-            for k, v in self.datasets.items()
-            if k.startswith(_OPTIMIZER_PREFIX) and k[len(_OPTIMIZER_PREFIX) :].isdigit()
-        }
-        return [found[i] for i in sorted(found)]
+        """The optimizer's own variables' (shape, dtype), by index (a
+        wrapper's include its inner optimizer's)."""
+        return self.optimizer_groups().get(OPTIMIZER_H5_GROUP, [])
 
 
 def _dataset_spec(dataset):
@@ -216,7 +242,9 @@ def check_optimizer_state(model, saved: int, source: str) -> bool:
         optimizer is then built, so that it has variables to receive it).
     """
     optimizer = fingerprints.model_optimizer(model)
-    has_slots = saved > UNBUILT_OPTIMIZER_VARIABLES
+    # A wrapper lists its inner optimizers' variables with its own.
+    wrapped = len(optimizer_chain(optimizer)) if optimizer is not None else 1
+    has_slots = saved > UNBUILT_OPTIMIZER_VARIABLES * wrapped
     if optimizer is None:
         if has_slots:
             warn(
@@ -343,15 +371,9 @@ def check_weights_file(model, path: str) -> bool:
             f"`keras.optimizers.{saved_class}`, then call `load_weights`."
         )
     else:
-        live = optimizer.variables
-        before = {}
-        for index, spec in enumerate(saved_optimizer):
-            name = live[index].path if index < len(live) else f"variable {index}"
-            before[f"{_OPTIMIZER_PREFIX}{index} ({name})"] = spec
-        now = {
-            f"{_OPTIMIZER_PREFIX}{i} ({v.path})": _spec(v) for i, v in enumerate(live)
-        }
-        lines = fingerprints.variable_differences(before, now)
+        lines = _optimizer_differences(saved, optimizer)
+        if lines:
+            fix += _BY_POSITION
     if lines:
         raise fingerprints.difference_error(
             source,
@@ -363,6 +385,32 @@ def check_weights_file(model, path: str) -> bool:
             lines,
         )
     return True
+
+
+# A weights file stores the optimizer's variables by position.
+_BY_POSITION = (
+    " A weights file stores the optimizer's variables by position: a "
+    "learning-rate schedule (no variable) in place of a constant rate (one "
+    "variable), or the reverse, shifts them all. To resume with another "
+    "schedule, resume from an Orbax checkpoint (`ResumableCheckpoint`), "
+    "which matches them by name."
+)
+
+
+def _optimizer_differences(saved: WeightsFile, optimizer) -> list[str]:
+    """One line per optimizer dataset that differs from what `optimizer`
+    (and each optimizer it keeps inside) would write, group by group."""
+    saved_groups = saved.optimizer_groups()
+    live_groups = optimizer_file_groups(optimizer)
+    before, now = {}, {}
+    for group in sorted(set(saved_groups) | set(live_groups)):
+        live = live_groups.get(group, [])
+        for index, spec in enumerate(saved_groups.get(group, [])):
+            name = live[index].path if index < len(live) else f"variable {index}"
+            before[f"{group}/{index} ({name})"] = spec
+        for index, variable in enumerate(live):
+            now[f"{group}/{index} ({variable.path})"] = _spec(variable)
+    return fingerprints.variable_differences(before, now)
 
 
 # Set inside a `save_to_preset`: the saves it makes write no fingerprint.
