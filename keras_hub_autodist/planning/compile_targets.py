@@ -213,7 +213,6 @@ def _tpu_devices(generation: str, dimensions: int, count: int) -> tuple:
     )
 
 
-
 def _grids(dimensions: int):
     """TPU chip grids, fewest chips first (`(2, 2)`, `(2, 4)`...)."""
     grids = {
@@ -223,7 +222,7 @@ def _grids(dimensions: int):
     return sorted(grids, key=lambda grid: (math.prod(grid), grid))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tpu_topology(generation: str, grid: tuple) -> tuple:
     from jax.experimental import topologies
 
@@ -254,7 +253,7 @@ def gpu_target_config(name: str) -> str:
     return (folder / f"{name}.txtpb").read_text()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu_devices(name: str, count: int) -> tuple:
     _require("jax_plugins.xla_cuda12", GPU_EXTRA, "gpu")
     from jax.experimental import topologies
