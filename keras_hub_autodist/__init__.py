@@ -29,6 +29,7 @@ from keras_hub_autodist import quiet  # noqa: E402
 # TensorFlow's C++ start-up notices (keras-hub imports TensorFlow) and
 # Orbax's warning of every single-process checkpoint save kept off stderr.
 quiet.quiet_tensorflow_start()
+quiet.quiet_jax_cuda_plugin_start()
 quiet.quiet_orbax_merge_notice()
 
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402

@@ -118,7 +118,8 @@ class CompiledMemory:
         def mib(n):
             return f"{n / MIB:,.1f} MiB"
 
-        kind = f" {self.device_kind}" if self.device_kind else ""
+        named = self.device_kind and self.device_kind.lower() != self.platform
+        kind = f" {self.device_kind}" if named else ""
         lines = [
             f"compiled training step (XLA, {self.platform}{kind}, "
             f"{self.devices} devices), batch {self.batch_size} x "
@@ -228,7 +229,7 @@ def _mesh_of(plan, device_mesh, device):
             "`keras.distribution.DeviceMesh` as device_mesh=, or none to use "
             "all devices in the planned shape.",
         )
-        devices = tuple(np.ravel(mesh.devices))
+        devices = tuple(np.ravel(mesh.backend_mesh.devices))
         first = devices[0]
         local = first in _local_devices()
         return mesh, CompileTarget(
@@ -446,7 +447,7 @@ def compiled_memory(
                 raise
             arguments = _argument_bytes((state, (x, placed, None)))
             return _refused(error, refusal, arguments, fields)
-    return memory_of(compiled, **fields, **_program_facts(compiled))
+    return memory_of(compiled, **fields, **program_facts(compiled))
 
 
 def _device_of(plan, device):
@@ -488,8 +489,10 @@ def _refused(error, refusal, arguments, fields) -> CompiledMemory:
     )
 
 
-def _program_facts(compiled) -> dict:
-    """The cost, collectives and attention kernel of a compiled step."""
+def program_facts(compiled) -> dict:
+    """The cost, collectives and attention kernel of a compiled step, as
+    `CompiledMemory` fields (`memory_of(compiled, **program_facts(compiled),
+    ...)`)."""
     try:
         cost = compiled.cost_analysis()
     except Exception:  # backends without a cost model
@@ -569,4 +572,10 @@ _ANALYSIS_FIELDS = {
 }
 
 
-__all__ = ["CompiledMemory", "compiled_memory", "default_task_class", "memory_of"]
+__all__ = [
+    "CompiledMemory",
+    "compiled_memory",
+    "default_task_class",
+    "memory_of",
+    "program_facts",
+]
