@@ -38,6 +38,7 @@ from keras_hub_autodist.errors import AutodistError  # noqa: E402
 from keras_hub_autodist.errors import BackendError  # noqa: E402
 from keras_hub_autodist.errors import BatchSizeError  # noqa: E402
 from keras_hub_autodist.errors import CheckpointOptionError  # noqa: E402
+from keras_hub_autodist.errors import CompilerMissingError  # noqa: E402
 from keras_hub_autodist.errors import ConfigError  # noqa: E402
 from keras_hub_autodist.errors import DemoError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
@@ -113,6 +114,7 @@ __all__ = [
     "plan",
     "PlanError",
     "PlanInputError",
+    "CompilerMissingError",
     "PluginOffError",
     "PresetError",
     "RestoreError",
