@@ -6,6 +6,10 @@ The environment is set here, before anything imports JAX.
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"
+# JAX's own backend is the CPU, even where an accelerator's compiler is
+# installed (the tpu-compile and gpu-compile extras): the tests reach those
+# compilers through compile-only devices, never as JAX's backend.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:

@@ -20,6 +20,11 @@ TEST_ENV = {
     "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
     "TF_CPP_MIN_LOG_LEVEL": "3",
 }
+# The test sessions' extras: the test tools, and the TPU and GPU compilers
+# that the memory check's target compiles run on (libtpu and the JAX CUDA
+# plugin: about 400 MB to download, 1.2 GB installed; tests that need them
+# skip, saying so, where they are missing).
+TEST_EXTRAS = "dev,tpu-compile,gpu-compile"
 # JAX's persistent compilation cache, shared by every session of one checkout
 # (CI's fresh clone starts it empty): the sessions compile the same tiny
 # models again and again, and a compiled step is read back instead. Every
@@ -35,7 +40,7 @@ COMPILATION_CACHE = {
 
 def _pytest(session, *args):
     """Install the package with its test dependencies and run pytest."""
-    session.install("-e", ".[dev]")
+    session.install("-e", f".[{TEST_EXTRAS}]")
     session.run(
         "pytest",
         "-p",
@@ -92,7 +97,7 @@ def notebooks(session):
     each in a fresh virtualenv installed by its own install cell (pointed at
     this checkout's wheel), and check their committed outputs are current
     (`python integration/notebook_runner.py` rewrites them)."""
-    session.install("-e", ".[dev]")
+    session.install("-e", f".[{TEST_EXTRAS}]")
     session.run(
         "python", "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"
     )

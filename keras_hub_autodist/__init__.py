@@ -29,6 +29,7 @@ from keras_hub_autodist import quiet  # noqa: E402
 # TensorFlow's C++ start-up notices (keras-hub imports TensorFlow) and
 # Orbax's warning of every single-process checkpoint save kept off stderr.
 quiet.quiet_tensorflow_start()
+quiet.quiet_jax_cuda_plugin_start()
 quiet.quiet_orbax_merge_notice()
 
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402
@@ -37,6 +38,7 @@ from keras_hub_autodist.errors import AutodistError  # noqa: E402
 from keras_hub_autodist.errors import BackendError  # noqa: E402
 from keras_hub_autodist.errors import BatchSizeError  # noqa: E402
 from keras_hub_autodist.errors import CheckpointOptionError  # noqa: E402
+from keras_hub_autodist.errors import CompilerMissingError  # noqa: E402
 from keras_hub_autodist.errors import ConfigError  # noqa: E402
 from keras_hub_autodist.errors import DemoError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
@@ -113,6 +115,7 @@ __all__ = [
     "plan",
     "PlanError",
     "PlanInputError",
+    "CompilerMissingError",
     "PluginOffError",
     "PresetError",
     "RestoreError",

@@ -237,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=sorted(DEVICE_PROFILES),
         help=(
-            "plan for this device's memory per device (a v3-8 is 8 cores of "
-            "16 GiB) and its compiler; instead of --device-memory"
+            "plan for the memory JAX can allocate on this device (a v3-8 is 8 "
+            "cores), and with --compiled compile for it; not with --device-memory"
         ),
     )
     plan.add_argument(
@@ -280,10 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compiled",
         action="store_true",
         help=(
-            "with --batch and --seq: compile the training step ahead of time "
-            "for the local devices (virtual CPU devices without an "
-            "accelerator) and print XLA's bytes per device; no weight is "
-            "allocated"
+            "with --batch and --seq: compile the training step for --device "
+            "(its compiler: extras tpu-compile, gpu-compile), else for the "
+            "local devices; fits is its peak's; nothing is allocated"
         ),
     )
     demo = commands.add_parser(
@@ -329,7 +328,9 @@ def _run_plan(args) -> int:
 def _answer(args) -> dict:
     """The plan, its memory verdict and the compiled check, as text and as
     the `--json` object."""
+    from keras_hub_autodist.planning import compiled_answer as compiled
     from keras_hub_autodist.planning.device_profiles import device_profile
+    from keras_hub_autodist.planning.device_profiles import usable_memory
     from keras_hub_autodist.planning.planner import plan
     from keras_hub_autodist.planning.report import memory_verdict
 
@@ -352,7 +353,9 @@ def _answer(args) -> dict:
     if args.compiled:
         from keras_hub_autodist.planning.compiled_step import compiled_memory
 
-        memory = compiled_memory(result, args.batch, args.seq, args.optimizer)
+        memory = compiled_memory(
+            result, args.batch, args.seq, args.optimizer, device=args.device
+        )
     # The compiler whose buffers the estimate counts: the named device's,
     # else the one that compiled the check, else an accelerator's.
     if args.device:
@@ -364,13 +367,17 @@ def _answer(args) -> dict:
     fits, estimate, verdict = memory_verdict(
         result, args.batch, args.seq, args.optimizer, platform
     )
+    assumption = usable_memory(device_profile(args.device))[1] if args.device else None
     # The advice names options as this command's flags.
     lines = [as_flags(str(result))]
     if args.batch is not None:
         lines.append(_step_lines(result, args, estimate, platform, memory))
         lines.append(as_flags(verdict))
+    if memory is not None:
+        lines.append(compiled.compiled_verdict(result, memory, assumption))
     answer = {
-        "fits": fits,
+        "fits": fits,  # with --compiled, the compiled step's (below)
+        "estimate_fits": fits,
         "estimate_bytes_per_device": estimate.total_bytes,
         "device_memory_bytes": result.device_memory_bytes,
         "estimate_covers": (
@@ -395,6 +402,7 @@ def _answer(args) -> dict:
         "remat": result.remat,
         "device": result.device_name or None,
         "device_memory_source": result.device_memory_source,
+        "device_memory_assumption": assumption,
         "platform": platform,
         "advice": []
         if fits
@@ -406,7 +414,7 @@ def _answer(args) -> dict:
         ],
     }
     if memory is not None:
-        answer["compiled_peak_bytes_per_device"] = memory.peak_bytes
+        answer.update(compiled.compiled_fields(memory, result.device_memory_bytes))
     return {"text": "\n".join(lines), "json": answer}
 
 

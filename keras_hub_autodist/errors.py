@@ -233,3 +233,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     if frame is None:  # nothing of the user's on this thread's stack
         level = 1
     warnings.warn(message, category, stacklevel=level + 1)
+
+
+class CompilerMissingError(PlanError, ImportError):
+    """The compiler of a named accelerator is not installed: the memory
+    check can't compile for it on this machine without its extra
+    (`keras-hub-autodist[tpu-compile]` or `[gpu-compile]`)."""

@@ -176,6 +176,39 @@ def quiet_tensorflow_start() -> None:
     while_importing("tensorflow", native_stderr_filtered)
 
 
+def quiet_jax_cuda_plugin_start() -> None:
+    """Filter the start-up notices of JAX's CUDA plugin (the `gpu-compile`
+    extra: the GPU compiler on a machine without a GPU) as TensorFlow's are:
+    the plugin logs TensorFlow's own `cudart_stub.cc] Could not find cuda
+    drivers` as JAX imports it, and again when JAX starts its backends and
+    calls the plugin's `initialize`. Nothing changes without the plugin."""
+    from keras_hub_autodist.on_import import when_imported
+    from keras_hub_autodist.on_import import while_importing
+
+    while_importing("jax", native_stderr_filtered)
+    when_imported(CUDA_PLUGIN, "quiet_cuda_plugin_start", _filter_plugin_start)
+
+
+# The module JAX imports for its CUDA plugin (a `jax_plugins` namespace
+# package member), whose `initialize()` JAX calls as it starts its backends.
+CUDA_PLUGIN = "jax_plugins.xla_cuda12"
+
+
+def _filter_plugin_start() -> None:
+    plugin = sys.modules[CUDA_PLUGIN]
+    start = getattr(plugin, "initialize", None)
+    if start is None or getattr(start, "quiet", False):
+        return
+
+    def initialize(*args, **kwargs):
+        with native_stderr_filtered():
+            return start(*args, **kwargs)
+
+    initialize.quiet = True
+    initialize.__doc__ = start.__doc__
+    plugin.initialize = initialize
+
+
 def quiet_orbax_merge_notice() -> None:
     """Put `OrbaxMergeNotice` on absl's logger (once)."""
     absl_logger = logging.getLogger("absl")

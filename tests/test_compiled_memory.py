@@ -19,6 +19,7 @@ from keras_hub_autodist.planning import step_memory
 from keras_hub_autodist.planning.compiled_step import compiled_memory
 from keras_hub_autodist.planning.compiled_step import default_task_class
 from keras_hub_autodist.planning.compiled_step import memory_of
+from keras_hub_autodist.planning.compiled_step import program_facts
 
 BATCH, SEQ = 8, 16
 
@@ -60,6 +61,9 @@ def _real_step_memory(path, task_cls, mesh, strategy):
         optimizer="adam",
         devices=mesh.devices.size,
         platform="cpu",
+        device_kind=mesh.backend_mesh.devices.flat[0].device_kind,
+        # The same costs, collectives and attention as the abstract compile.
+        **program_facts(compiled),
     )
 
 

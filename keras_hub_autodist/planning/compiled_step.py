@@ -24,6 +24,10 @@ from typing import TYPE_CHECKING
 
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.planning.compiled_analysis import attention_kernel
+from keras_hub_autodist.planning.compiled_analysis import collectives
+from keras_hub_autodist.planning.compiled_analysis import cost_figures
+from keras_hub_autodist.planning.compiled_analysis import out_of_memory
 from keras_hub_autodist.planning.step_memory import OPTIMIZERS
 from keras_hub_autodist.planning.step_memory import check_lora_rank
 from keras_hub_autodist.planning.step_shape import runnable_step
@@ -61,6 +65,20 @@ class CompiledMemory:
         padded_batch_size: the global batch compiled for: `batch_size`
             padded to a multiple of the batch axis, as a bound `fit` pads
             it (`None`: not said, taken as `batch_size`).
+        device_kind: what JAX calls one of them (`"TPU v5 lite"`).
+        target: the named device compiled for (`"v5e"`), or `""` for this
+            machine's devices.
+        cost: XLA's cost analysis per device (`flops`, `bytes_accessed`,
+            `optimal_seconds` where the backend gives one).
+        collectives: the step's collectives (`compiled_analysis.Collective`).
+        attention: the attention the step runs, read from the program:
+            `"splash"`, `"cudnn_flash"`, `"xla"` or another kernel's name.
+        out_of_memory: the compiler's refusal when the step does not fit the
+            device (the TPU compiler refuses at compile time); then
+            `peak_bytes` is its figure of the memory needed, and the other
+            sizes those the step was given.
+        compiler_limit_bytes: the memory the compiler said it had per
+            device, when it refused; else 0.
 
     Example:
     ```python
@@ -82,6 +100,21 @@ class CompiledMemory:
     devices: int
     platform: str
     padded_batch_size: int | None = None
+    device_kind: str = ""
+    target: str = ""
+    cost: dict = dataclasses.field(default_factory=dict)
+    collectives: tuple = ()
+    attention: str = ""
+    out_of_memory: str = ""
+    compiler_limit_bytes: int = 0
+
+    def compiled_for(self) -> dict:
+        """`{"platform", "device_kind", "devices"}`: what was compiled for."""
+        return {
+            "platform": self.platform,
+            "device_kind": self.device_kind,
+            "devices": self.devices,
+        }
 
     def summary(self) -> str:
         """The check as a few lines of text, in MiB per device."""
@@ -93,11 +126,25 @@ class CompiledMemory:
         batch = f"{self.batch_size}" + (
             f" (padded to {self.padded_batch_size})" if padded else ""
         )
+        named = self.device_kind and self.device_kind.lower() != self.platform
+        kind = f" {self.device_kind}" if named else ""
+        lines = [
+            f"compiled training step (XLA, {self.platform}{kind}, "
+            f"{self.devices} devices), batch {batch} x "
+            f"{self.sequence_length} tokens, {self.optimizer}; per device:"
+        ]
+        if self.out_of_memory:
+            return "\n".join(
+                [
+                    *lines,
+                    f"  does not fit: the compiler needs {mib(self.peak_bytes)} "
+                    f"of {mib(self.compiler_limit_bytes)} "
+                    f"({self.out_of_memory.splitlines()[0][:200]})",
+                ]
+            )
         return "\n".join(
             [
-                f"compiled training step (XLA, {self.platform}, {self.devices} "
-                f"devices), batch {batch} x {self.sequence_length} "
-                f"tokens, {self.optimizer}; per device:",
+                *lines[:1],
                 f"  arguments (weights, optimizer state, batch): "
                 f"{mib(self.argument_bytes)}",
                 f"  outputs: {mib(self.output_bytes)}, of which "
@@ -105,6 +152,7 @@ class CompiledMemory:
                 f"  temporaries (gradients, activations): {mib(self.temp_bytes)}",
                 f"  peak: {mib(self.peak_bytes)}",
             ]
+            + ([f"  attention: {self.attention}"] if self.attention else [])
         )
 
     def __str__(self):
@@ -158,24 +206,46 @@ def _optimizer(optimizer):
     )
 
 
-def _mesh_of(plan, device_mesh):
-    """`device_mesh`, or a mesh of the planned shape over the first devices
-    (all of them for a plan that spans them, as `from_preset` builds one)."""
+def _mesh_of(plan, device_mesh, device):
+    """The mesh to compile for and what its devices are: `device_mesh`; or
+    one of the planned shape over `device`'s devices (a named accelerator's,
+    compile-only unless this machine has them); or over this machine's
+    first devices (all of them for a plan that spans them, as `from_preset`
+    builds one)."""
+    import numpy as np
+
+    from keras_hub_autodist.planning.compile_targets import CompileTarget
+    from keras_hub_autodist.planning.compile_targets import compile_target
+    from keras_hub_autodist.planning.compile_targets import local_target
     from keras_hub_autodist.planning.mesh import build_device_mesh
     from keras_hub_autodist.planning.mesh import require_device_mesh
 
     if device_mesh is not None:
-        return require_device_mesh(
+        mesh = require_device_mesh(
             device_mesh,
             "The compiled memory check compiles for real devices: pass a "
             "`keras.distribution.DeviceMesh` as device_mesh=, or none to use "
             "all devices in the planned shape.",
         )
-    import keras
-
+        devices = tuple(np.ravel(mesh.backend_mesh.devices))
+        first = devices[0]
+        local = first in _local_devices()
+        return mesh, CompileTarget(
+            "", first.platform, first.device_kind, devices, not local
+        )
     axes = plan.mesh_axes
-    devices = keras.distribution.list_devices()[: axes.num_devices]
-    return build_device_mesh(dict(zip(axes.axis_names, axes.shape)), devices)
+    if device:
+        target = compile_target(device, axes.num_devices)
+    else:
+        target = local_target(axes.num_devices)
+    shape = dict(zip(axes.axis_names, axes.shape))
+    return build_device_mesh(shape, list(target.devices)), target
+
+
+def _local_devices():
+    import jax
+
+    return set(jax.devices())
 
 
 def _backbone_config(plan, preset):
@@ -229,14 +299,20 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
         rematerialize_blocks(backbone, plan)
         attention_through_xla(backbone, plan)
         install_per_device_attention(backbone, plan)
-        # A task compiles itself with a default optimizer on construction,
-        # whose scalar variables can't be deferred.
-        model = task_cls(backbone=backbone, preprocessor=None)
+    # A task compiles itself with a default optimizer on construction, and
+    # `compile` builds the optimizer's scalar variables (its iteration
+    # count, its learning rate): they take values, made outside the
+    # distribution so that they live on this machine's default device,
+    # never on a compiler's compile-only ones. The step is compiled against
+    # abstract state with the distribution's layouts; where values live
+    # plays no part in it.
+    model = task_cls(backbone=backbone, preprocessor=None)
+    model.compile(optimizer=optimizer)
+    with distribution.scope():
         for variable in model.variables:
             compat.set_variable_layout(
                 variable, distribution.get_variable_layout(variable)
             )
-        model.compile(optimizer=optimizer)
         with compat.deferred_variables():
             try:
                 compat.symbolic_build(model, data)
@@ -289,6 +365,7 @@ def compiled_memory(
     preset: str | os.PathLike | None = None,
     device_mesh: keras.distribution.DeviceMesh | None = None,
     lora_rank: int | None = None,
+    device: str | None = None,
 ) -> CompiledMemory:
     """Compile a plan's training step ahead of time; XLA's bytes per device.
 
@@ -310,6 +387,13 @@ def compiled_memory(
             defaults to one of the planned shape over the first devices.
         lora_rank: compile a LoRA fine-tune of this rank (`enable_lora`):
             only the LoRA kernels are trained; defaults to the plan's.
+        device: a named accelerator to compile for, on any machine
+            (`"t4"`, `"v3-8"`, `"v5e"`, `"h100"`, ... of
+            `compile_targets.TARGETS`), as many of them as the plan's mesh
+            has; defaults to the device the plan was made for
+            (`plan(..., device_memory="t4")`), else this machine's devices.
+            Needs the target's compiler (`keras-hub-autodist[tpu-compile]`
+            or `[gpu-compile]`) unless this machine has such devices.
 
     Returns:
         A `CompiledMemory`.
@@ -325,7 +409,7 @@ def compiled_memory(
     import jax
     import numpy as np
 
-    mesh = _mesh_of(plan, device_mesh)
+    mesh, target = _mesh_of(plan, device_mesh, _device_of(plan, device))
     # The step a bound `fit` runs: the batch padded to the batch axis, a
     # sequence the context axis doesn't divide refused.
     runs = runnable_step(
@@ -354,17 +438,84 @@ def compiled_memory(
         step = jax.jit(
             model.train_step, donate_argnums=0, out_shardings=(None, shardings)
         )
-        compiled = step.lower(state, (x, placed, None)).compile()
-    devices = list(np.ravel(mesh.devices))
-    return memory_of(
-        compiled,
-        batch_size=batch_size,
-        padded_batch_size=runs.rows,
-        sequence_length=sequence_length,
-        optimizer=optimizer_name,
-        devices=len(devices),
-        platform=getattr(devices[0], "platform", "cpu"),
+        lowered = step.lower(state, (x, placed, None))
+        fields = {
+            "batch_size": batch_size,
+            "padded_batch_size": runs.rows,
+            "sequence_length": sequence_length,
+            "optimizer": optimizer_name,
+            "devices": len(target.devices),
+            "platform": target.platform,
+            "device_kind": target.device_kind,
+            "target": target.name,
+        }
+        try:
+            compiled = lowered.compile()
+        except Exception as error:
+            refusal = out_of_memory(error)
+            if refusal is None:
+                raise
+            arguments = _argument_bytes((state, (x, placed, None)))
+            return _refused(error, refusal, arguments, fields)
+    return memory_of(compiled, **fields, **program_facts(compiled))
+
+
+def _device_of(plan, device):
+    """The device to compile for: `device=`, else the one the plan was made
+    for (`plan(..., device_memory="t4")`), else none (this machine's)."""
+    if device is not None:
+        return device
+    return getattr(plan, "device_name", "") or ""
+
+
+def _argument_bytes(tree) -> int:
+    """Bytes one device holds of abstract arrays with shardings: its shard
+    of each (the largest shard, where they differ)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _refused(error, refusal, arguments, fields) -> CompiledMemory:
+    """The answer of a step the compiler refused as too large: its own
+    figures of what the step needs and what the device has."""
+    needed, limit, counts_arguments = refusal
+    peak = needed if counts_arguments else needed + arguments
+    return CompiledMemory(
+        argument_bytes=arguments,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=max(peak - arguments, 0),
+        generated_code_bytes=0,
+        peak_bytes=max(peak, arguments),
+        **fields,
+        out_of_memory=str(error).strip() or type(error).__name__,
+        compiler_limit_bytes=limit,
     )
+
+
+def program_facts(compiled) -> dict:
+    """The cost, collectives and attention kernel of a compiled step, as
+    `CompiledMemory` fields (`memory_of(compiled, **program_facts(compiled),
+    ...)`)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # backends without a cost model
+        cost = None
+    try:
+        text = compiled.as_text()
+    except Exception:  # a program without text
+        text = ""
+    return {
+        "cost": cost_figures(cost),
+        "collectives": collectives(text),
+        "attention": attention_kernel(text),
+    }
 
 
 def _input_names(model) -> list[str]:
@@ -434,4 +585,10 @@ _ANALYSIS_FIELDS = {
 }
 
 
-__all__ = ["CompiledMemory", "compiled_memory", "default_task_class", "memory_of"]
+__all__ = [
+    "CompiledMemory",
+    "compiled_memory",
+    "default_task_class",
+    "memory_of",
+    "program_facts",
+]

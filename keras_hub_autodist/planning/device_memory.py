@@ -9,6 +9,7 @@ import os
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.planning.device_profiles import GIB
 from keras_hub_autodist.planning.device_profiles import device_profile
+from keras_hub_autodist.planning.device_profiles import usable_memory
 from keras_hub_autodist.planning.options import device_memory_bytes
 
 GB = 1000**3
@@ -41,14 +42,16 @@ def device_memory_info(devices=(), override=None) -> tuple[int, str]:
     Args:
         devices: JAX devices to ask (only this process's devices answer).
         override: bytes to use as-is, or a device name of
-            `device_profiles.DEVICE_PROFILES` (its memory).
+            `device_profiles.DEVICE_PROFILES` (the memory JAX can allocate
+            there, `device_profiles.usable_memory`).
 
     Example:
     >>> device_memory_info([], 8 * 1024**3)
     (8589934592, 'given')
     """
     if isinstance(override, str):
-        return device_profile(override).memory_bytes, MEMORY_GIVEN
+        # What JAX can allocate on that device, as this environment sets it.
+        return usable_memory(device_profile(override))[0], MEMORY_GIVEN
     if override is not None:
         return device_memory_bytes(override), MEMORY_GIVEN
     for name, unit in ((DEVICE_MEMORY_ENV, GIB), (DEVICE_MEMORY_GB_ENV, GB)):

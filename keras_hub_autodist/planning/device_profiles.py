@@ -2,18 +2,37 @@
 
 `plan(device_memory="t4")` and the CLI's `--device t4` plan for that
 device's memory, and the answer names it. The memory is per device as JAX
-sees it: a TPU v3-8 is eight cores of 16 GiB each, a v4 or v5p chip one
-device.
+sees it (a TPU v3-8 is eight cores of 16 GiB each, a v5p chip one device),
+and it is what JAX can allocate there, not the whole: JAX's pool of 75% of
+a GPU's memory by default, the HBM the TPU compiler gives a program
+(`usable_memory` says which, with the environment's settings). Each number
+names its source.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 
+from keras_hub_autodist.errors import EnvironmentVariableError
 from keras_hub_autodist.errors import PlanError
 
 GIB = 1024**3
+MIB = 1024**2
 GB = 1000**3
+
+
+# JAX's GPU memory pool: the fraction of a GPU's memory JAX may allocate by
+# default, and the variables that change it (jaxlib/xla_client.py reads
+# them when it starts the GPU client; XLA_PYTHON_CLIENT_MEM_FRACTION is the
+# older name of XLA_CLIENT_MEM_FRACTION). XLA_PYTHON_CLIENT_PREALLOCATE=false
+# only defers the pool's allocation: its limit stays the fraction (JAX's
+# "GPU memory allocation" page). XLA_PYTHON_CLIENT_ALLOCATOR=platform has
+# no pool: every buffer is its own cudaMalloc, up to the whole memory.
+GPU_POOL_FRACTION = 0.75
+GPU_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+GPU_ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,38 +41,151 @@ class DeviceProfile:
 
     Args:
         name: what `--device` takes, e.g. `"t4"`.
-        memory_bytes: memory per JAX device.
+        memory_bytes: memory per JAX device that JAX can allocate by
+            default: on a GPU `GPU_POOL_FRACTION` of `total_bytes` (JAX's
+            pool), on a TPU the HBM the TPU compiler gives a program.
         platform: `"gpu"` or `"tpu"`, whose compiler's buffers the
             activation estimate counts (`memory_factors.ACTIVATION_FACTORS`).
         description: the device in words, for the answer.
+        total_bytes: the device's whole memory (per JAX device).
+        source: where `total_bytes` and `memory_bytes` come from.
 
     Example:
-    >>> DEVICE_PROFILES["t4"].memory_bytes // GIB
-    16
+    >>> DEVICE_PROFILES["t4"].total_bytes // GIB
+    15
     """
 
     name: str
     memory_bytes: int
     platform: str
     description: str
+    total_bytes: int = 0
+    source: str = ""
 
+
+def _gpu(name, total_bytes, description, source):
+    usable = int(total_bytes * GPU_POOL_FRACTION)
+    return DeviceProfile(name, usable, "gpu", description, total_bytes, source)
+
+
+def _tpu(name, usable_bytes, total_bytes, description):
+    source = (
+        "the HBM the TPU compiler (libtpu 0.0.42.1, as jax[tpu] 0.10.2 pins "
+        "it) gives one program on this device, as its refusal of a larger "
+        "one reads"
+    )
+    return DeviceProfile(name, usable_bytes, "tpu", description, total_bytes, source)
+
+
+_NVIDIA_SMI = "the memory nvidia-smi shows"
+_XLA_SPEC = "device_memory_size of XLA's target config (gpu_targets/{}.txtpb)"
 
 DEVICE_PROFILES = {
     profile.name: profile
     for profile in (
-        DeviceProfile("t4", 16 * GIB, "gpu", "NVIDIA T4, 16 GiB"),
-        DeviceProfile("l4", 24 * GIB, "gpu", "NVIDIA L4, 24 GiB"),
-        DeviceProfile("a100-40", 40 * GIB, "gpu", "NVIDIA A100, 40 GiB"),
-        DeviceProfile("a100-80", 80 * GIB, "gpu", "NVIDIA A100, 80 GiB"),
-        DeviceProfile("h100", 80 * GIB, "gpu", "NVIDIA H100, 80 GiB"),
-        DeviceProfile("h200", 141 * GB, "gpu", "NVIDIA H200, 141 GB"),
-        DeviceProfile("v3-8", 16 * GIB, "tpu", "TPU v3 core, 16 GiB (v3-8: 8 cores)"),
-        DeviceProfile("v4", 32 * GIB, "tpu", "TPU v4 chip, 32 GiB"),
-        DeviceProfile("v5e", 16 * GIB, "tpu", "TPU v5e chip, 16 GiB"),
-        DeviceProfile("v5p", 95 * GIB, "tpu", "TPU v5p chip, 95 GiB"),
-        DeviceProfile("v6e", 32 * GIB, "tpu", "TPU v6e (Trillium) chip, 32 GiB"),
+        _gpu("t4", 15360 * MIB, "NVIDIA T4, 15 GiB", f"{_NVIDIA_SMI} (15360 MiB)"),
+        _gpu("l4", 23034 * MIB, "NVIDIA L4, 22.5 GiB", f"{_NVIDIA_SMI} (23034 MiB)"),
+        _gpu(
+            "a100-40",
+            42331013120,
+            "NVIDIA A100 SXM, 40 GB",
+            _XLA_SPEC.format("a100-40"),
+        ),
+        _gpu(
+            "a100-80",
+            85100068864,
+            "NVIDIA A100 SXM, 80 GB",
+            _XLA_SPEC.format("a100-80"),
+        ),
+        _gpu("h100", 84942979072, "NVIDIA H100 SXM, 80 GB", _XLA_SPEC.format("h100")),
+        _gpu("h200", 151397597184, "NVIDIA H200, 141 GB", _XLA_SPEC.format("h200")),
+        _tpu(
+            "v3-8",
+            int(15.48 * GIB),
+            16 * GIB,
+            "TPU v3 core, 16 GiB HBM (v3-8: 8 cores)",
+        ),
+        _tpu(
+            "v4",
+            int(15.25 * GIB),
+            16 * GIB,
+            "TPU v4 TensorCore, 16 GiB HBM (the compiler's devices are the "
+            "chip's two cores, not the 32 GiB megacore JAX shows on a v4 VM)",
+        ),
+        _tpu("v5e", int(15.75 * GIB), 16 * GIB, "TPU v5e chip, 16 GiB HBM"),
+        _tpu("v5p", int(95.74 * GIB), 96 * GIB, "TPU v5p chip, 95 GiB HBM"),
+        _tpu(
+            "v6e",
+            int(31.25 * GIB),
+            32 * GIB,
+            "TPU v6e (Trillium) chip, 32 GiB HBM",
+        ),
     )
 }
+
+
+def usable_memory(
+    profile: DeviceProfile, environ: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """The memory JAX can allocate on one device of `profile`, and the
+    assumption in words: on a GPU, JAX's pool as the environment sets it
+    (`XLA_CLIENT_MEM_FRACTION`, `XLA_PYTHON_CLIENT_ALLOCATOR`); on a TPU,
+    the HBM the compiler gives a program.
+
+    Args:
+        profile: a `DeviceProfile`.
+        environ: the environment to read (default `os.environ`): the
+            variables of the process that will run the step.
+
+    Raises:
+        EnvironmentVariableError: for a fraction that is not a number in
+            (0, 1].
+
+    Example:
+    >>> for part in usable_memory(DEVICE_PROFILES["t4"], {})[1].split("; "):
+    ...     print(part)
+    11.2 GiB: JAX's default 75% of a T4's 15 GiB
+    set XLA_CLIENT_MEM_FRACTION=.95 for 14.2 GiB
+    """
+    environ = os.environ if environ is None else environ
+    short = profile.name.upper()
+    total = profile.total_bytes
+    if profile.platform != "gpu":
+        return profile.memory_bytes, (
+            f"{profile.memory_bytes / GIB:.2f} GiB: {profile.source}, of a "
+            f"{profile.description}"
+        )
+    if environ.get(GPU_ALLOCATOR_ENV, "").strip().lower() == "platform":
+        return total, (
+            f"{total / GIB:.1f} GiB: all of a {short}'s memory "
+            f"({GPU_ALLOCATOR_ENV}=platform: no pool)"
+        )
+    for name in GPU_FRACTION_ENV:
+        text = environ.get(name, "").strip()
+        if text:
+            fraction = _fraction(name, text)
+            return int(total * fraction), (
+                f"{total * fraction / GIB:.1f} GiB: {fraction:.0%} of a "
+                f"{short}'s {total / GIB:.3g} GiB ({name}={text})"
+            )
+    return profile.memory_bytes, (
+        f"{profile.memory_bytes / GIB:.1f} GiB: JAX's default "
+        f"{GPU_POOL_FRACTION:.0%} of a {short}'s {total / GIB:.3g} GiB; set "
+        f"{GPU_FRACTION_ENV[0]}=.95 for {total * 0.95 / GIB:.1f} GiB"
+    )
+
+
+def _fraction(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise EnvironmentVariableError(
+            f"${name} is the fraction of a GPU's memory JAX may allocate, a "
+            f"number above 0 and at most 1, e.g. .95. Received: {name}={text!r}"
+        )
+    return value
 
 
 def device_profile(name: str) -> DeviceProfile:

@@ -1,0 +1,208 @@
+"""What a compiled program says about itself: XLA's cost analysis, the
+collectives and the attention kernel in its HLO text, and the figures of a
+compiler's refusal to fit it in memory.
+
+Reads text and dictionaries only; imports nothing beyond the standard
+library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+# XLA's collective operations, as HLO names them; the asynchronous ones are
+# `<kind>-start` / `<kind>-done` pairs, counted once by their `-done`
+# (whose shape is the result).
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+)
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<kind>" + "|".join(COLLECTIVE_KINDS) + r")(?P<phase>-start|-done)?\("
+)
+_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
+# Bits per element of HLO's element types.
+_BITS = {
+    "pred": 8,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "f8e4m3fn": 8,
+    "f8e5m2": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+}
+# Attention kernels, by a word of the custom call (or Pallas kernel name)
+# that runs them -> the name the answer gives. First match wins.
+ATTENTION_KERNELS = (
+    ("splash", "splash"),
+    ("flash_attention", "flash"),
+    ("__cudnn$fmha", "cudnn_flash"),
+    ("cudnn$fmha", "cudnn_flash"),
+    ("ragged_paged_attention", "ragged_paged_attention"),
+    ("paged_attention", "paged_attention"),
+)
+_CUSTOM_CALL = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
+_KERNEL_NAME = re.compile(r'"(?:kernel_name|name)"\s*:\s*"(?P<name>[^"]+)"')
+# The compiler's own figures when a program does not fit, e.g. (TPU)
+# "the total memory required for HLO temporaries (48.00G) exceeds available
+# HBM (15.75G)" or "Used 20.95G of 15.48G hbm".
+_REQUIRED = re.compile(
+    r"required for [^(]*\((?P<used>[0-9.]+)(?P<u1>[KMGT]?)\)\s*exceeds available "
+    r"\w+\s*\((?P<limit>[0-9.]+)(?P<u2>[KMGT]?)\)"
+)
+_USED_OF = re.compile(
+    r"Used (?P<used>[0-9.]+)(?P<u1>[KMGT]?) of (?P<limit>[0-9.]+)(?P<u2>[KMGT]?) hbm"
+)
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """The collectives of one kind in a compiled program, per device.
+
+    Args:
+        kind: HLO's name, e.g. `"all-gather"`.
+        count: how many the program runs (each once per step).
+        bytes: the bytes their results hold, summed.
+    """
+
+    kind: str
+    count: int
+    bytes: int
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of an HLO shape, a tuple's elements summed.
+
+    Example:
+    >>> array_bytes("(bf16[4,8]{1,0}, f32[2])")
+    72
+    """
+    total = 0
+    for match in _ARRAY.finditer(shape):
+        dims = [int(d) for d in match["dims"].split(",") if d]
+        count = 1
+        for dim in dims:
+            count *= dim
+        total += count * _BITS.get(match["dtype"], 32) // 8
+    return total
+
+
+def collectives(hlo_text: str) -> tuple[Collective, ...]:
+    """The collectives of a compiled program's HLO text, by kind.
+
+    Example:
+    >>> text = "%a = f32[1024]{0} all-reduce(%x), replica_groups={}"
+    >>> collectives(text)
+    (Collective(kind='all-reduce', count=1, bytes=4096),)
+    """
+    counts: dict[str, list[int]] = {}
+    for match in _COLLECTIVE.finditer(hlo_text):
+        if match["phase"] == "-start":
+            continue
+        entry = counts.setdefault(match["kind"], [0, 0])
+        entry[0] += 1
+        entry[1] += array_bytes(match["shape"])
+    return tuple(
+        Collective(kind, *counts[kind]) for kind in COLLECTIVE_KINDS if kind in counts
+    )
+
+
+def attention_kernel(hlo_text: str) -> str:
+    """The attention a compiled program runs: a fused kernel's name
+    (`"splash"`, `"cudnn_flash"`, ...) when one of its custom calls is one,
+    else `"xla"` (attention as XLA's own matmuls and softmax).
+
+    Example:
+    >>> attention_kernel('custom_call_target="__cudnn$fmhaSoftmax"')
+    'cudnn_flash'
+    >>> attention_kernel("%dot = f32[8,8] dot(%q, %k)")
+    'xla'
+    """
+    names = [m["target"] for m in _CUSTOM_CALL.finditer(hlo_text)]
+    names += [m["name"] for m in _KERNEL_NAME.finditer(hlo_text)]
+    for name in names:
+        lowered = name.lower()
+        for word, answer in ATTENTION_KERNELS:
+            if word in lowered:
+                return answer
+    return "xla"
+
+
+def cost_figures(cost) -> dict:
+    """XLA's cost analysis as per-device figures: `flops`, `bytes_accessed`
+    and, where the backend gives one, `optimal_seconds` (the TPU
+    compiler's time estimate); `{}` when the backend gives none.
+
+    Example:
+    >>> cost_figures({"flops": 2.0, "bytes accessed": 8.0})
+    {'flops': 2.0, 'bytes_accessed': 8.0}
+    """
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    if not cost:
+        return {}
+    figures = {}
+    for name, key in (
+        ("flops", "flops"),
+        ("bytes_accessed", "bytes accessed"),
+        ("optimal_seconds", "optimal_seconds"),
+    ):
+        if cost.get(key) is not None and cost[key] >= 0:
+            figures[name] = float(cost[key])
+    return figures
+
+
+def out_of_memory(error: BaseException) -> tuple[int, int, bool] | None:
+    """A compiler's refusal of a program too large for the device, as
+    `(bytes needed, bytes available, counts_arguments)` per device, where
+    `counts_arguments` says whether the bytes needed include the program's
+    arguments (the TPU compiler names either its temporaries alone or its
+    whole use); `(0, 0, False)` for a refusal whose figures can't be read;
+    None for any other error.
+
+    Example:
+    >>> out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Used 2.00G of 1.00G hbm"))
+    (2147483648, 1073741824, True)
+    """
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    match = _USED_OF.search(text)
+    whole = match is not None
+    match = match or _REQUIRED.search(text)
+    if match is None:
+        return (0, 0, False)
+    return (
+        int(float(match["used"]) * _UNITS[match["u1"]]),
+        int(float(match["limit"]) * _UNITS[match["u2"]]),
+        whole,
+    )
+
+
+__all__ = [
+    "Collective",
+    "array_bytes",
+    "attention_kernel",
+    "collectives",
+    "cost_figures",
+    "out_of_memory",
+]

@@ -1,0 +1,96 @@
+"""The compiled check as an answer: does the compiled step fit the memory
+JAX can allocate on the device, and what was compiled (the fields of
+`plan ... --compiled --json`, and their lines of text).
+
+The closed-form estimate answers first and needs nothing; the compiled
+step is the compiler's own figure for the same step and, with `--compiled`,
+the one `fits` is read from.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keras_hub_autodist.planning.compiled_step import CompiledMemory
+    from keras_hub_autodist.planning.plan_record import PlanRecord
+
+GIB = 1024**3
+
+
+def compiled_fits(memory: CompiledMemory, capacity: int) -> bool:
+    """Whether the compiled step fits `capacity` bytes per device: the
+    compiler did not refuse it, and its peak is at most `capacity`.
+
+    Example:
+    ```python
+    compiled_fits(compiled_memory(plan, 8, 2048), plan.device_memory_bytes)
+    ```
+    """
+    return not memory.out_of_memory and memory.peak_bytes <= capacity
+
+
+def compiled_fields(memory: CompiledMemory, capacity: int) -> dict:
+    """The `--compiled --json` fields of a compiled step, per device, with
+    `fits`: whether it fits `capacity` bytes per device (`compiled_fits`).
+
+    Example:
+    ```python
+    compiled_fields(memory, plan.device_memory_bytes)["compiled_for"]
+    # {'platform': 'tpu', 'device_kind': 'TPU v5 lite', 'devices': 8}
+    ```
+    """
+    fields = {
+        "fits": compiled_fits(memory, capacity),
+        "compiled_for": memory.compiled_for(),
+        "compiled_peak_bytes_per_device": memory.peak_bytes,
+        "compiled_argument_bytes_per_device": memory.argument_bytes,
+        "compiled_temp_bytes_per_device": memory.temp_bytes,
+        "compiled_attention": memory.attention or None,
+        "compiled_collectives": [
+            {
+                "kind": collective.kind,
+                "count": collective.count,
+                "bytes_per_device": collective.bytes,
+            }
+            for collective in memory.collectives
+        ],
+    }
+    for name, value in memory.cost.items():
+        key = "optimal_seconds" if name == "optimal_seconds" else f"{name}_per_device"
+        fields[f"compiled_{key}"] = value
+    if memory.out_of_memory:
+        fields["compiled_out_of_memory"] = memory.out_of_memory.splitlines()[0]
+        fields["compiler_limit_bytes_per_device"] = memory.compiler_limit_bytes
+    return fields
+
+
+def compiled_verdict(
+    plan: PlanRecord, memory: CompiledMemory, assumption: str | None
+) -> str:
+    """The compiled check's fit verdict as one line.
+
+    Args:
+        plan: the plan, whose `device_memory_bytes` the peak is held to.
+        memory: the compiled step.
+        assumption: what the device memory is, in words, or None.
+    """
+    capacity = plan.device_memory_bytes
+    what = f"{memory.device_kind or memory.platform} x {memory.devices}"
+    share = memory.peak_bytes / max(1, capacity)
+    usable = f" ({assumption})" if assumption else ""
+    if memory.out_of_memory:
+        return (
+            f"fits (compiled for {what}): NO, the compiler refuses the step: "
+            f"it needs {memory.peak_bytes / GIB:.2f} GiB per device of "
+            f"{memory.compiler_limit_bytes / GIB:.2f} GiB"
+        )
+    answer = "yes" if compiled_fits(memory, capacity) else "NO"
+    return (
+        f"fits (compiled for {what}): {answer}, the compiled peak is "
+        f"{memory.peak_bytes / GIB:.2f} GiB per device, {share:.0%} of "
+        f"{capacity / GIB:.2f} GiB{usable}"
+    )
+
+
+__all__ = ["compiled_fields", "compiled_fits", "compiled_verdict"]
