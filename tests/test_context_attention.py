@@ -191,3 +191,20 @@ def test_outside_a_context_scope_the_layer_computes_as_its_own(tiny_presets_dir)
     finally:
         context_attention.blockwise_attention = original
     assert calls == []
+
+
+@pytest.mark.parametrize("contexts", [2, 4, 8])
+def test_causal_work_is_balanced_over_the_context_axis(contexts):
+    """Head-and-tail half blocks: every device computes as many unmasked
+    score blocks as the mean (within 10%); contiguous blocks don't."""
+    sequence = 32768
+    balanced = context_attention.score_blocks_per_device(sequence, contexts, 512)
+    mean = sum(balanced) / contexts
+    assert all(abs(blocks - mean) <= 0.1 * mean for blocks in balanced), balanced
+    contiguous = context_attention.score_blocks_per_device(
+        sequence, contexts, 512, balanced=False
+    )
+    assert max(contiguous) > 1.1 * sum(contiguous) / contexts, contiguous
+    pairs = context_attention.balanced_chunks(contexts)
+    # Every half block is attended exactly once.
+    assert sorted(c for pair in pairs for c in pair) == list(range(2 * contexts))

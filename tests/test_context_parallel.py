@@ -206,7 +206,8 @@ def test_attention_takes_xlas_path_on_a_context_mesh(tiny_presets_dir):
 def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(real_configs):
     """One sequence of 4096 tokens of Gemma 2B on a TPU v3-8 split 8 ways on
     the batch axis: 7 of 8 devices would hold padding, each device a whole
-    sequence; 8 blocks of it fit."""
+    sequence; 4 blocks of it fit (attention per device holds one block of
+    keys' scores), and the advice names the smallest context axis."""
     gemma = next(path for path in real_configs if path.name == "gemma_2b")
     plan = keras_hub_autodist.plan(
         gemma, {"batch": 8, "model": 1}, device_memory="v3-8", lora_rank=4
@@ -215,12 +216,16 @@ def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(real_configs
     advice = plan.fit_advice(1, 4096)
     assert advice[0].startswith(
         "split each sequence over a context axis: "
-        "`device_mesh={'batch': 1, 'model': 1, 'context': 8}`"
+        "`device_mesh={'batch': 2, 'model': 1, 'context': 4}`"
     ), advice
     split = keras_hub_autodist.plan(
-        gemma, {"batch": 1, "model": 1, "context": 8}, device_memory="v3-8", lora_rank=4
+        gemma, {"batch": 2, "model": 1, "context": 4}, device_memory="v3-8", lora_rank=4
     )
     assert memory_verdict(split, 1, 4096)[0]
+    halved = keras_hub_autodist.plan(
+        gemma, {"batch": 4, "model": 1, "context": 2}, device_memory="v3-8", lora_rank=4
+    )
+    assert not memory_verdict(halved, 1, 4096)[0]
 
 
 def test_a_padded_batch_is_counted_as_padded(tiny_presets_dir):

@@ -63,8 +63,13 @@ def install_per_device_attention(model, plan) -> int:
     if axes.size(axes.context_axis) <= 1:
         return 0
     model_axis = axes.model_axis if axes.size(axes.model_axis) > 1 else None
+    layers = compat.sublayers(model)
+    if any("VisionEncoder" in type(layer).__name__ for layer in layers):
+        # Image tokens attend both ways (Gemma 3): not the causal rule the
+        # blocks are masked by, so keras-hub's own path stays.
+        return 0
     changed = 0
-    for layer in compat.sublayers(model):
+    for layer in layers:
         reading = compat_attention.attention_reading(layer)
         if reading is None:
             continue
