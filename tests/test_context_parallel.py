@@ -206,8 +206,10 @@ def test_attention_takes_xlas_path_on_a_context_mesh(tiny_presets_dir):
 def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(real_configs):
     """One sequence of 4096 tokens of Gemma 2B on a TPU v3-8 split 8 ways on
     the batch axis: 7 of 8 devices would hold padding, each device a whole
-    sequence; 4 blocks of it fit (attention per device holds one block of
-    keys' scores), and the advice names the smallest context axis."""
+    sequence. 4 blocks of it would fit (attention per device holds one block
+    of keys' scores), but a context axis of 4 leaves a batch axis of 2 for
+    one sequence, one device of 2 computing padding: the advice splits the
+    sequence over all 8, where no device holds padding."""
     gemma = next(path for path in real_configs if path.name == "gemma_2b")
     plan = keras_hub_autodist.plan(
         gemma, {"batch": 8, "model": 1}, device_memory="v3-8", lora_rank=4
@@ -216,16 +218,21 @@ def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(real_configs
     advice = plan.fit_advice(1, 4096)
     assert advice[0].startswith(
         "split each sequence over a context axis: "
-        "`device_mesh={'batch': 2, 'model': 1, 'context': 4}`"
+        "`device_mesh={'batch': 1, 'model': 1, 'context': 8}`"
     ), advice
-    split = keras_hub_autodist.plan(
-        gemma, {"batch": 2, "model": 1, "context": 4}, device_memory="v3-8", lora_rank=4
+    for sizes, fits in (
+        ({"batch": 1, "model": 1, "context": 8}, True),
+        ({"batch": 2, "model": 1, "context": 4}, True),
+        ({"batch": 4, "model": 1, "context": 2}, False),
+    ):
+        split = keras_hub_autodist.plan(gemma, sizes, device_memory="v3-8", lora_rank=4)
+        assert memory_verdict(split, 1, 4096)[0] is fits, sizes
+    # With two sequences, the batch axis of 2 holds no padding: the
+    # smallest context axis that fits is proposed.
+    assert plan.fit_advice(2, 4096)[0].startswith(
+        "split each sequence over a context axis: "
+        "`device_mesh={'batch': 2, 'model': 1, 'context': 4}`"
     )
-    assert memory_verdict(split, 1, 4096)[0]
-    halved = keras_hub_autodist.plan(
-        gemma, {"batch": 4, "model": 1, "context": 2}, device_memory="v3-8", lora_rank=4
-    )
-    assert not memory_verdict(halved, 1, 4096)[0]
 
 
 def test_a_padded_batch_is_counted_as_padded(tiny_presets_dir):
