@@ -27,16 +27,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from keras_hub_autodist.planning.attention_blocks import KEY_BLOCK
+
 # keras' `Softmax` puts this in place of each masked score (float32).
 MASKED_SCORE = -1e9
-
-# Keys per block: the scores held at once are `[batch, heads, queries,
-# KEY_BLOCK]` in float32.
-KEY_BLOCK = 512
-
-# The planner's architectures whose attention layers run per device on a
-# context mesh (`compat_attention` reads their layers).
-PER_DEVICE_ARCHITECTURES = ("gemma", "gemma3", "llama", "mistral")
 
 
 @dataclasses.dataclass(frozen=True)

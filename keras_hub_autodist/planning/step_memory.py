@@ -57,8 +57,8 @@ import math
 
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.planning import sharding
-from keras_hub_autodist.planning.blockwise_attention import KEY_BLOCK
-from keras_hub_autodist.planning.blockwise_attention import PER_DEVICE_ARCHITECTURES
+from keras_hub_autodist.planning.attention_blocks import KEY_BLOCK
+from keras_hub_autodist.planning.attention_blocks import PER_DEVICE_ARCHITECTURES
 from keras_hub_autodist.planning.memory_factors import ACTIVATION_FACTORS
 from keras_hub_autodist.planning.memory_factors import FLOAT16_DTYPES
 from keras_hub_autodist.planning.memory_factors import FLOAT32_ACTIVATIONS

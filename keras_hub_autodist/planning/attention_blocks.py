@@ -1,0 +1,11 @@
+"""What the context axis' per-device attention holds at once, as data: the
+estimate reads it without importing JAX (`blockwise_attention` computes
+with it)."""
+
+# Keys per block: the scores held at once are `[batch, heads, queries,
+# KEY_BLOCK]` in float32.
+KEY_BLOCK = 512
+
+# The planner's architectures whose attention layers run per device on a
+# context mesh (`compat_attention` reads their layers).
+PER_DEVICE_ARCHITECTURES = ("gemma", "gemma3", "llama", "mistral")
