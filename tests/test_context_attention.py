@@ -13,7 +13,7 @@ from equivalence import assert_same_training
 from equivalence import batch_for
 
 from keras_hub_autodist import compat
-from keras_hub_autodist import compat_attention
+from keras_hub_autodist.compat import attention as compat_attention
 from keras_hub_autodist.planning import context_attention
 from keras_hub_autodist.planning.blockwise_attention import MASKED_SCORE
 from keras_hub_autodist.planning.blockwise_attention import AttentionRule

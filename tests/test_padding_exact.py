@@ -15,7 +15,7 @@ import pytest
 import tiny_presets
 
 import keras_hub_autodist
-from keras_hub_autodist import compat_steps
+from keras_hub_autodist.compat import steps as compat_steps
 
 MESH = {"batch": 4, "model": 2}
 

@@ -7,5 +7,5 @@ with it)."""
 KEY_BLOCK = 512
 
 # The planner's architectures whose attention layers run per device on a
-# context mesh (`compat_attention` reads their layers).
+# context mesh (`compat.attention` reads their layers).
 PER_DEVICE_ARCHITECTURES = ("gemma", "gemma3", "llama", "mistral")

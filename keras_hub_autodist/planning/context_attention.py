@@ -35,7 +35,7 @@ import keras
 from jax.sharding import PartitionSpec
 
 from keras_hub_autodist import compat
-from keras_hub_autodist import compat_attention
+from keras_hub_autodist.compat import attention as compat_attention
 from keras_hub_autodist.planning import distribution as distribution_lib
 from keras_hub_autodist.planning.blockwise_attention import AttentionRule
 from keras_hub_autodist.planning.blockwise_attention import blockwise_attention

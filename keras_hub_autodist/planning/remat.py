@@ -27,7 +27,7 @@ import contextlib
 import functools
 
 from keras_hub_autodist import compat
-from keras_hub_autodist import compat_state
+from keras_hub_autodist.compat import state as compat_state
 from keras_hub_autodist.planning.step_memory import remat_mode
 
 # The one mode this module implements itself; others are `keras.RematScope`.

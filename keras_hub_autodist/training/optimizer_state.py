@@ -70,7 +70,7 @@ def optimizer_chain(optimizer) -> list[tuple[str, object]]:
     [path for path, _ in optimizer_chain(lm.optimizer)]  # ['', 'inner_optimizer']
     ```
     """
-    from keras_hub_autodist import compat_state
+    from keras_hub_autodist.compat import state as compat_state
 
     chain, pending, seen = [], [("", optimizer)], set()
     while pending:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import keras
 
 from keras_hub_autodist import compat
-from keras_hub_autodist import compat_steps
+from keras_hub_autodist.compat import steps as compat_steps
 
 WEIGHTS_KEY = "keras_hub_autodist_sample_weight"
 REAL_ROWS_KEY = "keras_hub_autodist_real_rows"

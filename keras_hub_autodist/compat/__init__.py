@@ -1,5 +1,7 @@
-"""Every private Keras and keras-hub touchpoint of the package, here and in
-`compat_steps.py` (the trainer's). Nothing else in `keras_hub_autodist`
+"""Every private Keras and keras-hub touchpoint of the package, in this
+package: here (loading, saving, building, patching), `steps` (the
+trainer's), `state` (a layer's RNG state) and `attention` (keras-hub's
+attention layers). Nothing else in `keras_hub_autodist`
 imports `keras.src` or `keras_hub.src` or reads a private attribute of a
 Keras or keras-hub object. `tests/test_compat.py` checks each of
 `TOUCHPOINTS` against the installed Keras and keras-hub, so an upgrade
@@ -28,7 +30,7 @@ import dataclasses
 import importlib
 import threading
 
-from keras_hub_autodist import compat_steps
+from keras_hub_autodist.compat import steps as compat_steps
 
 # keras-hub's constants naming the files of its preset format.
 PRESET_FORMAT_NAMES = tuple(

@@ -1,9 +1,9 @@
-"""The compat layer's second module: private Keras touchpoints for the
-state a traced call carries (its stateless scope).
+"""Private Keras touchpoints for the state a traced call carries (its
+stateless scope).
 
-Like `compat.py` (whose size this keeps in bounds), nothing else in the
-package reaches into `keras.src` for these: `TOUCHPOINTS` lists them and
-`tests/test_compat.py` checks each against the installed Keras.
+As for the rest of this package, nothing else reaches into `keras.src` for
+these: `TOUCHPOINTS` lists them and `tests/test_compat.py` checks each
+against the installed Keras.
 
 The need that has no public API:
 

@@ -1,6 +1,6 @@
-"""The compat layer, continued: the Keras trainer internals that a bound
-model's steps rely on (`compat.py` registers these patches and checks these
-touchpoints with its own).
+"""The Keras trainer internals that a bound model's steps rely on (the
+package's `__init__` registers these patches and checks these touchpoints
+with its own).
 
 - Every batch a Keras loop feeds goes through the JAX backend's
   `distribute_data_input`, one array at a time, as the process-local array

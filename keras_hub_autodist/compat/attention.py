@@ -1,7 +1,7 @@
 """The compat layer for keras-hub's attention layers: what each family's
 `_compute_attention` computes, read from its private attributes.
 
-A sibling of `compat` (which holds every other private touchpoint): the
+Part of the compat package (which holds every private touchpoint): the
 attention run per device on a context mesh (`planning.context_attention`)
 replaces a layer's `_compute_attention` through `compat.patch_instance`, and
 must compute what the layer would. `attention_reading(layer)` says how, for
