@@ -2,9 +2,9 @@
 (loading, saving, building, patching), `steps` (the trainer's), `state` (a
 layer's RNG state), `attention` (keras-hub's attention layers). Nothing
 else in `keras_hub_autodist` imports `keras.src` or `keras_hub.src` or
-reads a private attribute of a Keras or keras-hub object. `tests/test_compat.py` checks each of
-`TOUCHPOINTS` against the installed Keras and keras-hub, so an upgrade
-shows exactly what broke. Every attribute of Keras or keras-hub that the
+reads a private attribute of a Keras or keras-hub object.
+`tests/test_compat.py` checks each of `TOUCHPOINTS` against the installed
+Keras and keras-hub, so an upgrade shows exactly what broke. Every attribute of Keras or keras-hub that the
 package replaces is registered in `PATCHES` (what, by whom, for how long,
 whether every thread sees it) and set only by the functions at the end.
 
