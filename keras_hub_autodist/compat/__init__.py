@@ -4,18 +4,18 @@ layer's RNG state), `attention` (keras-hub's attention layers). Nothing
 else in `keras_hub_autodist` imports `keras.src` or `keras_hub.src` or
 reads a private attribute of a Keras or keras-hub object.
 `tests/test_compat.py` checks each of `TOUCHPOINTS` against the installed
-Keras and keras-hub, so an upgrade shows exactly what broke. Every attribute of Keras or keras-hub that the
-package replaces is registered in `PATCHES` (what, by whom, for how long,
-whether every thread sees it) and set only by the functions at the end.
+Keras and keras-hub, so an upgrade shows exactly what broke. Every
+attribute of Keras or keras-hub that the package replaces is registered in
+`PATCHES` (what, by whom, for how long, whether every thread sees it) and
+set only by the functions at the end.
 
 The needs that have no public API:
 
 - keras-hub's preset loaders (`get_preset_loader`, `KerasPresetLoader`,
   `TransformersPresetLoader`) tell the backbone class and config of a preset
   before anything is built, exactly as `from_preset` will read them.
-- Sharded loading reads from the HDF5 weight store that `load_weights` uses,
-  and from keras-hub's safetensors loader, so that a weight can be read
-  slice by slice instead of whole.
+- Sharded loading reads from `load_weights`' HDF5 store and keras-hub's
+  safetensors loader, a weight slice by slice instead of whole.
 - The abstract build creates a backbone's variables inside a
   `keras.StatelessScope(initialize_variables=False)`; they are taken off
   Keras' process-wide list of uninitialized variables, which a later
