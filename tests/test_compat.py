@@ -19,18 +19,7 @@ def _outside_compat(path: pathlib.Path) -> bool:
 
 def test_every_touchpoint_exists_in_the_installed_keras_and_keras_hub():
     assert compat.check_touchpoints() == []
-    assert compat_state.check_touchpoints() == []
-
-
-def test_a_missing_touchpoint_of_the_state_module_is_named(monkeypatch):
-    monkeypatch.setattr(
-        compat_state,
-        "TOUCHPOINTS",
-        compat_state.TOUCHPOINTS + (("keras.src.saving.saving_lib", "Nope"),),
-    )
-    assert compat_state.check_touchpoints() == [
-        "keras.src.saving.saving_lib.Nope: no such attribute"
-    ]
+    assert set(compat_state.TOUCHPOINTS) <= set(compat.TOUCHPOINTS)
 
 
 def test_a_missing_touchpoint_is_named():

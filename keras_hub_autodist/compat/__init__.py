@@ -11,15 +11,12 @@ set only by the functions at the end.
 
 The needs that have no public API:
 
-- keras-hub's preset loaders (`get_preset_loader`, `KerasPresetLoader`,
-  `TransformersPresetLoader`) tell the backbone class and config of a preset
+- keras-hub's preset loaders tell a preset's backbone class and config
   before anything is built, exactly as `from_preset` will read them.
 - Sharded loading reads from `load_weights`' HDF5 store and keras-hub's
   safetensors loader, a weight slice by slice instead of whole.
-- The abstract build creates a backbone's variables inside a
-  `keras.StatelessScope(initialize_variables=False)`; they are taken off
-  Keras' process-wide list of uninitialized variables, which a later
-  stateless scope would initialize (allocating the whole model).
+- The abstract build takes the variables it makes off Keras' list of
+  uninitialized ones, which a later stateless scope would initialize.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ import dataclasses
 import importlib
 import threading
 
+from keras_hub_autodist.compat import state as compat_state
 from keras_hub_autodist.compat import steps as compat_steps
 
 # keras-hub's constants naming the files of its preset format.
@@ -66,6 +64,7 @@ TOUCHPOINTS = (
     ("keras.src.saving.saving_lib", "_save_state"),
     ("keras.src.layers.layer", "Layer._flatten_layers"),
     ("keras.src.backend.jax.nn", "_can_use_flash_attention"),
+    *compat_state.TOUCHPOINTS,
 ) + compat_steps.TOUCHPOINTS
 
 

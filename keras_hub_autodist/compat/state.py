@@ -2,8 +2,8 @@
 stateless scope).
 
 As for the rest of this package, nothing else reaches into `keras.src` for
-these: `TOUCHPOINTS` lists them and `tests/test_compat.py` checks each
-against the installed Keras.
+these: `TOUCHPOINTS` lists them, and `compat.check_touchpoints` checks
+them with the package's others.
 
 The need that has no public API:
 
@@ -20,34 +20,12 @@ The need that has no public API:
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 # (module, attribute) pairs this module relies on.
 TOUCHPOINTS = (
     ("keras.src.backend.common.stateless_scope", "in_stateless_scope"),
     ("keras.src.saving.saving_lib", "_walk_saveable"),
 )
-
-
-def check_touchpoints() -> list[str]:
-    """The touchpoints of this module missing from the installed Keras, as
-    `"module.attribute: why"` (empty when all are there).
-
-    Example:
-    ```python
-    assert check_touchpoints() == []
-    ```
-    """
-    missing = []
-    for module_name, attribute in TOUCHPOINTS:
-        try:
-            found = importlib.import_module(module_name)
-        except ImportError as error:
-            missing.append(f"{module_name}.{attribute}: {error}")
-            continue
-        if getattr(found, attribute, None) is None:
-            missing.append(f"{module_name}.{attribute}: no such attribute")
-    return missing
 
 
 def in_stateless_scope() -> bool:
