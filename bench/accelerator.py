@@ -48,35 +48,11 @@ import warnings
 
 from bench import accelerator_steps
 from bench import accelerator_targets
+from bench.accelerator_steps import GEMMA_2B
+from bench.accelerator_steps import GEMMA_7B
+from bench.accelerator_steps import TINY
 from bench.file_reads import read_file_only
 
-GEMMA_7B = dict(
-    vocabulary_size=256000,
-    num_layers=28,
-    num_query_heads=16,
-    num_key_value_heads=16,
-    hidden_dim=3072,
-    intermediate_dim=49152,
-    head_dim=256,
-)
-GEMMA_2B = dict(
-    vocabulary_size=256000,
-    num_layers=18,
-    num_query_heads=8,
-    num_key_value_heads=1,
-    hidden_dim=2048,
-    intermediate_dim=32768,
-    head_dim=256,
-)
-TINY = dict(
-    vocabulary_size=1024,
-    num_layers=2,
-    num_query_heads=4,
-    num_key_value_heads=1,
-    hidden_dim=64,
-    intermediate_dim=256,
-    head_dim=16,
-)
 LOAD_VARIANTS = [
     ("raw read", None, None),
     ("keras-hub", "keras-hub", "bfloat16"),

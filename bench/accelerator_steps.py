@@ -19,6 +19,36 @@ import pathlib
 
 PREDICTIONS = pathlib.Path(__file__).resolve().parent / "predictions"
 
+# The Gemma shapes the run builds (random bfloat16 weights), and tiny ones
+# for `--tiny`.
+GEMMA_7B = dict(
+    vocabulary_size=256000,
+    num_layers=28,
+    num_query_heads=16,
+    num_key_value_heads=16,
+    hidden_dim=3072,
+    intermediate_dim=49152,
+    head_dim=256,
+)
+GEMMA_2B = dict(
+    vocabulary_size=256000,
+    num_layers=18,
+    num_query_heads=8,
+    num_key_value_heads=1,
+    hidden_dim=2048,
+    intermediate_dim=32768,
+    head_dim=256,
+)
+TINY = dict(
+    vocabulary_size=1024,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=64,
+    intermediate_dim=256,
+    head_dim=16,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -82,13 +112,12 @@ def predict(target: str, tiny: bool = False) -> dict:
     import time
 
     import keras_hub_autodist
-    from bench import accelerator
     from keras_hub_autodist.planning import step_memory
 
-    shapes = {"7b": accelerator.GEMMA_7B, "2b": accelerator.GEMMA_2B}
+    shapes = {"7b": GEMMA_7B, "2b": GEMMA_2B}
     rows = {}
     for step in steps_of(tiny):
-        config = accelerator.TINY if tiny else shapes[step.shape]
+        config = TINY if tiny else shapes[step.shape]
         preset = {"class_name": "GemmaBackbone", "config": dict(config)}
         plan = keras_hub_autodist.plan(
             preset,
