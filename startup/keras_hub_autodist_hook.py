@@ -65,7 +65,10 @@ def unknown_switch(environ=None) -> bool:
 def _load_light(name):
     """`keras_hub_autodist.<name>` (standard library only), loaded by path
     without importing (so activating) the package; the package imported
-    later shares the module."""
+    later shares the module. `name` may be dotted (`compat.steps`). A
+    subpackage (`compat`) gets its modules loaded so, as its attributes,
+    before its `__init__` runs: its own `from ... import` of them then finds
+    them there, where an import would bring in the package itself."""
     full_name = f"keras_hub_autodist.{name}"
     module = sys.modules.get(full_name)
     if module is not None:
@@ -73,13 +76,29 @@ def _load_light(name):
     import importlib.util
 
     package = importlib.util.find_spec("keras_hub_autodist")
-    path = os.path.join(list(package.submodule_search_locations)[0], f"{name}.py")
-    spec = importlib.util.spec_from_file_location(full_name, path)
+    root = list(package.submodule_search_locations)[0]
+    folder = os.path.join(root, *name.split("."))
+    if os.path.isdir(folder):
+        path, locations = os.path.join(folder, "__init__.py"), [folder]
+        children = sorted(
+            entry[:-3]
+            for entry in os.listdir(folder)
+            if entry.endswith(".py") and entry != "__init__.py"
+        )
+    else:
+        path, locations, children = f"{folder}.py", None, []
+    spec = importlib.util.spec_from_file_location(
+        full_name, path, submodule_search_locations=locations
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:
+        for child in children:
+            setattr(module, child, _load_light(f"{name}.{child}"))
         spec.loader.exec_module(module)
     except BaseException:
+        for child in children:
+            sys.modules.pop(f"{full_name}.{child}", None)
         del sys.modules[spec.name]
         raise
     return module
