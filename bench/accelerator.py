@@ -575,6 +575,13 @@ def _gb(n):
     return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1e6:.2f} MB"
 
 
+def _failure(row) -> str:
+    """A failed measurement's error as a Markdown cell: in a code span, so
+    that its brackets are not read as links, without the table's bars."""
+    text = " ".join(row["error"]).replace("`", "'").replace("|", "/")
+    return f"fails: `{text}`"
+
+
 def _ratio(a, b):
     return "" if not a or not b else f"{a / b:.2f}"
 
@@ -609,9 +616,7 @@ def render(results, predictions=None) -> str:
     ]
     for r in results["loading"]:
         if "error" in r:
-            lines.append(
-                f"| {r['variant']} | {r['dtype']} | fails: {r['error']} | | | |"
-            )
+            lines.append(f"| {r['variant']} | {r['dtype']} | {_failure(r)} | | | |")
             continue
         lines.append(
             f"| {r['variant']} | {_dtype_label(r)} | "
@@ -646,9 +651,7 @@ def render(results, predictions=None) -> str:
     ]
     for r in results["training"]:
         if "error" in r:
-            lines.append(
-                f"| {r['step']} | {r['variant']} | fails: {r['error']} | | | | | |"
-            )
+            lines.append(f"| {r['step']} | {r['variant']} | {_failure(r)} | | | | | |")
             continue
         generated = r.get("generate_tokens_per_s")
         lines.append(
@@ -686,7 +689,7 @@ def _attention_table(results) -> list[str]:
     for r in rows:
         size = f"{r['queries']} x {r['keys']}"
         if "error" in r:
-            lines.append(f"| {r['variant']} | {size} | fails: {r['error']} | | | |")
+            lines.append(f"| {r['variant']} | {size} | {_failure(r)} | | | |")
             continue
         kernels = ", ".join(f"`{k}`" for k in r["fused"]) or "none"
         lines.append(
@@ -714,9 +717,7 @@ def _long_table(results) -> list[str]:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(
-                f"| {r['seq']} | {r['variant']} | fails: {r['error']} | | | | |"
-            )
+            lines.append(f"| {r['seq']} | {r['variant']} | {_failure(r)} | | | | |")
             continue
         kernels = ", ".join(f"`{k}`" for k in r["attention_kernels"]) or "none"
         lines.append(
