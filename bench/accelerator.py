@@ -132,6 +132,19 @@ def child_load(path, variant, dtype):
     )
 
 
+def _train_step_seconds(lm, x, y, count) -> list[float]:
+    """Seconds of each of `count` `train_on_batch` calls, each waited for."""
+    import jax
+
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        logs = lm.train_on_batch(x, y, return_dict=True)
+        jax.block_until_ready(logs["loss"])
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def child_train(path, variant, lora_rank, batch, seq, steps, warmup, generate):
     """One training step's speed and device peak, in this fresh process.
 
@@ -180,12 +193,7 @@ def child_train(path, variant, lora_rank, batch, seq, steps, warmup, generate):
     ids = np.random.default_rng(0).integers(1, vocabulary, (batch, seq))
     x = {"token_ids": ids.astype("int32"), "padding_mask": np.ones_like(ids, "int32")}
     y = np.roll(x["token_ids"], -1, axis=1)
-    times = []
-    for _ in range(warmup + steps):
-        start = time.perf_counter()
-        logs = lm.train_on_batch(x, y, return_dict=True)
-        jax.block_until_ready(logs["loss"])
-        times.append(time.perf_counter() - start)
+    times = _train_step_seconds(lm, x, y, warmup + steps)
     peak, final = _device_memory()
     step = statistics.median(times[warmup:])
     params = lm.backbone.count_params()
@@ -231,7 +239,6 @@ def child_long(path, variant, seq, steps):
     and device peak. `variant` "keras-hub" is plain `from_preset`,
     "autodist" a one-device mesh: the distribution must keep the fused
     kernel keras-hub picks. (A context axis needs more than one device.)"""
-    import jax
     import keras
     import keras_hub
     import numpy as np
@@ -248,12 +255,7 @@ def child_long(path, variant, seq, steps):
     ids = np.random.default_rng(0).integers(1, 1000, (1, seq)).astype("int32")
     x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     y = np.roll(ids, -1, axis=1)
-    times = []
-    for _ in range(1 + steps):
-        start = time.perf_counter()
-        logs = lm.train_on_batch(x, y, return_dict=True)
-        jax.block_until_ready(logs["loss"])
-        times.append(time.perf_counter() - start)
+    times = _train_step_seconds(lm, x, y, 1 + steps)
     peak, final = _device_memory()
     return dict(
         first_step_s=times[0],
@@ -390,18 +392,24 @@ def _run_child(*args, timeout=600, dump=None):
 # --- the run --------------------------------------------------------------------
 
 
+def _nvidia_smi(query: str) -> list[str]:
+    """`nvidia-smi --query-gpu=<query>`'s lines, one per GPU; [] without it."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    found = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    )
+    return found.stdout.strip().splitlines() if found.returncode == 0 else []
+
+
 def machine() -> str:
     """The accelerator's name and memory (`nvidia-smi`), else JAX's device
     kind, else the CPU."""
-    if shutil.which("nvidia-smi"):
-        found = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        )
-        lines = found.stdout.strip().splitlines()
-        if found.returncode == 0 and lines:
-            return f"{len(lines)} x {lines[0].strip()}"
+    lines = _nvidia_smi("name,memory.total")
+    if lines:
+        return f"{len(lines)} x {lines[0].strip()}"
     try:
         import jax
 
@@ -437,15 +445,9 @@ def make_preset(root, name, config):
 def versions() -> dict:
     """The driver's, JAX's, Keras' and keras-hub's versions on this machine."""
     found = {}
-    if shutil.which("nvidia-smi"):
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        )
-        lines = driver.stdout.strip().splitlines()
-        if lines:
-            found["driver"] = lines[0].strip()
+    drivers = _nvidia_smi("driver_version")
+    if drivers:
+        found["driver"] = drivers[0].strip()
     from importlib import metadata
 
     for name in (
