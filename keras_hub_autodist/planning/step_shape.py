@@ -171,14 +171,7 @@ def runnable_lengths(axes, sequence_length: int) -> list[int]:
     >>> runnable_lengths(resolve_mesh_axes({"batch": 1, "context": 4}), 12)
     [4]
     """
-    context = axes.size(axes.context_axis)
-    lengths = []
-    length = sequence_length
-    while length > context:
-        length = max(context, length // 2 // context * context)
-        if length < sequence_length and length not in lengths:
-            lengths.append(length)
-    return lengths
+    return _halvings(sequence_length, axes.size(axes.context_axis))
 
 
 def runnable_batches(axes, batch_size: int) -> list[int]:
@@ -194,11 +187,16 @@ def runnable_batches(axes, batch_size: int) -> list[int]:
     >>> runnable_batches(resolve_mesh_axes({"batch": 4}), 4)
     []
     """
-    devices = axes.size(axes.batch_axis)
-    batches = []
-    batch = batch_size
-    while batch > devices:
-        batch = max(devices, batch // 2 // devices * devices)
-        if batch < batch_size and batch not in batches:
-            batches.append(batch)
-    return batches
+    return _halvings(batch_size, axes.size(axes.batch_axis))
+
+
+def _halvings(value: int, unit: int) -> list[int]:
+    """The values below `value`, each about half the one before, rounded
+    down to a multiple of `unit` and no smaller than it."""
+    found = []
+    current = value
+    while current > unit:
+        current = max(unit, current // 2 // unit * unit)
+        if current < value and current not in found:
+            found.append(current)
+    return found
