@@ -58,6 +58,7 @@ from keras_hub_autodist.errors import SaveTargetError  # noqa: E402
 from keras_hub_autodist.errors import SequenceLengthError  # noqa: E402
 from keras_hub_autodist.errors import StateLostError  # noqa: E402
 from keras_hub_autodist.errors import StrategyError  # noqa: E402
+from keras_hub_autodist.errors import TargetCompileError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightError  # noqa: E402
 from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
@@ -122,6 +123,7 @@ __all__ = [
     "ResumableCheckpoint",
     "SaveTargetError",
     "SequenceLengthError",
+    "TargetCompileError",
     "StateLostError",
     "StrategyError",
     "summary",

@@ -235,6 +235,12 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level + 1)
 
 
+class TargetCompileError(PlanError, RuntimeError):
+    """The compiler refuses a training step for a reason other than its
+    size: the same step can't run on that device as it is (e.g. bfloat16
+    attention on a T4, which has no bfloat16 matrix arithmetic)."""
+
+
 class CompilerMissingError(PlanError, ImportError):
     """The compiler of a named accelerator is not installed: the memory
     check can't compile for it on this machine without its extra

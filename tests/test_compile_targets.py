@@ -16,6 +16,7 @@ from keras_hub_autodist import cli
 from keras_hub_autodist.errors import CompilerMissingError
 from keras_hub_autodist.errors import EnvironmentVariableError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.errors import TargetCompileError
 from keras_hub_autodist.planning import compile_targets
 from keras_hub_autodist.planning import step_memory
 from keras_hub_autodist.planning.compiled_analysis import collectives
@@ -107,6 +108,22 @@ def test_compiles_for_two_t4s_here(tiny_presets_dir):
     }
     _assert_compiled_the_planned_layout(plan, memory)
     assert memory.peak_bytes >= memory.argument_bytes > 0
+
+
+@needs_gpu_compiler
+def test_a_step_the_target_cannot_run_is_an_error_with_its_fix(tiny_presets_dir):
+    # Keras' attention asks for bfloat16 dots a T4 has no arithmetic for:
+    # its compiler refuses the step (as a real T4 does); float16 compiles.
+    preset = tiny_presets_dir["llama3_untied"]
+    mesh = {"batch": 1, "model": 2}
+    plan = keras_hub_autodist.plan(preset, mesh, dtype="bfloat16", device_memory="t4")
+    with pytest.raises(TargetCompileError) as refused:
+        compiled_memory(plan, BATCH, SEQ)
+    message = str(refused.value)
+    assert "Tesla T4 x 2" in message and "ALG_DOT_BF16_BF16_F32" in message
+    assert 'dtype="float16"' in message and "Received: dtype='bfloat16'" in message
+    half = keras_hub_autodist.plan(preset, mesh, dtype="float16", device_memory="t4")
+    assert compiled_memory(half, BATCH, SEQ).peak_bytes > 0
 
 
 @needs_tpu_compiler

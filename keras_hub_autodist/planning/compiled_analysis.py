@@ -198,6 +198,37 @@ def out_of_memory(error: BaseException) -> tuple[int, int, bool] | None:
     )
 
 
+# Compiler refusals that are not about memory: words of the compiler's
+# message, and what makes the step compile. A T4 (compute capability 7.5)
+# has no bfloat16 matrix arithmetic, and `jax.nn.dot_product_attention`,
+# which Keras' attention calls, asks for bfloat16 dots with float32
+# accumulation for bfloat16 inputs (keras-team/keras#21112: the same
+# refusal on a real T4).
+REFUSAL_ADVICE = (
+    (
+        "ALG_DOT_BF16_BF16_F32",
+        "this device has no bfloat16 matrix arithmetic for the attention that "
+        'Keras runs (keras-team/keras#21112); train in `dtype="float16"` (a '
+        'T4\'s half type) or `dtype="float32"`',
+    ),
+)
+
+
+def refusal_advice(error: BaseException) -> str:
+    """What makes a step the compiler refused (for a reason other than its
+    size) compile, from `REFUSAL_ADVICE`; "" when the refusal is not known.
+
+    Example:
+    >>> refused = RuntimeError("Unsupported algorithm: ALG_DOT_BF16_BF16_F32")
+    >>> refusal_advice(refused).startswith("this device has no bfloat16")
+    True
+    >>> refusal_advice(RuntimeError("INTERNAL: something else"))
+    ''
+    """
+    text = str(error)
+    return next((advice for words, advice in REFUSAL_ADVICE if words in text), "")
+
+
 __all__ = [
     "Collective",
     "array_bytes",
@@ -205,4 +236,5 @@ __all__ = [
     "collectives",
     "cost_figures",
     "out_of_memory",
+    "refusal_advice",
 ]
