@@ -46,13 +46,22 @@ SEVERITIES = {"I": 0, "W": 1, "E": 2, "F": 3}
 # `I0000 00:00:1796188109.244303   14276 cudart_stub.cc:31] ...`: before
 # absl starts, the seconds field counts from the epoch.
 _ABSL_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^\]]+\] ")
-# Lines that continue an absl line rather than start one.
-CONTINUATIONS = ("To enable the following instructions:",)
-# absl's notice before its first line; dropped with the lines it announces.
+# Lines that continue an absl line rather than start one: TensorFlow's CPU
+# feature notice, and the source trace libtpu appends to its errors (a
+# header, then `file.cc:123` lines).
+CONTINUATIONS = ("To enable the following instructions:", "=== Source Location Trace")
+_SOURCE_LOCATION = re.compile(r"^[\w./-]+\.(cc|h):\d+\s*$")
+# absl's notice before its first line (and libtpu's own, as it loads);
+# dropped with the lines it announces.
 ABSL_PREAMBLE = (
     "WARNING: All log messages before absl::InitializeLog() is called are "
     "written to STDERR"
 )
+PREAMBLES = (ABSL_PREAMBLE, "WARNING: Logging before InitGoogle() is written to STDERR")
+# Warnings that native libraries print without absl's prefix, at
+# TensorFlow's warning level: libtpu's, when it starts its compiler on a
+# machine that is not a TPU VM (the compile-only TPU devices need neither).
+PLAIN_WARNINGS = ("Failed to find host bounds for accelerator type: WARNING: ",)
 # The Orbax message dropped in a single-process run (its format string).
 ORBAX_MERGE_NOTICE = "Skipping merge of OCDBT checkpoints: No per-process OCDBT"
 
@@ -93,10 +102,12 @@ def kept_lines(text: str, min_level: int) -> str:
     kept, previous_dropped = [], False
     for index, line in enumerate(lines):
         following = lines[index + 1] if index + 1 < len(lines) else ""
+        continues = line.startswith(CONTINUATIONS) or _SOURCE_LOCATION.match(line)
         dropped = (
             _dropped(line, min_level)
-            or (previous_dropped and line.startswith(CONTINUATIONS))
-            or (line.rstrip("\n") == ABSL_PREAMBLE and _dropped(following, min_level))
+            or (previous_dropped and bool(continues))
+            or (line.rstrip("\n") in PREAMBLES and _dropped(following, min_level))
+            or (line.startswith(PLAIN_WARNINGS) and min_level > SEVERITIES["W"])
         )
         if not dropped:
             kept.append(line)

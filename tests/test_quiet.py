@@ -42,6 +42,31 @@ def test_a_continuation_line_of_a_kept_line_stays():
     assert quiet.kept_lines(text, 3) == text
 
 
+LIBTPU_START = (
+    "Failed to find host bounds for accelerator type: WARNING: could not "
+    "determine TPU accelerator type, please set env var `TPU_ACCELERATOR_TYPE` "
+    "manually, otherwise libtpu.so may not properly initialize.\n"
+    "WARNING: Logging before InitGoogle() is written to STDERR\n"
+    "E0000 00:00:1796452583.360404   32353 common_lib.cc:554] INVALID_ARGUMENT: "
+    "Error: unexpected worker hostname\n"
+    "=== Source Location Trace: === \n"
+    "learning/45eac/tfrc/runtime/libtpu_init_utils.cc:327\n"
+)
+
+
+def test_libtpu_start_notices_off_a_tpu_vm_are_dropped_at_the_default_level():
+    assert quiet.kept_lines(LIBTPU_START + "a user's own line\n", 3) == (
+        "a user's own line\n"
+    )
+    # At TensorFlow's warning level, libtpu's warning and error stay whole.
+    assert quiet.kept_lines(LIBTPU_START, 1) == LIBTPU_START
+
+
+def test_a_source_location_line_of_a_user_stays():
+    text = "my_module.cc:12\n"
+    assert quiet.kept_lines(text, 3) == text
+
+
 def test_native_stderr_of_the_body_is_filtered(monkeypatch, tmp_path):
     # A child process: its file descriptor 2 is a file this test reads.
     script = (

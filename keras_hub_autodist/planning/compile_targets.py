@@ -26,6 +26,7 @@ import os
 
 from keras_hub_autodist.errors import CompilerMissingError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.quiet import native_stderr_filtered
 
 TPU_EXTRA = "tpu-compile"
 GPU_EXTRA = "gpu-compile"
@@ -231,9 +232,11 @@ def _tpu_topology(generation: str, grid: tuple) -> tuple:
     name = f"{generation}:{'x'.join(map(str, grid))}"
     options = {} if host == list(_HOST_CHIPS) else {"chips_per_host_bounds": host}
     try:
-        topology = topologies.get_topology_desc(
-            platform="tpu", topology_name=name, **options
-        )
+        # libtpu's start-up notices of a machine that is not a TPU VM.
+        with native_stderr_filtered():
+            topology = topologies.get_topology_desc(
+                platform="tpu", topology_name=name, **options
+            )
     except Exception as error:  # the TPU compiler's own refusal
         raise PlanError(
             f"The TPU compiler has no topology {name}: "
