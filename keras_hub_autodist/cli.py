@@ -356,16 +356,18 @@ def _answer(args) -> dict:
         memory = compiled_memory(
             result, args.batch, args.seq, args.optimizer, device=args.device
         )
-    # The compiler whose buffers the estimate counts: the named device's,
-    # else the one that compiled the check, else an accelerator's.
+    # The compiler whose buffers the estimate counts: the named device's
+    # (its platform's factors and its own arithmetic), else the one that
+    # compiled the check, else an accelerator's.
     if args.device:
         platform = device_profile(args.device).platform
+        calibration = args.device
     elif memory is not None and memory.platform in ("cpu", "gpu", "tpu"):
-        platform = memory.platform
+        platform = calibration = memory.platform
     else:
-        platform = "gpu"
+        platform = calibration = "gpu"
     fits, estimate, verdict = memory_verdict(
-        result, args.batch, args.seq, args.optimizer, platform
+        result, args.batch, args.seq, args.optimizer, calibration
     )
     assumption = usable_memory(device_profile(args.device))[1] if args.device else None
     # The advice names options as this command's flags.
@@ -409,7 +411,7 @@ def _answer(args) -> dict:
         else [
             as_flags(line)
             for line in result.fit_advice(
-                args.batch, args.seq, args.optimizer, platform
+                args.batch, args.seq, args.optimizer, calibration
             )
         ],
     }

@@ -91,10 +91,20 @@ ACTIVATION_FACTORS["tpu"] = ACTIVATION_FACTORS["gpu"]
 # activations at short sequences). Not measured on accelerators, where
 # the update is fused in place.
 UPDATE_TEMPORARIES = {"cpu": 1.4, "gpu": 0.0, "tpu": 0.0}
-# Platforms whose XLA backend computes bfloat16 and float16 in float32.
-FLOAT32_ACTIVATIONS = {"cpu"}
 FLOAT32_BYTES = 4
 FLOAT16_DTYPES = ("bfloat16", "float16")
+# The 16-bit float types each compiler computes in float32, by platform or
+# named device (`device_profiles`; a device without an entry follows its
+# platform): its activations in float32 bytes and its weights converted to
+# float32 copies (`FLOAT32_COPY_TERMS`). XLA's CPU backend computes both so.
+# A T4 (compute capability 7.5) has no bfloat16 arithmetic: XLA's GPU
+# compiler computes a bfloat16 step in float32 (Gemma 2B's LoRA step on 2x
+# T4 compiles to 8.63 GB per device in bfloat16, 4.64 GB in float16), and
+# Keras' own attention does not compile there (`TargetCompileError`).
+FLOAT32_COMPUTE = {"cpu": FLOAT16_DTYPES, "t4": ("bfloat16",)}
+# The terms of the float32 copies of 16-bit weights, counted only where the
+# model's type is computed in float32.
+FLOAT32_COPY_TERMS = ("weights_float32", "gathered_float32")
 # The terms of `ACTIVATION_FACTORS` that count weights, in bytes.
 WEIGHT_TERMS = (
     "gathered_weights",

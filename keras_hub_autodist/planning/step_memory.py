@@ -33,7 +33,9 @@ tokens (the batch over the batch axis):
   each weight where it is used and frees it: `gathered_share` counts the
   device's own share of those weights instead. Both in bytes of the
   weights' own dtypes.
-- on a backend that computes 16-bit floats in float32 (`FLOAT32_ACTIVATIONS`):
+- where the compiler computes the model's 16-bit float type in float32
+  (`FLOAT32_COMPUTE`: XLA's CPU backend, a T4's bfloat16), every term in
+  float32 bytes, and
   `weights_float32`, a float32 copy of the device's 16-bit float weights,
   converted once and kept for the backward pass, and `gathered_float32`,
   the bytes by which one of the two gathered copies grows in float32;
@@ -59,10 +61,12 @@ from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning.attention_blocks import KEY_BLOCK
 from keras_hub_autodist.planning.attention_blocks import PER_DEVICE_ARCHITECTURES
+from keras_hub_autodist.planning.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.planning.memory_factors import ACTIVATION_FACTORS
 from keras_hub_autodist.planning.memory_factors import FLOAT16_DTYPES
-from keras_hub_autodist.planning.memory_factors import FLOAT32_ACTIVATIONS
 from keras_hub_autodist.planning.memory_factors import FLOAT32_BYTES
+from keras_hub_autodist.planning.memory_factors import FLOAT32_COMPUTE
+from keras_hub_autodist.planning.memory_factors import FLOAT32_COPY_TERMS
 from keras_hub_autodist.planning.memory_factors import UPDATE_TEMPORARIES
 from keras_hub_autodist.planning.memory_factors import WEIGHT_TERMS
 from keras_hub_autodist.planning.remat_arguments import check_remat
@@ -430,7 +434,9 @@ def step_estimate(
         optimizer: a name of `OPTIMIZERS`.
         platform: the devices' platform, `"gpu"` (default), `"tpu"` or
             `"cpu"`, whose compiler keeps different buffers
-            (`ACTIVATION_FACTORS`).
+            (`ACTIVATION_FACTORS`), or a named device (`"t4"`, of
+            `device_profiles.DEVICE_PROFILES`): its platform's factors and
+            its own arithmetic (`FLOAT32_COMPUTE`).
         lora_rank: the rank of a LoRA fine-tune; defaults to the plan's
             (`plan.lora_rank`), `None` for full fine-tuning.
 
@@ -442,11 +448,7 @@ def step_estimate(
     ```
     """
     slots = optimizer_spec(optimizer).slots
-    if platform not in ACTIVATION_FACTORS:
-        raise PlanError(
-            f"No memory calibration for platform {platform!r}; use one of "
-            f"{sorted(ACTIVATION_FACTORS)}. Received: platform={platform!r}"
-        )
+    factors, _ = calibration_of(platform)
     if lora_rank is None:
         lora_rank = getattr(plan, "lora_rank", None)
     check_lora_rank(lora_rank)
@@ -466,9 +468,35 @@ def step_estimate(
     return dataclasses.replace(
         state,
         activations=activation_bytes(plan, batch_size, sequence_length, platform),
-        update_temporaries=int(UPDATE_TEMPORARIES[platform] * trained),
+        update_temporaries=int(UPDATE_TEMPORARIES[factors] * trained),
         covers=STEP,
     )
+
+
+def calibration_of(platform: str) -> tuple[str, tuple[str, ...]]:
+    """The factors (a key of `ACTIVATION_FACTORS`) of a platform or a named
+    device, and the 16-bit float types its compiler computes in float32
+    (`FLOAT32_COMPUTE`: the device's own rule, else its platform's).
+
+    Raises:
+        PlanError: for a name that is neither.
+
+    Example:
+    >>> calibration_of("t4"), calibration_of("H100"), calibration_of("tpu")
+    (('gpu', ('bfloat16',)), ('gpu', ()), ('tpu', ()))
+    """
+    key = platform.strip().lower() if isinstance(platform, str) else platform
+    if key in DEVICE_PROFILES:
+        factors = DEVICE_PROFILES[key].platform
+    elif key in ACTIVATION_FACTORS:
+        factors = key
+    else:
+        raise PlanError(
+            f"No memory calibration for {platform!r}; use a platform, one of "
+            f"{sorted(ACTIVATION_FACTORS)}, or a named device, one of "
+            f"{sorted(DEVICE_PROFILES)}. Received: platform={platform!r}"
+        )
+    return factors, FLOAT32_COMPUTE.get(key, FLOAT32_COMPUTE.get(factors, ()))
 
 
 def _num_blocks(plan) -> int:
@@ -506,18 +534,24 @@ def activation_bytes(
     plan, batch_size: int, sequence_length: int, platform: str = "gpu"
 ) -> int:
     """The activations a training step keeps for its backward pass, per
-    device, with `platform`'s factors (`ACTIVATION_FACTORS`).
+    device, with the factors of `platform` or a named device
+    (`calibration_of`).
 
     Example:
     ```python
     activation_bytes(plan, 8, 2048, "cpu")
+    activation_bytes(plan, 1, 1024, "t4")
     ```
     """
+    name, computed_in_float32 = calibration_of(platform)
+    factors = ACTIVATION_FACTORS[name]
     size = ITEMSIZES.get(plan.dtype, FLOAT32_BYTES)
-    if platform in FLOAT32_ACTIVATIONS:
-        size = max(size, FLOAT32_BYTES)
-    factors = ACTIVATION_FACTORS[platform]
     terms = activation_terms(plan, batch_size, sequence_length)
+    if plan.dtype in computed_in_float32:
+        size = max(size, FLOAT32_BYTES)
+    else:
+        # No float32 copies of 16-bit weights where they are computed as such.
+        terms.update(dict.fromkeys(FLOAT32_COPY_TERMS, 0))
     # Elements of each term in the activations' dtype, but the logits kept
     # in float32 and the terms of weights, already in bytes.
     sizes = {"logits_float32": FLOAT32_BYTES, **dict.fromkeys(WEIGHT_TERMS, 1)}
