@@ -74,9 +74,12 @@ def test_lora_trains_only_the_query_and_value_adapters():
     plan = keras_hub_autodist.plan(GEMMA_7B, {"batch": 1, "model": 2})
     lora = keras_hub_autodist.plan(GEMMA_7B, {"batch": 1, "model": 2}, lora_rank=4)
     # gemma_7b: 28 blocks; query and value kernels (16 heads, 3072, 256):
-    # A (16, 3072, 4) and B (4, 256) each.
-    adapters = 28 * 2 * 4 * (16 * 3072 + 256) * 4  # float32 bytes
-    assert step_memory.lora_parameters(lora.rows, 4) * 4 == adapters
+    # A (16, 3072, 4) and B (4, 256) each, in float32 (Keras makes them so),
+    # A split over the model axis as the kernel's heads are.
+    whole = 28 * 2 * 4 * (16 * 3072 + 256)
+    assert step_memory.lora_parameters(lora.rows, 4) == whole
+    adapters = 28 * 2 * 4 * (8 * 3072 + 256) * 4  # float32 bytes per device
+    assert step_memory.lora_parameters(lora.rows, 4, lora.mesh_axes) * 4 == adapters
     weights = plan.max_device_bytes
     assert plan.training_bytes_per_device("adam") == 4 * weights
     # The frozen weights: no gradient, no moments; the adapters all three.

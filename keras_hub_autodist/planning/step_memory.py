@@ -101,8 +101,12 @@ OPTIMIZERS = {
 # The layers keras-hub's `enable_lora()` adapts (`Backbone.default_lora_layer_names`):
 # the query and value projections of attention. Each kernel of shape
 # `(*inputs, out)` gains `lora_kernel_a` `(*inputs, r)` and `lora_kernel_b`
-# `(r, out)`, which alone are trained.
+# `(r, out)`, which alone are trained, laid out as the kernel's `inputs` and
+# `out` dimensions are (`PlanRecord.weight_layouts`).
 LORA_LAYERS = ("query", "value", "query_dense", "value_dense")
+# Keras' `enable_lora` creates its kernels in float32, whatever the layer's
+# dtype (keras/src/layers/core/einsum_dense.py and dense.py).
+LORA_DTYPE = "float32"
 # Weight dtypes that are never trained: quantized kernels are frozen and
 # trained only through LoRA.
 FROZEN_DTYPES = ("int8", "uint8", "int4", "float8_e4m3fn", "float8_e5m2")
@@ -162,30 +166,51 @@ def is_lora_target(path: str) -> bool:
     return len(parts) >= 2 and parts[-1] == "kernel" and parts[-2] in LORA_LAYERS
 
 
-def lora_parameters(rows, lora_rank: int) -> int:
-    """Parameters of the LoRA kernels `enable_lora(lora_rank)` adds to `rows`.
+def lora_parameters(rows, lora_rank: int, mesh_axes=None) -> int:
+    """Parameters of the LoRA kernels `enable_lora(lora_rank)` adds to `rows`:
+    on the device holding the most of them, split as the plan's rows are
+    over `mesh_axes`; whole without it.
 
     Example:
     ```python
-    lora_parameters(plan.rows, 4)
+    lora_parameters(plan.rows, 4)  # whole
+    lora_parameters(plan.rows, 4, plan.mesh_axes)  # per device
     ```
     """
+
+    def per_device(size, entries):
+        if mesh_axes is None:
+            return size
+        names = [
+            n
+            for entry in entries
+            for n in (entry if isinstance(entry, tuple) else (entry,))
+        ]
+        return -(-size // math.prod(mesh_axes.size(name) for name in names))
+
     return sum(
-        lora_rank * (math.prod(row.shape[:-1]) + row.shape[-1])
+        lora_rank
+        * (
+            per_device(math.prod(row.shape[:-1]), row.spec[:-1])
+            + per_device(row.shape[-1], row.spec[-1:])
+        )
         for row in rows
         if is_lora_target(row.path)
     )
 
 
-def trainable_bytes(rows, dtype: str, lora_rank: int | None, per_device) -> int:
+def trainable_bytes(
+    rows, dtype: str, lora_rank: int | None, per_device, mesh_axes=None
+) -> int:
     """Bytes of the trained weights on one device.
 
-    With LoRA, the LoRA kernels alone, in `dtype`, counted whole (they are a
-    few MiB); otherwise every weight but quantized ones, as `per_device(row)`
-    counts it.
+    With LoRA, the LoRA kernels alone, in `LORA_DTYPE`, split over
+    `mesh_axes` as their kernels are (whole without it: an upper bound of a
+    few MiB); otherwise every weight but quantized ones, as
+    `per_device(row)` counts it. `dtype` is the model's.
     """
     if lora_rank is not None:
-        return lora_parameters(rows, lora_rank) * itemsize(dtype)
+        return lora_parameters(rows, lora_rank, mesh_axes) * itemsize(LORA_DTYPE)
     return sum(per_device(row) for row in rows if row.dtype not in FROZEN_DTYPES)
 
 
@@ -453,7 +478,7 @@ def step_estimate(
         lora_rank = getattr(plan, "lora_rank", None)
     check_lora_rank(lora_rank)
     trained = trainable_bytes(
-        plan.rows, plan.dtype, lora_rank, lambda row: row.device_bytes
+        plan.rows, plan.dtype, lora_rank, lambda row: row.device_bytes, plan.mesh_axes
     )
     weights = plan.max_device_bytes + (trained if lora_rank is not None else 0)
     state = StepEstimate(
