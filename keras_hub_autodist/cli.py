@@ -389,6 +389,7 @@ def _answer(args) -> dict:
             "weights": estimate.weights,
             "optimizer_state": estimate.optimizer_state,
             "gradients": estimate.gradients,
+            "gradients_at_peak": estimate.live_gradients,
             "activations": estimate.activations,
             "update_temporaries": estimate.update_temporaries,
         },
@@ -460,9 +461,10 @@ def _step_lines(result, args, estimate, platform, memory) -> str:
         f"{args.optimizer}, estimated per device ({platform}): "
         f"{estimate.total_bytes / gib:.2f} GiB (weights "
         f"{estimate.weights / gib:.2f}, optimizer state "
-        f"{estimate.optimizer_state / gib:.2f}, gradients "
-        f"{estimate.gradients / gib:.2f}, the larger of activations "
-        f"{estimate.activations / gib:.2f} and update temporaries "
+        f"{estimate.optimizer_state / gib:.2f}, then the larger of the "
+        f"backward pass's activations {estimate.activations / gib:.2f} and "
+        f"gradients {estimate.live_gradients / gib:.2f} and the update's "
+        f"gradients {estimate.gradients / gib:.2f} and temporaries "
         f"{estimate.update_temporaries / gib:.2f}) of "
         f"{result.device_memory_bytes / gib:.1f} GiB"
     ]

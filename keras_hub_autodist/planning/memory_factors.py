@@ -35,16 +35,20 @@ update keeps beside the state, and where each factor was measured.
 #   its float32 expert up-projection kernels in another layout, and under
 #   `fsdp` no gathered copy of the experts' kernels: 0.67-1.57x before,
 #   0.99-1.19x with both.
-# - "gpu": against the device peak of Gemma 2B's shapes in bfloat16, batch
-#   4 x 1024, Adam, on one H200 (../shared/ACCELERATOR.md: 31.3 GB, where
-#   the CPU factors would say 57 GB): one point, so the factors are those
-#   XLA's GPU fusion is expected to keep (the activation function and gated
-#   product fused into the down-projection, one softmax of the scores, the
-#   logits once in the model's dtype and once in float32 for the loss),
-#   landing 1.10x over that peak; the per-block masks and the
-#   differentiated block's score gradients are not separated from that one
-#   point. `python -m bench --accelerator` reports the ratio on the machine
-#   it runs on; TPUs use these until measured.
+# - "gpu", "t4" and "tpu": against the peak of the same step compiled for
+#   the target by its own compiler on a CPU-only machine (`python -m
+#   bench.target_calibration`: libtpu for the TPUs, the JAX CUDA plugin for
+#   the GPUs), Adam, real configs (Llama 3 8B and 3.2 1B, Gemma 1B-7B, Qwen
+#   2.5 0.5B and 7B, Mixtral 8x7B), LoRA and full, tp and fsdp, 512 to 4096
+#   tokens, bfloat16 and float32 (and float16 on a T4); docs/benchmarks.md
+#   section 8 has every case. "gpu": 12 steps for eight H100s and the 4
+#   steps for one H200 the H200 run measured (where the target compile was
+#   1.01-1.09x the device's own peak), all within 15%; the "t4" factors
+#   are the GPU compiler's for compute capability 7.5 (its fusions differ,
+#   and it computes bfloat16 in float32: `FLOAT32_COMPUTE`); "tpu": 12
+#   steps for a v5e-8 and 12 for a v3-8. The factors of the terms these
+#   cases hardly exercise (per-block masks, the experts' outputs, the
+#   final norm) keep the values XLA's GPU fusion is expected to keep.
 ACTIVATION_FACTORS = {
     "cpu": {
         "stream": 4,
@@ -65,32 +69,76 @@ ACTIVATION_FACTORS = {
         "experts_relayout": 1,
     },
     "gpu": {
-        "stream": 4,
+        "stream": 2,
         "attention": 2,
         "scores": 1,
         "scores_one_block": 0,
         "masks": 0,
-        "mlp": 1,
+        "mlp": 1.5,
         "experts": 1,
         "final": 2,
         "logits": 1,
         "logits_whole": 0,
         "logits_float32": 1,
+        "gathered_weights": 2,
+        "gathered_share": 2,
+        "weights_float32": 0,
+        "gathered_float32": 0,
+        "experts_relayout": 0,
+    },
+    "t4": {
+        "stream": 2,
+        "attention": 2,
+        "scores": 1.5,
+        "scores_one_block": 0,
+        "masks": 0,
+        "mlp": 1,
+        "experts": 1,
+        "final": 2,
+        "logits": 3,
+        "logits_whole": 0,
+        "logits_float32": 1,
         "gathered_weights": 1,
-        "gathered_share": 1,
+        "gathered_share": 0.1,
+        "weights_float32": 0.2,
+        "gathered_float32": 0,
+        "experts_relayout": 0,
+    },
+    "tpu": {
+        "stream": 2,
+        "attention": 2,
+        "scores": 0.84,
+        "scores_one_block": 0,
+        "masks": 0,
+        "mlp": 0.59,
+        "experts": 1,
+        "final": 2,
+        "logits": 1,
+        "logits_whole": 0,
+        "logits_float32": 1.1,
+        "gathered_weights": 0.9,
+        "gathered_share": 0.58,
         "weights_float32": 0,
         "gathered_float32": 0,
         "experts_relayout": 0,
     },
 }
-ACTIVATION_FACTORS["tpu"] = ACTIVATION_FACTORS["gpu"]
 # Bytes the optimizer's update keeps beside the state, per trained byte,
 # when the state is donated (as Keras' JAX trainer does): on CPU, Adam's
 # new moments and weights are computed before they replace the old ones
 # (1.4x the trained bytes of full fine-tuning steps, above their
 # activations at short sequences). Not measured on accelerators, where
 # the update is fused in place.
-UPDATE_TEMPORARIES = {"cpu": 1.4, "gpu": 0.0, "tpu": 0.0}
+UPDATE_TEMPORARIES = {"cpu": 1.4, "gpu": 0.0, "t4": 0.0, "tpu": 0.0}
+# The share of the gradients live beside the activations at the backward
+# pass's peak: XLA frees each block's activations as it makes the block's
+# gradients, and the TPU compiler applies each weight's update as soon as
+# its gradient is made. Full fine-tuning steps compiled for a v3-8 and a
+# v5e-8 peak below their weights, gradients and Adam state together (0.97x
+# for Gemma 2B in float32 on a v3-8), and Gemma 7B's step for an H200 4%
+# above them, with 2.5 GB of activations. Fitted to the target compiles
+# (docs/benchmarks.md, section 8); the CPU's factors assume all of them.
+GRADIENTS_AT_PEAK = {"cpu": 1.0, "gpu": 0.5, "t4": 0.6, "tpu": 0.2}
 FLOAT32_BYTES = 4
 FLOAT16_DTYPES = ("bfloat16", "float16")
 # The 16-bit float types each compiler computes in float32, by platform or
@@ -105,6 +153,30 @@ FLOAT32_COMPUTE = {"cpu": FLOAT16_DTYPES, "t4": ("bfloat16",)}
 # The terms of the float32 copies of 16-bit weights, counted only where the
 # model's type is computed in float32.
 FLOAT32_COPY_TERMS = ("weights_float32", "gathered_float32")
+# The terms of `step_memory.activation_terms`, in the order they are counted.
+ACTIVATION_TERMS = tuple(ACTIVATION_FACTORS["cpu"])
+# The architectures whose keras-hub attention calls Keras'
+# `dot_product_attention` wherever JAX has one: without a fused kernel (on
+# a CPU, and in a step compiled for a target from a CPU host) it runs
+# `jax.nn.dot_product_attention`'s XLA path, which computes the scores in
+# float32 whatever the model's dtype. The others (Gemma 1-4, Mixtral,
+# Qwen-MoE) call it only on a GPU or TPU that has a fused kernel, and
+# otherwise compute the scores in the model's dtype.
+DOT_PRODUCT_ATTENTION = (
+    "llama",
+    "mistral",
+    "phi3",
+    "qwen",
+    "qwen3",
+    "qwen3_moe",
+    "smollm3",
+)
+# Per calibration, the architectures whose attention scores are kept as
+# float32 logits beside the probabilities in the model's dtype (4 bytes
+# more per score than the model's dtype): XLA's GPU and TPU compilers keep
+# both of `jax.nn.dot_product_attention`'s for the backward pass; on a T4
+# (float16) and on the CPU (everything in float32) one buffer's worth.
+FLOAT32_SCORES = {"gpu": DOT_PRODUCT_ATTENTION, "tpu": DOT_PRODUCT_ATTENTION}
 # The terms of `ACTIVATION_FACTORS` that count weights, in bytes.
 WEIGHT_TERMS = (
     "gathered_weights",

@@ -63,10 +63,13 @@ from keras_hub_autodist.planning.attention_blocks import KEY_BLOCK
 from keras_hub_autodist.planning.attention_blocks import PER_DEVICE_ARCHITECTURES
 from keras_hub_autodist.planning.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.planning.memory_factors import ACTIVATION_FACTORS
+from keras_hub_autodist.planning.memory_factors import ACTIVATION_TERMS
 from keras_hub_autodist.planning.memory_factors import FLOAT16_DTYPES
 from keras_hub_autodist.planning.memory_factors import FLOAT32_BYTES
 from keras_hub_autodist.planning.memory_factors import FLOAT32_COMPUTE
 from keras_hub_autodist.planning.memory_factors import FLOAT32_COPY_TERMS
+from keras_hub_autodist.planning.memory_factors import FLOAT32_SCORES
+from keras_hub_autodist.planning.memory_factors import GRADIENTS_AT_PEAK
 from keras_hub_autodist.planning.memory_factors import UPDATE_TEMPORARIES
 from keras_hub_autodist.planning.memory_factors import WEIGHT_TERMS
 from keras_hub_autodist.planning.remat_arguments import check_remat
@@ -254,8 +257,15 @@ class StepEstimate:
         activations: activations kept for the backward pass, logits
             included; 0 when no batch and sequence length were given.
         update_temporaries: what applying the update keeps beside the
-            state (`UPDATE_TEMPORARIES`); the activations are gone by then,
-            so the larger of the two counts.
+            state (`UPDATE_TEMPORARIES`); the activations are gone by then.
+        gradients_at_peak: the gradients live beside the activations at
+            the backward pass's peak (`GRADIENTS_AT_PEAK`): the backward
+            pass frees each block's activations as it makes its gradients.
+            `None` for all of them.
+
+    The total is the weights and the optimizer's slots, plus the larger of
+    the backward pass's peak (`gradients_at_peak` and the activations) and
+    the update's (all gradients and the update's temporaries).
         covers: what the total counts: `STEP` (a training step of a
             batch) or `STATE_ONLY` (weights and optimizer state alone).
 
@@ -272,6 +282,7 @@ class StepEstimate:
     activations: int
     update_temporaries: int = 0
     covers: str = "step"
+    gradients_at_peak: int | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -279,16 +290,24 @@ class StepEstimate:
         return self.weights + self.optimizer_state + self.gradients
 
     @property
+    def live_gradients(self) -> int:
+        """The gradients live beside the activations at the backward
+        pass's peak."""
+        if self.gradients_at_peak is None:
+            return self.gradients
+        return self.gradients_at_peak
+
+    @property
     def total_bytes(self) -> int:
-        return self.state_bytes + max(self.activations, self.update_temporaries)
+        return int(self.with_state_split(1))
 
     def with_state_split(self, ways: int) -> float:
         """The total with the state, and the update that follows it, split
         over `ways` devices (`fsdp` over the batch axis); the activations
         stay whole."""
-        return self.state_bytes / ways + max(
-            self.activations, self.update_temporaries / ways
-        )
+        backward = self.live_gradients / ways + self.activations
+        update = (self.gradients + self.update_temporaries) / ways
+        return (self.weights + self.optimizer_state) / ways + max(backward, update)
 
 
 # What a `StepEstimate` counts.
@@ -492,6 +511,7 @@ def step_estimate(
         return state
     return dataclasses.replace(
         state,
+        gradients_at_peak=int(GRADIENTS_AT_PEAK[factors] * trained),
         activations=activation_bytes(plan, batch_size, sequence_length, platform),
         update_temporaries=int(UPDATE_TEMPORARIES[factors] * trained),
         covers=STEP,
@@ -500,21 +520,22 @@ def step_estimate(
 
 def calibration_of(platform: str) -> tuple[str, tuple[str, ...]]:
     """The factors (a key of `ACTIVATION_FACTORS`) of a platform or a named
-    device, and the 16-bit float types its compiler computes in float32
-    (`FLOAT32_COMPUTE`: the device's own rule, else its platform's).
+    device (its own where it has them, else its platform's), and the 16-bit
+    float types its compiler computes in float32 (`FLOAT32_COMPUTE`: the
+    device's own rule, else its platform's).
 
     Raises:
         PlanError: for a name that is neither.
 
     Example:
-    >>> calibration_of("t4"), calibration_of("H100"), calibration_of("tpu")
-    (('gpu', ('bfloat16',)), ('gpu', ()), ('tpu', ()))
+    >>> calibration_of("t4"), calibration_of("H100"), calibration_of("v5e")
+    (('t4', ('bfloat16',)), ('gpu', ()), ('tpu', ()))
     """
     key = platform.strip().lower() if isinstance(platform, str) else platform
-    if key in DEVICE_PROFILES:
-        factors = DEVICE_PROFILES[key].platform
-    elif key in ACTIVATION_FACTORS:
+    if key in ACTIVATION_FACTORS:
         factors = key
+    elif key in DEVICE_PROFILES:
+        factors = DEVICE_PROFILES[key].platform
     else:
         raise PlanError(
             f"No memory calibration for {platform!r}; use a platform, one of "
@@ -555,12 +576,46 @@ def _rematerialized(
     return input_bytes + max(one_block, head) + sum(weighted[name] for name in kept)
 
 
+def term_sizes(plan, platform: str = "gpu") -> dict[str, int]:
+    """Bytes per element of each term of `activation_terms` (1 for the
+    terms of weights, already in bytes) on `platform` or a named device
+    (`calibration_of`): the model's dtype, or float32 where the compiler
+    computes it so (`FLOAT32_COMPUTE`); the loss's logits in float32; the
+    attention scores with float32 logits beside them for the architectures
+    whose attention keeps both (`FLOAT32_SCORES`). The float32 copies of weights are
+    0 where the model's dtype is computed as such.
+
+    Example:
+    ```python
+    term_sizes(plan, "t4")["stream"]  # 4 for a bfloat16 plan
+    ```
+    """
+    factors, computed_in_float32 = calibration_of(platform)
+    size = ITEMSIZES.get(plan.dtype, FLOAT32_BYTES)
+    in_float32 = plan.dtype in computed_in_float32
+    if in_float32:
+        size = max(size, FLOAT32_BYTES)
+    scores = size
+    if plan.architecture in FLOAT32_SCORES.get(factors, ()):
+        scores += FLOAT32_BYTES
+    return {
+        **dict.fromkeys(ACTIVATION_TERMS, size),
+        "scores": scores,
+        "scores_one_block": scores,
+        "logits_float32": FLOAT32_BYTES,
+        **dict.fromkeys(WEIGHT_TERMS, 1),
+        # No float32 copies of 16-bit weights where they are computed as such.
+        **({} if in_float32 else dict.fromkeys(FLOAT32_COPY_TERMS, 0)),
+    }
+
+
 def activation_bytes(
     plan, batch_size: int, sequence_length: int, platform: str = "gpu"
 ) -> int:
     """The activations a training step keeps for its backward pass, per
     device, with the factors of `platform` or a named device
-    (`calibration_of`).
+    (`calibration_of`): each term's elements (`activation_terms`) times its
+    bytes per element (`term_sizes`) times its factor.
 
     Example:
     ```python
@@ -568,24 +623,14 @@ def activation_bytes(
     activation_bytes(plan, 1, 1024, "t4")
     ```
     """
-    name, computed_in_float32 = calibration_of(platform)
-    factors = ACTIVATION_FACTORS[name]
-    size = ITEMSIZES.get(plan.dtype, FLOAT32_BYTES)
+    factors = ACTIVATION_FACTORS[calibration_of(platform)[0]]
     terms = activation_terms(plan, batch_size, sequence_length)
-    if plan.dtype in computed_in_float32:
-        size = max(size, FLOAT32_BYTES)
-    else:
-        # No float32 copies of 16-bit weights where they are computed as such.
-        terms.update(dict.fromkeys(FLOAT32_COPY_TERMS, 0))
-    # Elements of each term in the activations' dtype, but the logits kept
-    # in float32 and the terms of weights, already in bytes.
-    sizes = {"logits_float32": FLOAT32_BYTES, **dict.fromkeys(WEIGHT_TERMS, 1)}
+    sizes = term_sizes(plan, platform)
     weighted = {
-        name: factors[name] * count * sizes.get(name, size)
-        for name, count in terms.items()
+        name: factors[name] * count * sizes[name] for name, count in terms.items()
     }
     if remat_mode(getattr(plan, "remat", None)) == "full":
         # Each block's input: one residual-stream buffer.
-        inputs = terms["stream"] * size
+        inputs = terms["stream"] * sizes["stream"]
         return int(_rematerialized(weighted, _num_blocks(plan), inputs))
     return int(sum(weighted.values()))

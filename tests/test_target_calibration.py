@@ -1,0 +1,105 @@
+"""The closed form against the target compiles: every stored case of
+`bench/target_compiles` (training steps of real configs compiled for a T4,
+a TPU v3-8 and v5e-8, H100s and an H200 by their own compilers), estimated
+again by the code as it is, meets the closed form's targets; and the rules
+that set its bytes per term (a device's arithmetic, float32 scores, the
+gradients live at the peak) do what they say."""
+
+import math
+import pathlib
+
+import pytest
+
+import keras_hub_autodist
+from bench import target_calibration
+from keras_hub_autodist.planning import step_memory
+from keras_hub_autodist.planning.memory_factors import FLOAT32_COPY_TERMS
+from keras_hub_autodist.planning.step_memory import StepEstimate
+
+STORED = pathlib.Path(target_calibration.__file__).parent / "target_compiles"
+PRESETS = pathlib.Path(__file__).parent / "data" / "presets"
+
+
+@pytest.fixture(scope="module")
+def cases():
+    rows = target_calibration.stored_rows(sorted(STORED.glob("*.jsonl")))
+    return [row for row in rows if "refused" not in row]
+
+
+def test_the_stored_cases_cover_each_target(cases):
+    targets = {row["target"] for row in cases}
+    assert targets >= {"t4", "v3-8", "v5e", "h100"}
+    for target in ("t4", "v3-8", "v5e", "h100"):
+        assert sum(row["target"] == target for row in cases) >= 10
+
+
+def test_the_closed_form_meets_its_targets_on_the_target_compiles(cases):
+    ratios = [row["estimate"] / row["peak"] for row in cases]
+    close = sum(abs(r - 1) <= target_calibration.CLOSE for r in ratios)
+    far = [r for r in ratios if abs(r - 1) > target_calibration.FAR]
+    assert close >= math.ceil(target_calibration.SHARE * len(ratios)), sorted(ratios)
+    assert not far
+
+
+def test_the_compiled_arguments_are_the_planned_state(cases):
+    for row in cases:
+        assert row["argument"] == pytest.approx(row["planned_state"], rel=0.02), row
+
+
+def test_a_stored_refusal_is_kept_apart_from_the_ratios():
+    rows = [
+        {"target": "t4", "config": "x", "refused": "no", "lora_rank": None},
+        {"target": "t4", "config": "y", "estimate": 90, "peak": 100},
+    ]
+    assert "of 1 " in target_calibration.summary(rows)
+
+
+def _plan(config, dtype):
+    return keras_hub_autodist.plan(
+        str(PRESETS / config), {"batch": 1, "model": 2}, dtype=dtype
+    )
+
+
+def test_a_t4_computes_bfloat16_in_float32_and_float16_as_it_is():
+    plan = _plan("gemma_2b", "bfloat16")
+    t4 = step_memory.term_sizes(plan, "t4")
+    h100 = step_memory.term_sizes(plan, "h100")
+    assert t4["stream"] == 4 and h100["stream"] == 2
+    assert t4["weights_float32"] == 1
+    assert all(h100[name] == 0 for name in FLOAT32_COPY_TERMS)
+    assert step_memory.term_sizes(_plan("gemma_2b", "float16"), "t4")["stream"] == 2
+
+
+def test_dot_product_attention_keeps_float32_scores_on_accelerators():
+    llama = _plan("llama3.2_1b", "bfloat16")
+    gemma = _plan("gemma_2b", "bfloat16")
+    assert step_memory.term_sizes(llama, "v5e")["scores"] == 4 + 2
+    assert step_memory.term_sizes(gemma, "v5e")["scores"] == 2
+    # The CPU computes everything in float32 already.
+    assert step_memory.term_sizes(llama, "cpu")["scores"] == 4
+
+
+def test_the_backward_peak_holds_part_of_the_gradients_the_update_all():
+    estimate = StepEstimate(
+        weights=10,
+        optimizer_state=20,
+        gradients=10,
+        activations=5,
+        update_temporaries=1,
+        gradients_at_peak=3,
+    )
+    assert estimate.live_gradients == 3
+    assert estimate.total_bytes == 30 + max(3 + 5, 10 + 1)
+    assert estimate.with_state_split(2) == 15 + max(1.5 + 5, 5.5)
+    # Small activations: the update's peak, all gradients, decides.
+    small = StepEstimate(10, 20, 10, 1, gradients_at_peak=3)
+    assert small.total_bytes == 40
+    # Without a share, every gradient is live beside the activations.
+    assert StepEstimate(10, 20, 10, 5).total_bytes == 45
+
+
+def test_a_named_device_without_its_own_factors_takes_its_platforms():
+    assert step_memory.calibration_of("a100-80") == ("gpu", ())
+    assert step_memory.calibration_of("v6e") == ("tpu", ())
+    with pytest.raises(keras_hub_autodist.PlanError, match="Received: platform="):
+        step_memory.calibration_of("a800")
