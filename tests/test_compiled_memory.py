@@ -15,11 +15,11 @@ import keras_hub_autodist
 from keras_hub_autodist import ModelClassError
 from keras_hub_autodist import PlanError
 from keras_hub_autodist import cli
-from keras_hub_autodist.planning import step_memory
-from keras_hub_autodist.planning.compiled_step import compiled_memory
-from keras_hub_autodist.planning.compiled_step import default_task_class
-from keras_hub_autodist.planning.compiled_step import memory_of
-from keras_hub_autodist.planning.compiled_step import program_facts
+from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting.compiled_step import compiled_memory
+from keras_hub_autodist.fitting.compiled_step import default_task_class
+from keras_hub_autodist.fitting.compiled_step import memory_of
+from keras_hub_autodist.fitting.compiled_step import program_facts
 
 BATCH, SEQ = 8, 16
 
@@ -249,7 +249,7 @@ def test_cli_step_errors_are_one_line(tiny_presets_dir, capsys, extra, match):
 def test_the_plan_method_is_a_deprecated_alias(tiny_presets_dir, monkeypatch):
     """It hands its arguments on (not compiled again here: the function's
     own tests compile)."""
-    from keras_hub_autodist.planning import compiled_step
+    from keras_hub_autodist.fitting import compiled_step
 
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], _mesh((2, 4)))
     calls = []

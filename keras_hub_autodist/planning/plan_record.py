@@ -22,12 +22,21 @@ from keras_hub_autodist.architectures.weight import Weight
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.planning import sharding
-from keras_hub_autodist.planning.device_memory import MEMORY_GIVEN
 from keras_hub_autodist.planning.mesh import MeshAxes
 from keras_hub_autodist.planning.mesh import require_device_mesh
 
 if TYPE_CHECKING:
     import keras
+
+# Where the per-device memory a plan records comes from: given, the
+# environment, reported by the devices, or assumed (the fitting stage's
+# `device_memory.device_memory_info` finds it).
+MEMORY_GIVEN, MEMORY_ENV, MEMORY_REPORTED, MEMORY_ASSUMED = (
+    "given",
+    "env",
+    "reported",
+    "assumed",
+)
 
 
 @dataclasses.dataclass(frozen=True)
