@@ -4,8 +4,9 @@ The rows (one `Weight` each, with its spec), the mesh's axis names, sizes
 and roles (`MeshAxes`, never a live `DeviceMesh`), the strategy and the
 reasons behind each choice, and what follows from them alone: byte totals,
 the layout-map keys and `layout_map(mesh)`. The memory, text and checks
-computed from a plan take a `PlanRecord`; `plan.LayoutPlan`, what `plan()`
-returns, is a `PlanRecord` that offers them as methods.
+computed from a plan take a `PlanRecord`; the fitting stage's
+`layout_plan.LayoutPlan`, what `plan()` returns, is a `PlanRecord` that
+offers them as methods.
 """
 
 from __future__ import annotations
