@@ -158,7 +158,7 @@ def child_train(path, variant, lora_rank, batch, seq, steps, warmup, generate):
     import numpy as np
 
     import keras_hub_autodist
-    from keras_hub_autodist.planning import step_memory
+    from keras_hub_autodist.fitting import step_memory
 
     row = {}
     lora_rank = lora_rank or None

@@ -112,7 +112,7 @@ def predict(target: str, tiny: bool = False) -> dict:
     import time
 
     import keras_hub_autodist
-    from keras_hub_autodist.planning import step_memory
+    from keras_hub_autodist.fitting import step_memory
 
     shapes = {"7b": GEMMA_7B, "2b": GEMMA_2B}
     rows = {}

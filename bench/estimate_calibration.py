@@ -5,7 +5,7 @@ Compiles each training step abstractly (`LayoutPlan.compiled_memory`: no
 weight is allocated) on 8 virtual CPU devices and prints, per case, XLA's
 peak bytes per device, the plan's closed form (`training_bytes_per_device`
 + `activation_bytes_per_device`), the calibrated one for the compiling
-platform (`keras_hub_autodist.planning.step_memory.step_estimate`) and the
+platform (`keras_hub_autodist.fitting.step_memory.step_estimate`) and the
 unweighted terms, as a Markdown table and JSON lines (`--json`).
 """
 
@@ -26,7 +26,7 @@ import keras  # noqa: E402
 import keras_hub_autodist  # noqa: E402
 from bench import models  # noqa: E402
 from bench.accelerator import GEMMA_2B  # noqa: E402
-from keras_hub_autodist.planning import step_memory  # noqa: E402
+from keras_hub_autodist.fitting import step_memory  # noqa: E402
 
 # The tests' tiny presets (tests/tiny_presets.py) and the bench models.
 TINY = {

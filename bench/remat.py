@@ -36,7 +36,7 @@ def save_deep_preset(root) -> str:
 def peak(path, remat) -> dict:
     """XLA's peak and temporaries, and the estimate, for one `remat=`."""
     import keras_hub_autodist
-    from keras_hub_autodist.planning import step_memory
+    from keras_hub_autodist.fitting import step_memory
 
     plan = keras_hub_autodist.plan(path, MESH, remat=remat)
     compiled = keras_hub_autodist.compiled_memory(plan, BATCH, SEQ, "sgd")

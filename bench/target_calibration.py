@@ -188,7 +188,7 @@ def measure(target, config, shape, strategy, lora_rank, dtype, batch, seq) -> di
 
 def closed_form(plan, row) -> dict:
     """The closed form's answer for a case, by the code as it is now."""
-    from keras_hub_autodist.planning import step_memory
+    from keras_hub_autodist.fitting import step_memory
 
     batch, seq = row["batch"], row["seq"]
     estimate = step_memory.step_estimate(
@@ -260,8 +260,8 @@ def fit(rows, terms=FIT_TERMS) -> dict[str, dict[str, float]]:
     import numpy as np
     from scipy.optimize import nnls
 
-    from keras_hub_autodist.planning import step_memory
-    from keras_hub_autodist.planning.memory_factors import ACTIVATION_FACTORS
+    from keras_hub_autodist.fitting import step_memory
+    from keras_hub_autodist.fitting.memory_factors import ACTIVATION_FACTORS
 
     fitted = {}
     by_platform = {}

@@ -14,9 +14,9 @@ from test_compiled_memory import assert_matches_the_step_compiled_with_real_weig
 import keras_hub_autodist
 from keras_hub_autodist import MeshError
 from keras_hub_autodist import PlanError
-from keras_hub_autodist.planning import step_memory
-from keras_hub_autodist.planning.compiled_step import CompiledMemory
-from keras_hub_autodist.planning.compiled_step import compiled_memory
+from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting.compiled_step import CompiledMemory
+from keras_hub_autodist.fitting.compiled_step import compiled_memory
 
 pytestmark = pytest.mark.slow
 

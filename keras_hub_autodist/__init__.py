@@ -64,10 +64,10 @@ from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
 from keras_hub_autodist.errors import WeightFileChangedError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
+from keras_hub_autodist.fitting.layout_plan import LayoutPlan  # noqa: E402
+from keras_hub_autodist.fitting.planner import get_layout_map  # noqa: E402
+from keras_hub_autodist.fitting.planner import plan  # noqa: E402
 from keras_hub_autodist.on_import import when_imported  # noqa: E402
-from keras_hub_autodist.planning.layout_plan import LayoutPlan  # noqa: E402
-from keras_hub_autodist.planning.planner import get_layout_map  # noqa: E402
-from keras_hub_autodist.planning.planner import plan  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -81,8 +81,8 @@ _LAZY = {
     "LoadStats": "keras_hub_autodist.loading.session",
     "load_stats": "keras_hub_autodist.loading.session",
     "ResumableCheckpoint": "keras_hub_autodist.training.resumable",
-    "compiled_memory": "keras_hub_autodist.planning.compiled_step",
-    "CompiledMemory": "keras_hub_autodist.planning.compiled_step",
+    "compiled_memory": "keras_hub_autodist.fitting.compiled_step",
+    "CompiledMemory": "keras_hub_autodist.fitting.compiled_step",
     "summary": "keras_hub_autodist.summary_line",
 }
 
@@ -140,7 +140,7 @@ __all__ = [
 # Former names, kept for one release.
 _DEPRECATED = {"PlanRow": "Weight"}
 # Documented modules that moved into a stage's folder, kept for one release.
-_MOVED_MODULES = {"step_memory": "keras_hub_autodist.planning.step_memory"}
+_MOVED_MODULES = {"step_memory": "keras_hub_autodist.fitting.step_memory"}
 
 
 def __getattr__(name):

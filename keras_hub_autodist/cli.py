@@ -2,7 +2,7 @@
 
 `--help` imports nothing but the standard library and this package's light
 modules, and planning a local preset folder for a mesh given by axis sizes
-imports neither Keras, keras-hub nor JAX (see `keras_hub_autodist.planning.planner`).
+imports neither Keras, keras-hub nor JAX (see `keras_hub_autodist.fitting.planner`).
 Every error of the package, and the common ones of bad input (missing
 files, no network), is printed as one line `keras-hub-autodist: error: ...`
 with exit status 2; messages name the command's flags.
@@ -27,10 +27,10 @@ import sys
 from collections.abc import Sequence
 
 from keras_hub_autodist.cli_flags import as_flags
-from keras_hub_autodist.planning.device_memory import GIB
-from keras_hub_autodist.planning.device_profiles import DEVICE_PROFILES
+from keras_hub_autodist.fitting.device_memory import GIB
+from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
+from keras_hub_autodist.fitting.step_memory import OPTIMIZERS
 from keras_hub_autodist.planning.options import STRATEGY_CHOICES
-from keras_hub_autodist.planning.step_memory import OPTIMIZERS
 
 PROG = "keras-hub-autodist"
 EXIT_USAGE = 2
@@ -328,11 +328,11 @@ def _run_plan(args) -> int:
 def _answer(args) -> dict:
     """The plan, its memory verdict and the compiled check, as text and as
     the `--json` object."""
-    from keras_hub_autodist.planning import compiled_answer as compiled
-    from keras_hub_autodist.planning.device_profiles import device_profile
-    from keras_hub_autodist.planning.device_profiles import usable_memory
-    from keras_hub_autodist.planning.planner import plan
-    from keras_hub_autodist.planning.report import memory_verdict
+    from keras_hub_autodist.fitting import compiled_answer as compiled
+    from keras_hub_autodist.fitting.device_profiles import device_profile
+    from keras_hub_autodist.fitting.device_profiles import usable_memory
+    from keras_hub_autodist.fitting.planner import plan
+    from keras_hub_autodist.fitting.report import memory_verdict
 
     result = plan(
         args.preset,
@@ -351,7 +351,7 @@ def _answer(args) -> dict:
     )
     memory = None
     if args.compiled:
-        from keras_hub_autodist.planning.compiled_step import compiled_memory
+        from keras_hub_autodist.fitting.compiled_step import compiled_memory
 
         memory = compiled_memory(
             result, args.batch, args.seq, args.optimizer, device=args.device

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from keras_hub_autodist.planning.report import COMPILED_CHECK
+from keras_hub_autodist.fitting.report import COMPILED_CHECK
 
 # The options messages name as keywords (`errors.option`), and the flag
 # each is on this command.

@@ -32,6 +32,8 @@ from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import warn
+from keras_hub_autodist.fitting.planner import plan_model
+from keras_hub_autodist.fitting.planner import resolve_mesh
 from keras_hub_autodist.loading.progress import progress_enabled
 from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
@@ -42,8 +44,6 @@ from keras_hub_autodist.planning.distribution import plan_distribution
 from keras_hub_autodist.planning.options import PLAN_ONLY_KEYWORDS
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.options import progress_option
-from keras_hub_autodist.planning.planner import plan_model
-from keras_hub_autodist.planning.planner import resolve_mesh
 from keras_hub_autodist.planning.remat import remat_scope
 from keras_hub_autodist.planning.remat import rematerialize_blocks
 from keras_hub_autodist.planning.shapes import model_weights

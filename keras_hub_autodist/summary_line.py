@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist.planning import memory
-from keras_hub_autodist.planning.device_memory import GIB
+from keras_hub_autodist.fitting import memory
+from keras_hub_autodist.fitting.device_memory import GIB
 from keras_hub_autodist.planning.plan_record import PlanRecord
 
 if TYPE_CHECKING:

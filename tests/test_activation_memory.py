@@ -6,7 +6,7 @@ from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import PlanError
-from keras_hub_autodist.planning import step_memory
+from keras_hub_autodist.fitting import step_memory
 
 
 def _plan(mesh, strategy="tp", preset="gemma_2b"):

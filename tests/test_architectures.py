@@ -11,9 +11,9 @@ import keras_hub
 import pytest
 
 from keras_hub_autodist.architectures.registry import architecture_for
+from keras_hub_autodist.fitting.planner import plan_model
+from keras_hub_autodist.fitting.planner import resolve_mesh
 from keras_hub_autodist.planning.options import PlanOptions
-from keras_hub_autodist.planning.planner import plan_model
-from keras_hub_autodist.planning.planner import resolve_mesh
 from keras_hub_autodist.planning.shapes import architecture_weights
 from keras_hub_autodist.reading.configs import PresetConfig
 

@@ -17,14 +17,14 @@ from keras_hub_autodist.errors import CompilerMissingError
 from keras_hub_autodist.errors import EnvironmentVariableError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import TargetCompileError
-from keras_hub_autodist.planning import compile_targets
-from keras_hub_autodist.planning import step_memory
-from keras_hub_autodist.planning.compiled_analysis import collectives
-from keras_hub_autodist.planning.compiled_analysis import out_of_memory
-from keras_hub_autodist.planning.compiled_step import compiled_memory
-from keras_hub_autodist.planning.device_profiles import DEVICE_PROFILES
-from keras_hub_autodist.planning.device_profiles import GIB
-from keras_hub_autodist.planning.device_profiles import usable_memory
+from keras_hub_autodist.fitting import compile_targets
+from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting.compiled_analysis import collectives
+from keras_hub_autodist.fitting.compiled_analysis import out_of_memory
+from keras_hub_autodist.fitting.compiled_step import compiled_memory
+from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
+from keras_hub_autodist.fitting.device_profiles import GIB
+from keras_hub_autodist.fitting.device_profiles import usable_memory
 
 HAS_TPU_COMPILER = importlib.util.find_spec("libtpu") is not None
 HAS_GPU_COMPILER = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -243,7 +243,7 @@ def test_usable_memory_follows_jax_gpu_pool_settings():
 def test_plans_for_a_named_gpu_hold_to_the_pool(monkeypatch):
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
-    from keras_hub_autodist.planning.device_memory import device_memory_info
+    from keras_hub_autodist.fitting.device_memory import device_memory_info
 
     assert device_memory_info((), "t4") == (int(0.9 * 15 * GIB), "given")
 

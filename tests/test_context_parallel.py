@@ -17,10 +17,10 @@ import keras_hub_autodist
 from keras_hub_autodist import MeshError
 from keras_hub_autodist import SequenceLengthError
 from keras_hub_autodist import StrategyError
+from keras_hub_autodist.fitting.report import memory_verdict
 from keras_hub_autodist.planning.distribution import ContextParallel
 from keras_hub_autodist.planning.distribution import decoding
 from keras_hub_autodist.planning.mesh import resolve_mesh_axes
-from keras_hub_autodist.planning.report import memory_verdict
 
 CONTEXT = {"batch": 2, "context": 4}
 CONTEXT_MODEL = {"batch": 1, "context": 4, "model": 2}

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from keras_hub_autodist.planning import policy
+from keras_hub_autodist.fitting import policy
+from keras_hub_autodist.planning import layouts
 
 GIB = 1024**3
 REPLICATE, HEAD_DIM = policy.KV_LAYOUTS
@@ -27,6 +28,10 @@ def choose(replicate, head_dim, capacity=16 * GIB, target=1.10):
 def test_the_cheapest_communication_is_listed_first():
     assert [k.collective_rank for k in policy.KV_LAYOUTS] == [0, 1]
     assert REPLICATE.kv_fallback == "replicate"
+
+
+def test_the_policy_compares_the_layouts_planning_costs():
+    assert tuple(k.kv_fallback for k in policy.KV_LAYOUTS) == layouts.KV_FALLBACKS
 
 
 @pytest.mark.parametrize(

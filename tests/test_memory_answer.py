@@ -13,11 +13,11 @@ from real_presets import REAL_PRESETS
 import keras_hub_autodist
 from keras_hub_autodist import PlanError
 from keras_hub_autodist import cli
-from keras_hub_autodist.planning import compiled_step
-from keras_hub_autodist.planning import report
-from keras_hub_autodist.planning import step_memory
-from keras_hub_autodist.planning.device_profiles import DEVICE_PROFILES
-from keras_hub_autodist.planning.device_profiles import GIB
+from keras_hub_autodist.fitting import compiled_step
+from keras_hub_autodist.fitting import report
+from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
+from keras_hub_autodist.fitting.device_profiles import GIB
 
 GEMMA_7B = str(REAL_PRESETS / "gemma_7b")
 SHARED = ["--mesh", "batch=1,model=2", "--dtype", "bfloat16", "--batch", "1"]

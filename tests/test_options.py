@@ -12,8 +12,8 @@ import pytest
 import keras_hub_autodist
 from keras_hub_autodist import pipeline
 from keras_hub_autodist import plugin
+from keras_hub_autodist.fitting import planner
 from keras_hub_autodist.planning import options
-from keras_hub_autodist.planning import planner
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DECLARED = {o.name: o.default for o in options.OPTIONS}

@@ -400,7 +400,7 @@ def test_plan_says_where_device_memory_comes_from(monkeypatch):
 
 
 def test_device_memory_reported_by_the_devices():
-    from keras_hub_autodist.planning.device_memory import device_memory_info
+    from keras_hub_autodist.fitting.device_memory import device_memory_info
 
     class Device:
         client = None

@@ -5,7 +5,7 @@ from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
 from keras_hub_autodist import ArgumentError
-from keras_hub_autodist.planning.plot import device_slices
+from keras_hub_autodist.fitting.plot import device_slices
 
 pytest.importorskip("matplotlib")
 

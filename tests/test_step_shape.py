@@ -14,8 +14,8 @@ import keras_hub_autodist
 from keras_hub_autodist import MeshError
 from keras_hub_autodist import SequenceLengthError
 from keras_hub_autodist import cli
-from keras_hub_autodist.planning import report
-from keras_hub_autodist.planning import step_memory
+from keras_hub_autodist.fitting import report
+from keras_hub_autodist.fitting import step_memory
 from keras_hub_autodist.planning import step_shape
 from keras_hub_autodist.planning.distribution import plan_distribution
 

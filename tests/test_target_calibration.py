@@ -12,9 +12,9 @@ import pytest
 
 import keras_hub_autodist
 from bench import target_calibration
-from keras_hub_autodist.planning import step_memory
-from keras_hub_autodist.planning.memory_factors import FLOAT32_COPY_TERMS
-from keras_hub_autodist.planning.step_memory import StepEstimate
+from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting.memory_factors import FLOAT32_COPY_TERMS
+from keras_hub_autodist.fitting.step_memory import StepEstimate
 
 STORED = pathlib.Path(target_calibration.__file__).parent / "target_compiles"
 PRESETS = pathlib.Path(__file__).parent / "data" / "presets"

@@ -26,6 +26,7 @@ STAGES = (
     ("reading",),
     ("architectures",),
     ("planning",),
+    ("fitting",),
     ("loading",),
     ("saving",),
     ("training",),

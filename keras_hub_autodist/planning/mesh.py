@@ -475,7 +475,7 @@ class ResolvedMesh:
         devices: the devices it spans, in mesh order; `None` when planning
             without devices (a mapping given to `plan()`).
         device_memory_bytes: the memory per device planned with.
-        device_memory_source: where it comes from (`device_memory.MEMORY_*`).
+        device_memory_source: where it comes from (`plan_record.MEMORY_*`).
         reason: why `device_mesh="auto"` chose this mesh; `""` otherwise.
         device_mesh: the `keras.distribution.DeviceMesh` given, if any.
     """

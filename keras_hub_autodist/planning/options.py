@@ -17,10 +17,8 @@ from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
-from keras_hub_autodist.planning.device_profiles import device_profile
 from keras_hub_autodist.planning.remat_arguments import check_remat
 from keras_hub_autodist.planning.sharding import STRATEGIES
-from keras_hub_autodist.planning.step_memory import check_lora_rank
 from keras_hub_autodist.reading.dtypes import check_dtype
 
 STRATEGY_CHOICES = ("auto",) + STRATEGIES
@@ -139,8 +137,8 @@ class PlanOptions:
         dtype: the float dtype or mixed-precision policy the model will be
             loaded with (`reading.dtypes.ACCEPTED_DTYPES`); `None`: Keras'
             global policy, as keras-hub's `from_preset` loads a preset.
-        device_memory: bytes per device, or a named device of
-            `device_profiles.DEVICE_PROFILES` (e.g. `"t4"`); `None`: asked of
+        device_memory: bytes per device, or the name of a device (e.g.
+            `"t4"`, which `plan()` looks up); `None`: asked of
             the devices, the environment, or assumed
             (`device_memory.device_memory_info`).
         lora_rank: the rank of a LoRA fine-tune; `None`: full fine-tuning.
@@ -190,9 +188,9 @@ class PlanOptions:
         check_dtype(self.dtype)
         check_lora_rank(self.lora_rank)
         check_remat(self.remat)
-        if isinstance(self.device_memory, str):
-            device_profile(self.device_memory)  # a known name
-        elif self.device_memory is not None:
+        # A device's name is looked up where its memory is: the fitting
+        # stage (`device_profiles.device_profile`).
+        if self.device_memory is not None and not isinstance(self.device_memory, str):
             object.__setattr__(
                 self, "device_memory", device_memory_bytes(self.device_memory)
             )
@@ -212,6 +210,24 @@ def check_strict(strict) -> bool:
             f"Received: strict={strict!r}"
         )
     return strict
+
+
+def check_lora_rank(lora_rank) -> int | None:
+    """`lora_rank=` checked: `None` (full fine-tuning) or a positive int.
+
+    Example:
+    >>> check_lora_rank(4)
+    4
+    """
+    if lora_rank is not None and (
+        isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
+    ):
+        raise PlanError(
+            "`lora_rank` is the rank of a LoRA fine-tune (a positive integer, "
+            "e.g. 4, as for `backbone.enable_lora(4)`) or None for full "
+            f"fine-tuning. Received: lora_rank={lora_rank!r}"
+        )
+    return lora_rank
 
 
 def device_memory_bytes(value) -> int:

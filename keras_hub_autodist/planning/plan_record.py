@@ -4,8 +4,9 @@ The rows (one `Weight` each, with its spec), the mesh's axis names, sizes
 and roles (`MeshAxes`, never a live `DeviceMesh`), the strategy and the
 reasons behind each choice, and what follows from them alone: byte totals,
 the layout-map keys and `layout_map(mesh)`. The memory, text and checks
-computed from a plan take a `PlanRecord`; `plan.LayoutPlan`, what `plan()`
-returns, is a `PlanRecord` that offers them as methods.
+computed from a plan take a `PlanRecord`; the fitting stage's
+`layout_plan.LayoutPlan`, what `plan()` returns, is a `PlanRecord` that
+offers them as methods.
 """
 
 from __future__ import annotations
@@ -22,12 +23,21 @@ from keras_hub_autodist.architectures.weight import Weight
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.planning import sharding
-from keras_hub_autodist.planning.device_memory import MEMORY_GIVEN
 from keras_hub_autodist.planning.mesh import MeshAxes
 from keras_hub_autodist.planning.mesh import require_device_mesh
 
 if TYPE_CHECKING:
     import keras
+
+# Where the per-device memory a plan records comes from: given, the
+# environment, reported by the devices, or assumed (the fitting stage's
+# `device_memory.device_memory_info` finds it).
+MEMORY_GIVEN, MEMORY_ENV, MEMORY_REPORTED, MEMORY_ASSUMED = (
+    "given",
+    "env",
+    "reported",
+    "assumed",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ import functools
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.compat import state as compat_state
-from keras_hub_autodist.planning.step_memory import remat_mode
+from keras_hub_autodist.planning.remat_arguments import remat_mode
 
 # The one mode this module implements itself; others are `keras.RematScope`.
 BLOCKS = "full"

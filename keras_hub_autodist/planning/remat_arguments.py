@@ -95,3 +95,13 @@ def check_remat(remat):
         if name in remat and not valid(remat[name]):
             raise _remat_error(f"{name!r} is {what}; got {remat[name]!r}.", remat)
     return remat
+
+
+def remat_mode(remat) -> str | None:
+    """The `keras.RematScope` mode of a `remat=` value.
+
+    Example:
+    >>> remat_mode({"mode": "list_of_layers", "layer_names": ["mlp"]})
+    'list_of_layers'
+    """
+    return check_remat(remat).get("mode") if isinstance(remat, dict) else remat

@@ -27,8 +27,8 @@ import keras
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.errors import NotBoundError
+from keras_hub_autodist.fitting.layout_plan import LayoutPlan
 from keras_hub_autodist.planning.distribution import decoding
-from keras_hub_autodist.planning.layout_plan import LayoutPlan
 from keras_hub_autodist.saving.atomic import save_atomically
 from keras_hub_autodist.saving.gathering import save_from_every_process
 from keras_hub_autodist.saving.gathering import several_processes

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import TargetCompileError
-from keras_hub_autodist.planning.compiled_analysis import attention_kernel
-from keras_hub_autodist.planning.compiled_analysis import collectives
-from keras_hub_autodist.planning.compiled_analysis import cost_figures
-from keras_hub_autodist.planning.compiled_analysis import out_of_memory
-from keras_hub_autodist.planning.compiled_analysis import refusal_advice
-from keras_hub_autodist.planning.step_memory import OPTIMIZERS
-from keras_hub_autodist.planning.step_memory import check_lora_rank
+from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
+from keras_hub_autodist.fitting.compiled_analysis import collectives
+from keras_hub_autodist.fitting.compiled_analysis import cost_figures
+from keras_hub_autodist.fitting.compiled_analysis import out_of_memory
+from keras_hub_autodist.fitting.compiled_analysis import refusal_advice
+from keras_hub_autodist.fitting.step_memory import OPTIMIZERS
+from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.step_shape import runnable_step
 
 if TYPE_CHECKING:
@@ -216,9 +216,9 @@ def _mesh_of(plan, device_mesh, device):
     builds one)."""
     import numpy as np
 
-    from keras_hub_autodist.planning.compile_targets import CompileTarget
-    from keras_hub_autodist.planning.compile_targets import compile_target
-    from keras_hub_autodist.planning.compile_targets import local_target
+    from keras_hub_autodist.fitting.compile_targets import CompileTarget
+    from keras_hub_autodist.fitting.compile_targets import compile_target
+    from keras_hub_autodist.fitting.compile_targets import local_target
     from keras_hub_autodist.planning.mesh import build_device_mesh
     from keras_hub_autodist.planning.mesh import require_device_mesh
 

@@ -7,10 +7,14 @@ import math
 import os
 
 from keras_hub_autodist.errors import MeshError
-from keras_hub_autodist.planning.device_profiles import GIB
-from keras_hub_autodist.planning.device_profiles import device_profile
-from keras_hub_autodist.planning.device_profiles import usable_memory
+from keras_hub_autodist.fitting.device_profiles import GIB
+from keras_hub_autodist.fitting.device_profiles import device_profile
+from keras_hub_autodist.fitting.device_profiles import usable_memory
 from keras_hub_autodist.planning.options import device_memory_bytes
+from keras_hub_autodist.planning.plan_record import MEMORY_ASSUMED
+from keras_hub_autodist.planning.plan_record import MEMORY_ENV
+from keras_hub_autodist.planning.plan_record import MEMORY_GIVEN
+from keras_hub_autodist.planning.plan_record import MEMORY_REPORTED
 
 GB = 1000**3
 # The per-device memory in GiB, like the CLI's `--device-memory`.
@@ -20,14 +24,6 @@ DEVICE_MEMORY_GB_ENV = "KERAS_HUB_AUTODIST_DEVICE_MEMORY_GB"
 # Per-device memory assumed when the backend reports none (CPU, or planning
 # for a mesh given as a mapping): 16 GiB, as on a T4 or a TPU v3 core.
 DEFAULT_DEVICE_MEMORY_BYTES = 16 * GIB
-# Where the per-device memory of a plan comes from
-# (`LayoutPlan.device_memory_source`).
-MEMORY_GIVEN, MEMORY_ENV, MEMORY_REPORTED, MEMORY_ASSUMED = (
-    "given",
-    "env",
-    "reported",
-    "assumed",
-)
 
 
 def device_memory_info(devices=(), override=None) -> tuple[int, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from keras_hub_autodist.planning.compiled_step import CompiledMemory
+    from keras_hub_autodist.fitting.compiled_step import CompiledMemory
     from keras_hub_autodist.planning.plan_record import PlanRecord
 
 GIB = 1024**3

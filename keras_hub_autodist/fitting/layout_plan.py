@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from keras_hub_autodist.architectures.weight import Weight
 from keras_hub_autodist.errors import warn
-from keras_hub_autodist.planning import compiled_step
-from keras_hub_autodist.planning import memory
-from keras_hub_autodist.planning import report
+from keras_hub_autodist.fitting import compiled_step
+from keras_hub_autodist.fitting import memory
+from keras_hub_autodist.fitting import report
 from keras_hub_autodist.planning.plan_record import PlanRecord
 from keras_hub_autodist.planning.weight_check import WeightCheck
 
@@ -143,14 +143,14 @@ class LayoutPlan(PlanRecord):
     def plot(self, weight: str | None = None):
         """A matplotlib figure of the planned memory per device and of
         `weight`'s shards on the mesh (default: the largest weight); see
-        `keras_hub_autodist.planning.plot`. Needs matplotlib.
+        `keras_hub_autodist.fitting.plot`. Needs matplotlib.
 
         Example:
         ```python
         plan.plot("decoder_block_0/attention/query/kernel")
         ```
         """
-        from keras_hub_autodist.planning.plot import plot
+        from keras_hub_autodist.fitting.plot import plot
 
         return plot(self, weight)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_hub_autodist.planning.device_memory import GIB
+from keras_hub_autodist.fitting.device_memory import GIB
 from keras_hub_autodist.words import counted
 
 # Under strategy "auto", "tp" is chosen while parameters, gradients and the

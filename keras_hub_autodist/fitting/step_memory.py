@@ -58,21 +58,22 @@ import dataclasses
 import math
 
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
+from keras_hub_autodist.fitting.memory_factors import ACTIVATION_FACTORS
+from keras_hub_autodist.fitting.memory_factors import ACTIVATION_TERMS
+from keras_hub_autodist.fitting.memory_factors import FLOAT16_DTYPES
+from keras_hub_autodist.fitting.memory_factors import FLOAT32_BYTES
+from keras_hub_autodist.fitting.memory_factors import FLOAT32_COMPUTE
+from keras_hub_autodist.fitting.memory_factors import FLOAT32_COPY_TERMS
+from keras_hub_autodist.fitting.memory_factors import FLOAT32_SCORES
+from keras_hub_autodist.fitting.memory_factors import GRADIENTS_AT_PEAK
+from keras_hub_autodist.fitting.memory_factors import UPDATE_TEMPORARIES
+from keras_hub_autodist.fitting.memory_factors import WEIGHT_TERMS
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning.attention_blocks import KEY_BLOCK
 from keras_hub_autodist.planning.attention_blocks import PER_DEVICE_ARCHITECTURES
-from keras_hub_autodist.planning.device_profiles import DEVICE_PROFILES
-from keras_hub_autodist.planning.memory_factors import ACTIVATION_FACTORS
-from keras_hub_autodist.planning.memory_factors import ACTIVATION_TERMS
-from keras_hub_autodist.planning.memory_factors import FLOAT16_DTYPES
-from keras_hub_autodist.planning.memory_factors import FLOAT32_BYTES
-from keras_hub_autodist.planning.memory_factors import FLOAT32_COMPUTE
-from keras_hub_autodist.planning.memory_factors import FLOAT32_COPY_TERMS
-from keras_hub_autodist.planning.memory_factors import FLOAT32_SCORES
-from keras_hub_autodist.planning.memory_factors import GRADIENTS_AT_PEAK
-from keras_hub_autodist.planning.memory_factors import UPDATE_TEMPORARIES
-from keras_hub_autodist.planning.memory_factors import WEIGHT_TERMS
-from keras_hub_autodist.planning.remat_arguments import check_remat
+from keras_hub_autodist.planning.options import check_lora_rank
+from keras_hub_autodist.planning.remat_arguments import remat_mode
 from keras_hub_autodist.planning.step_shape import runnable_step
 from keras_hub_autodist.reading.dtypes import ITEMSIZES
 from keras_hub_autodist.reading.dtypes import itemsize
@@ -115,16 +116,6 @@ LORA_DTYPE = "float32"
 FROZEN_DTYPES = ("int8", "uint8", "int4", "float8_e4m3fn", "float8_e5m2")
 
 
-def remat_mode(remat) -> str | None:
-    """The `keras.RematScope` mode of a `remat=` value.
-
-    Example:
-    >>> remat_mode({"mode": "list_of_layers", "layer_names": ["mlp"]})
-    'list_of_layers'
-    """
-    return check_remat(remat).get("mode") if isinstance(remat, dict) else remat
-
-
 def optimizer_spec(optimizer: str) -> Optimizer:
     """The `Optimizer` of a name of `OPTIMIZERS`.
 
@@ -138,24 +129,6 @@ def optimizer_spec(optimizer: str) -> Optimizer:
             f"{sorted(OPTIMIZERS)}. Received: optimizer={optimizer!r}"
         )
     return OPTIMIZERS[optimizer]
-
-
-def check_lora_rank(lora_rank) -> int | None:
-    """`lora_rank=` checked: `None` (full fine-tuning) or a positive int.
-
-    Example:
-    >>> check_lora_rank(4)
-    4
-    """
-    if lora_rank is not None and (
-        isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
-    ):
-        raise PlanError(
-            "`lora_rank` is the rank of a LoRA fine-tune (a positive integer, "
-            "e.g. 4, as for `backbone.enable_lora(4)`) or None for full "
-            f"fine-tuning. Received: lora_rank={lora_rank!r}"
-        )
-    return lora_rank
 
 
 def is_lora_target(path: str) -> bool:

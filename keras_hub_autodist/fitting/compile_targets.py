@@ -252,7 +252,7 @@ def gpu_target_config(name: str) -> str:
     >>> "core_count: 40" in gpu_target_config("t4")
     True
     """
-    folder = importlib.resources.files("keras_hub_autodist.planning") / "gpu_targets"
+    folder = importlib.resources.files("keras_hub_autodist.fitting") / "gpu_targets"
     return (folder / f"{name}.txtpb").read_text()
 
 

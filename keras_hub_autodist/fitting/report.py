@@ -10,16 +10,17 @@ from typing import TYPE_CHECKING
 
 from keras_hub_autodist.errors import mesh_example
 from keras_hub_autodist.errors import option
-from keras_hub_autodist.planning import memory
+from keras_hub_autodist.fitting import memory
+from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting.device_memory import DEVICE_MEMORY_ENV
+from keras_hub_autodist.fitting.device_memory import DEVICE_MEMORY_GB_ENV
+from keras_hub_autodist.fitting.device_memory import MEMORY_ASSUMED
+from keras_hub_autodist.fitting.device_memory import MEMORY_ENV
+from keras_hub_autodist.fitting.device_memory import MEMORY_REPORTED
+from keras_hub_autodist.fitting.policy import AUTO_TP_MEMORY_SHARE
 from keras_hub_autodist.planning import sharding
-from keras_hub_autodist.planning import step_memory
 from keras_hub_autodist.planning import step_shape
-from keras_hub_autodist.planning.device_memory import DEVICE_MEMORY_ENV
-from keras_hub_autodist.planning.device_memory import DEVICE_MEMORY_GB_ENV
-from keras_hub_autodist.planning.device_memory import MEMORY_ASSUMED
-from keras_hub_autodist.planning.device_memory import MEMORY_ENV
-from keras_hub_autodist.planning.device_memory import MEMORY_REPORTED
-from keras_hub_autodist.planning.policy import AUTO_TP_MEMORY_SHARE
+from keras_hub_autodist.planning.remat_arguments import remat_mode
 from keras_hub_autodist.words import counted
 
 if TYPE_CHECKING:
@@ -298,7 +299,7 @@ def summary(plan: PlanRecord) -> str:
         f"sequence parallel: {sequence_parallel_note(plan)}",
         "fine-tuning: "
         + (f"LoRA rank {plan.lora_rank}" if plan.lora_rank else "full")
-        + f", rematerialization: {step_memory.remat_mode(plan.remat) or 'off'}",
+        + f", rematerialization: {remat_mode(plan.remat) or 'off'}",
         f"parameters: {plan.num_parameters:,} ({plan.dtype}), "
         f"{size(plan.total_bytes)} in all",
         f"per device: {size(plan.max_device_bytes)} of parameters (ideal "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist.planning import step_memory
+from keras_hub_autodist.fitting import step_memory
 
 if TYPE_CHECKING:
     from keras_hub_autodist.planning.plan_record import PlanRecord

@@ -20,8 +20,8 @@ import math
 from typing import TYPE_CHECKING
 
 from keras_hub_autodist.errors import ArgumentError
-from keras_hub_autodist.planning import memory
-from keras_hub_autodist.planning.device_memory import GIB
+from keras_hub_autodist.fitting import memory
+from keras_hub_autodist.fitting.device_memory import GIB
 
 if TYPE_CHECKING:
     from keras_hub_autodist.architectures.weight import Weight

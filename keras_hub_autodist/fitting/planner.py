@@ -1,32 +1,38 @@
 """`plan()`: the third step of the data path, from weights to a `LayoutPlan`.
 
 The planner reads the config (`presets.read_config`), gets every weight with
-its logical axes (`shapes.model_weights`), then lays the weights out on the
-mesh (`sharding.assign_mesh_axes`). Where it must choose (the
-mesh under `device_mesh="auto"`, the strategy under `strategy="auto"`, the
-key/value layout when key/value heads don't divide the model axis), it
-costs every alternative in one pass over the weights and lets `policy`
-choose; only the chosen layout becomes rows.
+its logical axes (`shapes.model_weights`), asks each device's memory
+(`device_memory.device_memory_info`), then has the planning stage lay the
+weights out on the mesh (`layouts`). Where it must choose (the mesh under
+`device_mesh="auto"`, the strategy under `strategy="auto"`, the key/value
+layout when key/value heads don't divide the model axis), planning counts
+every alternative's parameter bytes in one pass over the weights, the
+closed form (`step_memory.state_need`) says what each needs of a device,
+and `policy` chooses; only the chosen layout becomes rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import Any
 
 from keras_hub_autodist.errors import MeshError
-from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
-from keras_hub_autodist.planning import policy
+from keras_hub_autodist.fitting import policy
+from keras_hub_autodist.fitting.device_memory import device_memory_info
+from keras_hub_autodist.fitting.device_profiles import device_profile
+from keras_hub_autodist.fitting.layout_plan import LayoutPlan
+from keras_hub_autodist.fitting.step_memory import state_need
 from keras_hub_autodist.planning import sharding
-from keras_hub_autodist.planning.device_memory import device_memory_info
-from keras_hub_autodist.planning.device_profiles import device_profile
-from keras_hub_autodist.planning.layout_plan import LayoutPlan
-from keras_hub_autodist.planning.mesh import MeshAxes
+from keras_hub_autodist.planning.layouts import Alternative
+from keras_hub_autodist.planning.layouts import check_sequence_split
+from keras_hub_autodist.planning.layouts import fixed_kv_layout
+from keras_hub_autodist.planning.layouts import held_bytes
+from keras_hub_autodist.planning.layouts import ideal_device_bytes
+from keras_hub_autodist.planning.layouts import kv_fallbacks
+from keras_hub_autodist.planning.layouts import rows
 from keras_hub_autodist.planning.mesh import ResolvedMesh
 from keras_hub_autodist.planning.mesh import check_device_count
 from keras_hub_autodist.planning.mesh import read_device_mesh
@@ -35,21 +41,10 @@ from keras_hub_autodist.planning.mesh import resolve_mesh_axes
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.shapes import ModelWeights
 from keras_hub_autodist.planning.shapes import model_weights
-from keras_hub_autodist.planning.step_memory import state_need
-from keras_hub_autodist.reading.dtypes import itemsize
 from keras_hub_autodist.reading.presets import read_config
 
 if TYPE_CHECKING:
     import keras
-
-
-@dataclasses.dataclass(frozen=True)
-class Alternative:
-    """One way to lay a model out: a mesh, a strategy, a key/value layout."""
-
-    mesh_axes: MeshAxes
-    strategy: str
-    kv_fallback: str = "replicate"
 
 
 def plan(
@@ -153,6 +148,8 @@ def plan(
         sequence_parallel=sequence_parallel,
         strict=strict,
     )
+    # A named device is looked up before the preset is read.
+    device_name(options.device_memory)
     weights = model_weights(read_config(preset), options)
     mesh = resolve_mesh(
         device_mesh, weights, options, num_devices=num_devices, batch_size=batch_size
@@ -311,8 +308,17 @@ def _device_count(num_devices) -> int | None:
     return check_device_count(num_devices, received=f"num_devices={num_devices!r}")
 
 
-def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
-    """Lay out `model`'s weights on `mesh`.
+def plan_model(
+    model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions
+) -> LayoutPlan:
+    """Lay out `model`'s weights on `mesh`, choosing by memory where
+    `options` leave the choice.
+
+    Under `strategy="auto"` every strategy is costed, under key/value heads
+    that don't divide the model axis every key/value layout
+    (`layouts.kv_fallbacks`), in one pass over the weights
+    (`layouts.held_bytes`); `policy` chooses from what each needs of a
+    device's memory. Only the chosen layout becomes rows.
 
     Args:
         model: the weights from `shapes.model_weights`.
@@ -332,24 +338,16 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
     """
     mesh_axes = mesh.axes
     capacity = mesh.device_memory_bytes
-    if options.sequence_parallel and mesh_axes.sizes[mesh_axes.context_axis] > 1:
-        raise StrategyError(
-            "sequence_parallel=True splits the residual stream's sequence over "
-            "the model axis, and the context axis "
-            f"{mesh_axes.context_axis!r} already splits every sequence: use "
-            "one of them. Drop `sequence_parallel=True` (the context axis "
-            "splits more: attention and logits too). Received: "
-            f"sequence_parallel=True, mesh axes ({mesh_axes.describe()})"
-        )
+    check_sequence_split(options, mesh_axes)
     strategies = (
         sharding.STRATEGIES if options.strategy == "auto" else (options.strategy,)
     )
     alternatives = [
         Alternative(mesh_axes, strategy, kv_fallback)
         for strategy in strategies
-        for kv_fallback in _kv_fallbacks(model, mesh_axes)
+        for kv_fallback in kv_fallbacks(model, mesh_axes)
     ]
-    held = dict(zip(alternatives, _held_bytes(model, alternatives)))
+    held = dict(zip(alternatives, held_bytes(model, alternatives)))
     kv = {
         strategy: _choose_kv(model, options, mesh_axes, strategy, held, capacity)
         for strategy in strategies
@@ -378,7 +376,7 @@ def plan_model(model: ModelWeights, mesh: ResolvedMesh, options: PlanOptions):
         strategy=strategy,
         strategy_reason=strategy_reason,
         dtype=model.dtype,
-        rows=_rows(model, Alternative(mesh_axes, strategy, kv_fallback), kv_policy),
+        rows=rows(model, Alternative(mesh_axes, strategy, kv_fallback), kv_policy),
         device_memory_bytes=capacity,
         device_memory_source=mesh.device_memory_source,
         mesh_reason=mesh.reason,
@@ -402,9 +400,9 @@ def _auto_mesh(
     alternatives = [
         Alternative(mesh_axes, "tp", kv_fallback)
         for mesh_axes in candidates
-        for kv_fallback in _kv_fallbacks(model, mesh_axes)
+        for kv_fallback in kv_fallbacks(model, mesh_axes)
     ]
-    held = dict(zip(alternatives, _held_bytes(model, alternatives)))
+    held = dict(zip(alternatives, held_bytes(model, alternatives)))
     needs = []
     for mesh_axes in candidates:
         kv_fallback, _ = _choose_kv(model, options, mesh_axes, "tp", held, capacity)
@@ -420,108 +418,33 @@ def _auto_mesh(
 
 
 def device_name(device_memory) -> str:
-    """The name of the device `device_memory=` names, or `""` for bytes."""
+    """The name of the device `device_memory=` names, or `""` for bytes.
+
+    Raises:
+        PlanError: for a name not in `device_profiles.DEVICE_PROFILES`.
+    """
     return device_profile(device_memory).name if isinstance(device_memory, str) else ""
-
-
-def _held_bytes(model: ModelWeights, alternatives: list[Alternative]) -> list[int]:
-    """Per-device parameter bytes of each alternative, in one pass over the
-    weights. A layer's weights repeat in every block, so each distinct
-    (shape, logical axes) is laid out once per alternative."""
-    size_of = itemsize(model.dtype)
-    held = [0] * len(alternatives)
-    shards_of: dict[tuple, int] = {}
-    for weight in model.weights:
-        size = math.prod(weight.shape) * size_of
-        for index, alternative in enumerate(alternatives):
-            key = (weight.shape, weight.logical_axes, index)
-            if key not in shards_of:
-                spec, _ = _assign(model, weight, alternative)
-                shards_of[key] = _shards(spec, alternative.mesh_axes)
-            held[index] += size // shards_of[key]
-    return held
-
-
-def _rows(model: ModelWeights, alternative: Alternative, kv_policy: str):
-    rows = []
-    for weight in model.weights:
-        spec, fallbacks = _assign(model, weight, alternative, kv_policy)
-        rows.append(
-            dataclasses.replace(
-                weight,
-                dtype=model.dtype,
-                spec=spec,
-                fallbacks=tuple(fallbacks),
-                shards=_shards(spec, alternative.mesh_axes),
-            )
-        )
-    return rows
-
-
-def _assign(model, weight, alternative: Alternative, kv_policy: str = ""):
-    return sharding.assign_mesh_axes(
-        weight,
-        alternative.mesh_axes,
-        alternative.strategy,
-        model.config_fields,
-        kv_fallback=alternative.kv_fallback,
-        kv_policy=kv_policy,
-    )
-
-
-def _shards(spec, mesh_axes: MeshAxes) -> int:
-    return math.prod(mesh_axes.sizes[axis] for axis in spec)
-
-
-def _first_with(model: ModelWeights, logical: str):
-    return next((w for w in model.weights if logical in w.logical_axes), None)
-
-
-def _kv_fallbacks(model: ModelWeights, mesh_axes: MeshAxes) -> tuple[str, ...]:
-    """The key/value layouts worth costing: both when key/value heads don't
-    divide the model axis, else replication only."""
-    model_size = mesh_axes.sizes[mesh_axes.model_axis]
-    kv = _first_with(model, "kv_heads")
-    if model_size == 1 or kv is None:
-        return ("replicate",)
-    if kv.shape[kv.logical_axes.index("kv_heads")] % model_size == 0:
-        return ("replicate",)
-    return tuple(layout.kv_fallback for layout in policy.KV_LAYOUTS)
 
 
 def _choose_kv(model, options, mesh_axes, strategy, held, capacity) -> tuple[str, str]:
     """The key/value layout and why, from the alternatives' costs.
 
-    When the query heads don't divide the model axis either, K/V follow the
-    query's layout: sharded on head_dim when the query is, else replicated.
+    Where the layout alone decides it, that (`layouts.fixed_kv_layout`).
     Otherwise `policy.choose_kv_layout` takes the one moving the fewest bytes
     among those whose weights, gradients and Adam state fit `capacity` and
     whose parameters meet the per-device target
     (`policy.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
     `policy.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp").
     """
-    fallbacks = _kv_fallbacks(model, mesh_axes)
-    if len(fallbacks) == 1:
-        return fallbacks[0], ""
+    fixed = fixed_kv_layout(model, mesh_axes, strategy)
+    if fixed is not None:
+        return fixed
     model_axis = mesh_axes.model_axis
-    model_size = mesh_axes.sizes[model_axis]
-    query = _first_with(model, "heads")
-    if (
-        query is not None
-        and query.shape[query.logical_axes.index("heads")] % model_size
-    ):
-        spec, _ = _assign(model, query, Alternative(mesh_axes, strategy, "head_dim"))
-        if spec[query.logical_axes.index("head_dim")] == model_axis:
-            return "head_dim", "query heads are sharded on head_dim, so are K/V"
-        # The query is replicated over the model axis; so are K/V, and their
-        # own notes say why.
-        return "replicate", ""
     if strategy == "fsdp":
         target, shards = policy.FSDP_DEVICE_BYTES_TARGET, mesh_axes.num_devices
     else:
-        target, shards = policy.TP_DEVICE_BYTES_TARGET, model_size
-    ideal = sum(math.prod(w.shape) for w in model.weights) * itemsize(model.dtype)
-    ideal /= shards
+        target, shards = policy.TP_DEVICE_BYTES_TARGET, mesh_axes.sizes[model_axis]
+    ideal = ideal_device_bytes(model, shards)
     candidates = []
     for layout in policy.KV_LAYOUTS:
         bytes_held = held[Alternative(mesh_axes, strategy, layout.kv_fallback)]
