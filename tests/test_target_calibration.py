@@ -103,3 +103,18 @@ def test_a_named_device_without_its_own_factors_takes_its_platforms():
     assert step_memory.calibration_of("v6e") == ("tpu", ())
     with pytest.raises(keras_hub_autodist.PlanError, match="Received: platform="):
         step_memory.calibration_of("a800")
+
+
+def test_capped_logits_count_where_the_vocabulary_is_whole_on_a_device():
+    # Gemma 2 caps its logits (`final_logit_soft_cap`); its plans carry it.
+    whole = keras_hub_autodist.plan(
+        str(PRESETS / "gemma2_2b"), {"batch": 2, "model": 1}, dtype="bfloat16"
+    )
+    split = _plan("gemma2_2b", "bfloat16")
+    assert whole.final_logit_soft_cap == split.final_logit_soft_cap == 30.0
+    terms = step_memory.activation_terms(whole, 2, 128)
+    assert terms["logits_soft_cap"] == terms["logits"] > 0
+    assert step_memory.activation_terms(split, 2, 128)["logits_soft_cap"] == 0
+    gemma = _plan("gemma_2b", "bfloat16")
+    assert gemma.final_logit_soft_cap is None
+    assert step_memory.activation_terms(gemma, 2, 128)["logits_soft_cap"] == 0

@@ -49,6 +49,8 @@ class LayoutPlan(PlanRecord):
         device_name: the named device planned for (`"t4"`), or `""`.
         remat: the rematerialization planned for (`None`, a
             `keras.RematScope` mode or a dict of its arguments).
+        final_logit_soft_cap: the model's cap of its output logits (Gemma
+            2), or `None`: the memory answers count its buffers.
 
     Example:
     ```python

@@ -386,6 +386,7 @@ def plan_model(
         lora_rank=options.lora_rank,
         remat=options.remat,
         device_name=device_name(options.device_memory),
+        final_logit_soft_cap=model.final_logit_soft_cap,
     )
 
 

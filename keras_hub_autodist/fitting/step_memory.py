@@ -25,7 +25,9 @@ tokens (the batch over the batch axis):
 - after the blocks: `final·b·s·d` and the logits, `logits·b·s·V` in the
   model's dtype (`logits_whole·b·s·V` more where the model axis does not
   split the vocabulary) and `logits_float32·b·s·V` in float32 (Keras
-  computes the cross-entropy and its gradient in float32);
+  computes the cross-entropy and its gradient in float32), and where the
+  model caps its logits (Gemma 2's `final_logit_soft_cap`)
+  `logits_soft_cap·b·s·V` in float32, the capped logits' own buffers;
 - with `fsdp`: `gathered_weights`, the weights split over the batch (or
   context) axis as gathered whole over it where they are used: XLA keeps
   the gathered copies of the forward pass for the backward pass. When no
@@ -407,6 +409,9 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         "logits": logits,
         "logits_whole": logits if shards(output) == 1 else 0,
         "logits_float32": logits,
+        "logits_soft_cap": logits
+        if getattr(plan, "final_logit_soft_cap", None) and shards(output) == 1
+        else 0,
         "gathered_weights": sum(
             row.device_bytes * (gathered_over(row) - 1) for row in kept
         ),
@@ -529,7 +534,7 @@ def _num_blocks(plan) -> int:
 # The terms of each decoder block, kept per block without rematerialization
 # (`scores_one_block` is one block's already), and those of the head.
 BLOCK_TERMS = ("stream", "attention", "scores", "masks", "mlp", "experts")
-HEAD_TERMS = ("final", "logits", "logits_whole", "logits_float32")
+HEAD_TERMS = ("final", "logits", "logits_whole", "logits_float32", "logits_soft_cap")
 
 
 def _rematerialized(
@@ -576,6 +581,7 @@ def term_sizes(plan, platform: str = "gpu") -> dict[str, int]:
         "scores": scores,
         "scores_one_block": scores,
         "logits_float32": FLOAT32_BYTES,
+        "logits_soft_cap": FLOAT32_BYTES,
         **dict.fromkeys(WEIGHT_TERMS, 1),
         # No float32 copies of 16-bit weights where they are computed as such.
         **({} if in_float32 else dict.fromkeys(FLOAT32_COPY_TERMS, 0)),

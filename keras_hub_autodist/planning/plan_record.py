@@ -70,6 +70,7 @@ class PlanRecord:
     lora_rank: int | None = None
     device_name: str = ""
     remat: Any = dataclasses.field(default=None, hash=False)
+    final_logit_soft_cap: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rows", tuple(self.rows))

@@ -44,6 +44,8 @@ class ModelWeights:
         dtype: the variable dtype the model will be loaded with.
         weights: one `Weight` (path, pattern, shape, logical axes) per
             variable, in the model's order.
+        final_logit_soft_cap: the config's cap of the output logits
+            (`cap · tanh(logits / cap)`, Gemma 2), or `None`.
     """
 
     preset: str
@@ -53,6 +55,7 @@ class ModelWeights:
     sequence_parallel_outputs: tuple[str, ...]
     dtype: str
     weights: tuple[Weight, ...]
+    final_logit_soft_cap: float | None = None
 
 
 def architecture_of(preset_config: PresetConfig) -> Architecture:
@@ -121,6 +124,7 @@ def model_weights(preset_config: PresetConfig, options: PlanOptions) -> ModelWei
             preset_config.config, built_policy(preset_config, options)
         ),
         weights=tuple(weights),
+        final_logit_soft_cap=preset_config.config.get("final_logit_soft_cap"),
     )
 
 
