@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from keras_hub_autodist.cli_flags import as_flags
 from keras_hub_autodist.fitting.device_memory import GIB
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
-from keras_hub_autodist.fitting.step_memory import OPTIMIZERS
+from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
 from keras_hub_autodist.planning.options import STRATEGY_CHOICES
 
 PROG = "keras-hub-autodist"

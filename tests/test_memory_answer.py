@@ -16,6 +16,7 @@ from keras_hub_autodist import cli
 from keras_hub_autodist.fitting import compiled_step
 from keras_hub_autodist.fitting import report
 from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting import trained_state
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.device_profiles import GIB
 
@@ -77,9 +78,9 @@ def test_lora_trains_only_the_query_and_value_adapters():
     # A (16, 3072, 4) and B (4, 256) each, in float32 (Keras makes them so),
     # A split over the model axis as the kernel's heads are.
     whole = 28 * 2 * 4 * (16 * 3072 + 256)
-    assert step_memory.lora_parameters(lora.rows, 4) == whole
+    assert trained_state.lora_parameters(lora.rows, 4) == whole
     adapters = 28 * 2 * 4 * (8 * 3072 + 256) * 4  # float32 bytes per device
-    assert step_memory.lora_parameters(lora.rows, 4, lora.mesh_axes) * 4 == adapters
+    assert trained_state.lora_parameters(lora.rows, 4, lora.mesh_axes) * 4 == adapters
     weights = plan.max_device_bytes
     assert plan.training_bytes_per_device("adam") == 4 * weights
     # The frozen weights: no gradient, no moments; the adapters all three.
@@ -178,11 +179,11 @@ def test_advice_names_only_what_fits_in_order_of_cost():
 
 
 def test_one_optimizer_table():
-    assert compiled_step.OPTIMIZERS is step_memory.OPTIMIZERS
+    assert compiled_step.OPTIMIZERS is trained_state.OPTIMIZERS
     parser = cli.build_parser()
     plan = parser._subparsers._group_actions[0].choices["plan"]
     (action,) = [a for a in plan._actions if a.dest == "optimizer"]
-    assert list(action.choices) == list(step_memory.OPTIMIZERS)
+    assert list(action.choices) == list(trained_state.OPTIMIZERS)
 
 
 def test_compiled_lora_step_trains_only_the_adapters(tiny_presets_dir):
@@ -194,7 +195,7 @@ def test_compiled_lora_step_trains_only_the_adapters(tiny_presets_dir):
     lora_memory = keras_hub_autodist.compiled_memory(lora, 8, 16)
     # Arguments: weights (+ the adapters) and Adam's moments of the
     # adapters only, against the moments of every weight.
-    adapters = step_memory.lora_parameters(lora.rows, 2) * 4
+    adapters = trained_state.lora_parameters(lora.rows, 2) * 4
     saved = 2 * full.max_device_bytes - 3 * adapters
     assert lora_memory.argument_bytes <= full_memory.argument_bytes - saved + 1024
     assert math.isfinite(lora_memory.peak_bytes)

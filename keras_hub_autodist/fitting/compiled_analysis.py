@@ -1,15 +1,18 @@
 """What a compiled program says about itself: XLA's cost analysis, the
-collectives and the attention kernel in its HLO text, and the figures of a
-compiler's refusal to fit it in memory.
+collectives and the attention kernel in its HLO text, the figures of a
+compiler's refusal to fit it in memory, and a refusal for any other reason
+as the package's error with its fix.
 
 Reads text and dictionaries only; imports nothing beyond the standard
-library.
+library and the package's errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+
+from keras_hub_autodist.errors import TargetCompileError
 
 # XLA's collective operations, as HLO names them; the asynchronous ones are
 # `<kind>-start` / `<kind>-done` pairs, counted once by their `-done`
@@ -229,12 +232,36 @@ def refusal_advice(error: BaseException) -> str:
     return next((advice for words, advice in REFUSAL_ADVICE if words in text), "")
 
 
+def not_compiled(error: BaseException, dtype: str, fields: dict) -> TargetCompileError:
+    """The compiler's refusal of a step for a reason other than its size,
+    as the package's error: what was compiled (`fields`, a
+    `CompiledMemory`'s), the compiler's words, and what makes it compile
+    where that is known (`refusal_advice`)."""
+    words = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
+    advice = refusal_advice(error)
+    fix = (
+        f"To make it compile: {advice}."
+        if advice
+        else "The same step fails on that device; change the dtype, the "
+        "model or the mesh."
+    )
+    return TargetCompileError(
+        f"XLA's compiler for {fields['device_kind'] or fields['platform']} x "
+        f"{fields['devices']} refuses the training step, not for its size: "
+        f"{words}. {fix} Received: dtype={dtype!r}, "
+        f"device={fields['target'] or 'this machine'!r}, "
+        f"batch_size={fields['batch_size']}, "
+        f"sequence_length={fields['sequence_length']}"
+    )
+
+
 __all__ = [
     "Collective",
     "array_bytes",
     "attention_kernel",
     "collectives",
     "cost_figures",
+    "not_compiled",
     "out_of_memory",
     "refusal_advice",
 ]

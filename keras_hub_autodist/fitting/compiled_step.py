@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING
 
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
-from keras_hub_autodist.errors import TargetCompileError
 from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 from keras_hub_autodist.fitting.compiled_analysis import collectives
 from keras_hub_autodist.fitting.compiled_analysis import cost_figures
+from keras_hub_autodist.fitting.compiled_analysis import not_compiled
 from keras_hub_autodist.fitting.compiled_analysis import out_of_memory
-from keras_hub_autodist.fitting.compiled_analysis import refusal_advice
-from keras_hub_autodist.fitting.step_memory import OPTIMIZERS
+from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
 from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.step_shape import runnable_step
 
@@ -456,32 +455,10 @@ def compiled_memory(
         except Exception as error:
             refusal = out_of_memory(error)
             if refusal is None:
-                raise _not_compiled(error, plan, fields) from error
+                raise not_compiled(error, plan.dtype, fields) from error
             arguments = _argument_bytes((state, (x, placed, None)))
             return _refused(error, refusal, arguments, fields)
     return memory_of(compiled, **fields, **program_facts(compiled))
-
-
-def _not_compiled(error, plan, fields) -> TargetCompileError:
-    """The compiler's refusal of a step for a reason other than its size,
-    as the package's error: what was compiled, the compiler's words, and
-    what makes it compile where that is known (`refusal_advice`)."""
-    words = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
-    advice = refusal_advice(error)
-    fix = (
-        f"To make it compile: {advice}."
-        if advice
-        else "The same step fails on that device; change the dtype, the "
-        "model or the mesh."
-    )
-    return TargetCompileError(
-        f"XLA's compiler for {fields['device_kind'] or fields['platform']} x "
-        f"{fields['devices']} refuses the training step, not for its size: "
-        f"{words}. {fix} Received: dtype={plan.dtype!r}, "
-        f"device={fields['target'] or 'this machine'!r}, "
-        f"batch_size={fields['batch_size']}, "
-        f"sequence_length={fields['sequence_length']}"
-    )
 
 
 def _device_of(plan, device):

@@ -30,7 +30,7 @@ def training_bytes_per_device(plan: PlanRecord, optimizer: str = "adam") -> int:
 
     Args:
         plan: the `LayoutPlan`.
-        optimizer: a name of `step_memory.OPTIMIZERS`: `"adam"` (two
+        optimizer: a name of `trained_state.OPTIMIZERS`: `"adam"` (two
             moments), `"sgd"` (none) or `"sgd_momentum"` (one).
     """
     return step_memory.step_estimate(plan, None, None, optimizer).total_bytes

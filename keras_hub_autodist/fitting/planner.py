@@ -7,7 +7,7 @@ weights out on the mesh (`layouts`). Where it must choose (the mesh under
 `device_mesh="auto"`, the strategy under `strategy="auto"`, the key/value
 layout when key/value heads don't divide the model axis), planning counts
 every alternative's parameter bytes in one pass over the weights, the
-closed form (`step_memory.state_need`) says what each needs of a device,
+closed form (`trained_state.state_need`) says what each needs of a device,
 and `policy` chooses; only the chosen layout becomes rows.
 """
 
@@ -24,7 +24,7 @@ from keras_hub_autodist.fitting import policy
 from keras_hub_autodist.fitting.device_memory import device_memory_info
 from keras_hub_autodist.fitting.device_profiles import device_profile
 from keras_hub_autodist.fitting.layout_plan import LayoutPlan
-from keras_hub_autodist.fitting.step_memory import state_need
+from keras_hub_autodist.fitting.trained_state import state_need
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning.layouts import Alternative
 from keras_hub_autodist.planning.layouts import check_sequence_split
