@@ -32,6 +32,11 @@ quiet.quiet_tensorflow_start()
 quiet.quiet_jax_cuda_plugin_start()
 quiet.quiet_orbax_merge_notice()
 
+from keras_hub_autodist import moved_modules  # noqa: E402
+
+# The memory answers' former module names (`keras_hub_autodist.planning.*`).
+moved_modules.install()
+
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402
 from keras_hub_autodist.errors import ArgumentError  # noqa: E402
 from keras_hub_autodist.errors import AutodistError  # noqa: E402

@@ -119,3 +119,25 @@ def test_the_tests_map_names_every_module():
     tests = set(re.findall(r"`((?:tests|integration)/test_\w+\.py)`", text))
     root = PACKAGE.parent
     assert sorted(t for t in tests if not (root / t).exists()) == []
+
+
+def test_the_moved_modules_import_by_their_former_names_with_a_warning():
+    import importlib
+    import warnings
+
+    from keras_hub_autodist import moved_modules
+    from keras_hub_autodist.fitting import compile_targets
+    from keras_hub_autodist.fitting import step_memory
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        former = importlib.import_module("keras_hub_autodist.planning.step_memory")
+        from keras_hub_autodist.planning import compile_targets as former_targets
+    assert former is step_memory and former_targets is compile_targets
+    assert any(
+        "keras_hub_autodist.fitting.step_memory" in str(w.message)
+        and w.category is DeprecationWarning
+        for w in caught
+    )
+    for former_name, name in moved_modules.MOVED_MODULES.items():
+        assert importlib.import_module(former_name) is importlib.import_module(name)
