@@ -373,7 +373,7 @@ def _answer(args) -> dict:
     # The advice names options as this command's flags.
     lines = [as_flags(str(result))]
     if args.batch is not None:
-        lines.append(_step_lines(result, args, estimate, platform, memory))
+        lines.append(_step_lines(result, args, estimate, calibration, memory))
         lines.append(as_flags(verdict))
     if memory is not None:
         lines.append(compiled.compiled_verdict(result, memory, assumption))
@@ -451,14 +451,14 @@ def _check_step_flags(args) -> None:
         )
 
 
-def _step_lines(result, args, estimate, platform, memory) -> str:
+def _step_lines(result, args, estimate, calibration, memory) -> str:
     """The closed-form estimate of the step, and the compiled check."""
     gib = GIB
     padded = _padded_batch(result, args)
     batch = f"{args.batch}" + (f" (padded to {padded})" if padded != args.batch else "")
     lines = [
         f"training step, batch {batch} x {args.seq} tokens, "
-        f"{args.optimizer}, estimated per device ({platform}): "
+        f"{args.optimizer}, estimated per device ({calibration}): "
         f"{estimate.total_bytes / gib:.2f} GiB (weights "
         f"{estimate.weights / gib:.2f}, optimizer state "
         f"{estimate.optimizer_state / gib:.2f}, then the larger of the "
