@@ -117,7 +117,20 @@ def test_fsdp_over_batch_and_context_matches_one_device(tiny_presets_dir):
     assert any("context" in row.spec for row in plan.rows)
 
 
-@pytest.mark.parametrize("name", ["gemma_mqa", "llama3_untied"])
+# A family of each attention reading (`compat.attention`): with a cache
+# each replaced layer takes its own path, prompt and decoding alike.
+GENERATING = [
+    "gemma_mqa",
+    "llama3_untied",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "smollm3",
+    tiny_presets.moe_preset_name("mixtral", 8),
+]
+
+
+@pytest.mark.parametrize("name", GENERATING)
 def test_generate_gives_the_tokens_of_one_device(tiny_presets_dir, name):
     assert_same_generate(tiny_presets_dir[name], MESHES[1])
 

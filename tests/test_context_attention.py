@@ -9,6 +9,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+import tiny_presets
 from equivalence import assert_same_training
 from equivalence import batch_for
 
@@ -146,6 +147,103 @@ def test_padded_training_and_logits_equal_one_device(
     # tail half blocks of its queries (16 tokens over 4 devices).
     assert len(calls) == 2 * lm.backbone.num_layers, calls
     assert_same_training(preset, batch=batch, device_mesh=mesh)
+
+
+# The families whose keys and values arrive repeated to the query heads:
+# preset name -> its CausalLM class. Key/value heads of 2 (split over the
+# model axis), 4 (one per query head) and 1 (sliced per device).
+REPEATED_HEADS = {
+    **{
+        name: tiny_presets.DENSE_FAMILIES[name][1]
+        for name in ("qwen2", "qwen3", "phi3", "smollm3")
+    },
+    tiny_presets.moe_preset_name("mixtral", 6): tiny_presets.MOE_FAMILIES["mixtral"][1],
+}
+
+
+def assert_padded_batch_matches_one_device(preset, task, mesh, monkeypatch):
+    """Logits of a padded batch as one device's, each decoder block's
+    attention run per device, and training as one device's; returns the
+    rules the attention per device ran with."""
+    batch = padded_batch(preset)
+    one = task.from_preset(preset, preprocessor=None)
+    expected = np.asarray(one.predict(batch[0], verbose=0))
+    calls = counting_kernel(monkeypatch)
+    lm = task.from_preset(preset, preprocessor=None, device_mesh=mesh)
+    np.testing.assert_allclose(
+        np.asarray(lm.predict(batch[0], verbose=0)), expected, rtol=1e-5, atol=1e-4
+    )
+    # Each decoder block's attention ran per device, on the head and the
+    # tail half blocks of its queries, in each trace: Keras' `predict` first
+    # calls a model with layers left unbuilt (SmolLM3's) once eagerly.
+    per_trace = 2 * lm.backbone.get_config()["num_layers"]
+    assert calls and len(calls) % per_trace == 0, calls
+    assert_same_training(preset, task=task, batch=batch, device_mesh=mesh)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(REPEATED_HEADS))
+def test_repeated_heads_families_equal_one_device(tiny_presets_dir, monkeypatch, name):
+    rules = assert_padded_batch_matches_one_device(
+        tiny_presets_dir[name],
+        REPEATED_HEADS[name],
+        {"batch": 1, "context": 4, "model": 2},
+        monkeypatch,
+    )
+    # Each of these calls `ops.dot_product_attention` on JAX: a query with
+    # no key gets the mean of the values. Mixtral asks its own
+    # `_use_fused_attention_op`, which a context mesh turns off.
+    assert {rule.keyless_mean for rule in rules} == {"mixtral" not in name}
+
+
+# Windows of 4 tokens on blocks of 4: Mixtral's decoder blocks mask it,
+# Qwen's attention layers on keras' `Softmax` path only.
+WINDOWED = {
+    "mixtral": (tiny_presets.MOE_FAMILIES["mixtral"], {"sliding_window": 4}, None),
+    "qwen2": (
+        tiny_presets.DENSE_FAMILIES["qwen2"],
+        {"use_sliding_window_attention": True, "sliding_window_size": 4},
+        "keras_hub.src.models.qwen.qwen_attention",
+    ),
+    "qwen3": (
+        tiny_presets.DENSE_FAMILIES["qwen3"],
+        {"sliding_window_size": 4},
+        "keras_hub.src.models.qwen3.qwen3_attention",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name,softmax",
+    [
+        pytest.param(name, softmax, id=f"{name}-{'softmax' if softmax else 'fused'}")
+        for name, softmax in [
+            ("mixtral", True),
+            ("qwen2", False),
+            ("qwen2", True),
+            ("qwen3", False),
+            ("qwen3", True),
+        ]
+    ],
+)
+def test_sliding_windows_equal_one_device(tmp_path, monkeypatch, name, softmax):
+    """Qwen on both of its paths; Mixtral on its `Softmax` path, which a
+    context mesh takes."""
+    (backbone, task, config), window, module = WINDOWED[name]
+    if softmax and module:
+        # keras-hub's other path, as where `ops.dot_product_attention` is
+        # not available: scores, the window and keras' `Softmax`.
+        monkeypatch.setattr(f"{module}.fused_attention_op_available", lambda: False)
+    preset = tiny_presets.save_preset(
+        tmp_path / name, backbone, {**config, **window}, task_class=task
+    )
+    rules = assert_padded_batch_matches_one_device(
+        preset, task, {"batch": 2, "context": 4}, monkeypatch
+    )
+    # Qwen's window is masked on the `Softmax` path only.
+    expected = 4 if softmax or module is None else None
+    assert {rule.window for rule in rules} == {expected}
+    assert {rule.keyless_mean for rule in rules} == {module is not None and not softmax}
 
 
 def test_the_known_attention_layers_are_replaced_on_a_context_mesh(tiny_presets_dir):

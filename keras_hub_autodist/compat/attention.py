@@ -15,9 +15,17 @@ does with its mask, which the decoder block built as causal and key padding:
   queries (`1/sqrt(head_dim)`, or `1/sqrt(hidden_dim / heads)`), soft-cap
   the scores, and on sliding-window layers also mask keys `window` or more
   positions before their query.
-- Llama and Mistral take them repeated to the query heads (`ops.repeat` in
-  `call`, before `_compute_attention`); Mistral's decoder block masks its
-  sliding window into the mask itself, from the same `sliding_window`.
+- Llama, Mistral, Mixtral, Phi-3, SmolLM3, Qwen 2 and Qwen 3 take them
+  repeated to the query heads (`ops.repeat` in `call`, before
+  `_compute_attention`), and drop out the attention's output in `call`, not
+  its weights. Mistral's and Mixtral's decoder blocks mask their sliding
+  window into the mask itself, from the same `sliding_window`.
+- Qwen 2 and Qwen 3 mask their sliding window inside `_compute_attention`,
+  and only on keras' `Softmax` path: `ops.dot_product_attention` gets the
+  decoder block's causal and padding mask alone, so no window there.
+- Each of these but Gemma's calls `ops.dot_product_attention` where its
+  module's `fused_attention_op_available()` says so (Mixtral: where its
+  `_use_fused_attention_op()` does), else keras' `Softmax`.
 """
 
 from __future__ import annotations
@@ -68,14 +76,15 @@ def _gemma(layer) -> AttentionReading | None:
 
 
 def _takes_dot_product_attention(layer) -> bool:
-    """Whether a Llama or Mistral layer calls `ops.dot_product_attention`
-    (its module's `fused_attention_op_available()`), else keras' `Softmax`."""
+    """Whether a layer calls `ops.dot_product_attention` where its module's
+    `fused_attention_op_available()` says so, else keras' `Softmax`."""
     return importlib.import_module(
         type(layer).__module__
     ).fused_attention_op_available()
 
 
-def _llama(layer) -> AttentionReading:
+def _repeated_heads(layer) -> AttentionReading:
+    """Llama, Phi-3 and SmolLM3: no window, no cap, no dropout inside."""
     groups = layer.num_key_value_groups
     mean = _takes_dot_product_attention(layer)
     return AttentionReading(layer._inv_norm_factor, None, None, groups, 0.0, mean)
@@ -87,13 +96,45 @@ def _mistral(layer) -> AttentionReading:
     return AttentionReading(layer._inv_norm_factor, None, window, groups, 0.0, mean)
 
 
+def _mixtral(layer) -> AttentionReading:
+    groups, window = layer.num_key_value_groups, layer.sliding_window
+    mean = layer._use_fused_attention_op()
+    return AttentionReading(layer._inv_norm_factor, None, window, groups, 0.0, mean)
+
+
+def _qwen_reading(layer, window: int | None) -> AttentionReading:
+    """Qwen 2 or Qwen 3 with `window` masked on keras' `Softmax` path."""
+    mean = _takes_dot_product_attention(layer)
+    window = None if mean else window
+    groups = layer.num_key_value_groups
+    return AttentionReading(layer._inv_norm_factor, None, window, groups, 0.0, mean)
+
+
+def _qwen2(layer) -> AttentionReading:
+    windowed = layer.use_sliding_window_attention
+    return _qwen_reading(layer, layer.sliding_window_size if windowed else None)
+
+
+def _qwen3(layer) -> AttentionReading:
+    return _qwen_reading(layer, layer.sliding_window_size or None)
+
+
 # keras-hub attention class (module, name) -> its reading.
 _READINGS = {
     ("keras_hub.src.models.gemma.gemma_attention", "CachedGemmaAttention"): _gemma,
     ("keras_hub.src.models.gemma3.gemma3_attention", "CachedGemma3Attention"): _gemma,
-    ("keras_hub.src.models.llama.llama_attention", "LlamaAttention"): _llama,
+    ("keras_hub.src.models.llama.llama_attention", "LlamaAttention"): _repeated_heads,
     ("keras_hub.src.models.mistral.mistral_attention", "CachedMistralAttention"): (
         _mistral
+    ),
+    ("keras_hub.src.models.mixtral.mixtral_attention", "CachedMixtralAttention"): (
+        _mixtral
+    ),
+    ("keras_hub.src.models.phi3.phi3_attention", "Phi3Attention"): _repeated_heads,
+    ("keras_hub.src.models.qwen.qwen_attention", "QwenAttention"): _qwen2,
+    ("keras_hub.src.models.qwen3.qwen3_attention", "Qwen3Attention"): _qwen3,
+    ("keras_hub.src.models.smollm3.smollm3_layers", "SmolLM3Attention"): (
+        _repeated_heads
     ),
 }
 

@@ -8,4 +8,14 @@ KEY_BLOCK = 512
 
 # The planner's architectures whose attention layers run per device on a
 # context mesh (`compat.attention` reads their layers).
-PER_DEVICE_ARCHITECTURES = ("gemma", "gemma3", "llama", "mistral")
+PER_DEVICE_ARCHITECTURES = (
+    "gemma",
+    "gemma3",
+    "llama",
+    "mistral",
+    "mixtral",
+    "phi3",
+    "qwen",
+    "qwen3",
+    "smollm3",
+)

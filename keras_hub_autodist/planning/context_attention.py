@@ -102,7 +102,10 @@ def _compute_attention(original, reading, model_axis, *args, **kwargs):
     own_path = (
         not isinstance(distribution, distribution_lib.ContextParallel)
         or distribution_lib.is_decoding()
-        or not (isinstance(cache_index, int) and cache_index == 0)
+        # No cache index (Qwen, SmolLM3) or 0: the whole sequence at once.
+        or not (
+            cache_index is None or (isinstance(cache_index, int) and cache_index == 0)
+        )
         or query.shape[1] != key.shape[1]
         or (reading.dropout and training is not False)
     )
