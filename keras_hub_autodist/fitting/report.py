@@ -17,6 +17,8 @@ from keras_hub_autodist.fitting.device_memory import DEVICE_MEMORY_GB_ENV
 from keras_hub_autodist.fitting.device_memory import MEMORY_ASSUMED
 from keras_hub_autodist.fitting.device_memory import MEMORY_ENV
 from keras_hub_autodist.fitting.device_memory import MEMORY_REPORTED
+from keras_hub_autodist.fitting.device_profiles import device_profile
+from keras_hub_autodist.fitting.device_profiles import usable_memory
 from keras_hub_autodist.fitting.policy import AUTO_TP_MEMORY_SHARE
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning import step_shape
@@ -52,6 +54,12 @@ def memory_note(plan: PlanRecord) -> str:
             "assumed: no device reported its memory; give yours with "
             f"{option('device_memory')}"
         )
+    if plan.device_name:
+        # What JAX can allocate on the named device, and why that much.
+        profile = device_profile(plan.device_name)
+        if profile.platform == "tpu":
+            return "the HBM the TPU compiler gives one program there"
+        return usable_memory(profile)[1].split(": ", 1)[-1].split("; ")[0]
     return "given"
 
 
