@@ -26,6 +26,7 @@ import os
 
 from keras_hub_autodist.errors import CompilerMissingError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.fitting.device_profiles import device_key
 from keras_hub_autodist.quiet import native_stderr_filtered
 
 TPU_EXTRA = "tpu-compile"
@@ -114,7 +115,7 @@ def target_spec(name: str) -> TargetSpec:
     >>> target_spec("V5E").platform
     'tpu'
     """
-    key = name.strip().lower() if isinstance(name, str) else name
+    key = device_key(name)
     if key not in TARGETS:
         raise PlanError(
             f"No compiler target for device {name!r}: name one of "

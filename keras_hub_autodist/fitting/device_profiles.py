@@ -188,6 +188,17 @@ def _fraction(name: str, text: str) -> float:
     return value
 
 
+def device_key(name):
+    """A device or platform name as the tables key it: case and spaces
+    ignored (anything but a string as it is, for the lookup to refuse).
+
+    Example:
+    >>> device_key(" V3-8 ")
+    'v3-8'
+    """
+    return name.strip().lower() if isinstance(name, str) else name
+
+
 def device_profile(name: str) -> DeviceProfile:
     """The profile of a named device, case and spaces ignored.
 
@@ -198,7 +209,7 @@ def device_profile(name: str) -> DeviceProfile:
     >>> device_profile("V3-8").platform
     'tpu'
     """
-    key = name.strip().lower() if isinstance(name, str) else name
+    key = device_key(name)
     if key not in DEVICE_PROFILES:
         raise PlanError(
             f"Unknown device {name!r}: name one of {sorted(DEVICE_PROFILES)}, "

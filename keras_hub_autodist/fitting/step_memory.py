@@ -61,6 +61,7 @@ import math
 
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
+from keras_hub_autodist.fitting.device_profiles import device_key
 from keras_hub_autodist.fitting.memory_factors import ACTIVATION_FACTORS
 from keras_hub_autodist.fitting.memory_factors import ACTIVATION_TERMS
 from keras_hub_autodist.fitting.memory_factors import FLOAT16_DTYPES
@@ -95,6 +96,8 @@ class StepEstimate:
             included; 0 when no batch and sequence length were given.
         update_temporaries: what applying the update keeps beside the
             state (`UPDATE_TEMPORARIES`); the activations are gone by then.
+        covers: what the total counts: `STEP` (a training step of a
+            batch) or `STATE_ONLY` (weights and optimizer state alone).
         gradients_at_peak: the gradients live beside the activations at
             the backward pass's peak (`GRADIENTS_AT_PEAK`): the backward
             pass frees each block's activations as it makes its gradients.
@@ -103,8 +106,6 @@ class StepEstimate:
     The total is the weights and the optimizer's slots, plus the larger of
     the backward pass's peak (`gradients_at_peak` and the activations) and
     the update's (all gradients and the update's temporaries).
-        covers: what the total counts: `STEP` (a training step of a
-            batch) or `STATE_ONLY` (weights and optimizer state alone).
 
     Example:
     ```python
@@ -371,7 +372,7 @@ def calibration_of(platform: str) -> tuple[str, tuple[str, ...]]:
     >>> calibration_of("t4"), calibration_of("H100"), calibration_of("v5e")
     (('t4', ('bfloat16',)), ('gpu', ()), ('tpu', ()))
     """
-    key = platform.strip().lower() if isinstance(platform, str) else platform
+    key = device_key(platform)
     if key in ACTIVATION_FACTORS:
         factors = key
     elif key in DEVICE_PROFILES:
@@ -422,8 +423,8 @@ def term_sizes(plan, platform: str = "gpu") -> dict[str, int]:
     (`calibration_of`): the model's dtype, or float32 where the compiler
     computes it so (`FLOAT32_COMPUTE`); the loss's logits in float32; the
     attention scores with float32 logits beside them for the architectures
-    whose attention keeps both (`FLOAT32_SCORES`). The float32 copies of weights are
-    0 where the model's dtype is computed as such.
+    whose attention keeps both (`FLOAT32_SCORES`). The float32 copies of
+    weights are 0 where the model's dtype is computed as such.
 
     Example:
     ```python

@@ -91,15 +91,10 @@ def lora_parameters(rows, lora_rank: int, mesh_axes=None) -> int:
     ```
     """
 
-    def per_device(size, entries):
+    def per_device(size, spec):
         if mesh_axes is None:
             return size
-        names = [
-            n
-            for entry in entries
-            for n in (entry if isinstance(entry, tuple) else (entry,))
-        ]
-        return -(-size // math.prod(mesh_axes.size(name) for name in names))
+        return -(-size // math.prod(mesh_axes.size(axis) for axis in spec))
 
     return sum(
         lora_rank
