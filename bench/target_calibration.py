@@ -161,6 +161,20 @@ def case_plan(target, config, shape, strategy, lora_rank, dtype):
     )
 
 
+def case_fields(target, config, shape, strategy, lora_rank, dtype, batch, seq):
+    """What names a case in its stored row."""
+    return dict(
+        target=target,
+        config=config,
+        mesh=f"{shape[0]}x{shape[1]}",
+        strategy=strategy,
+        lora_rank=lora_rank,
+        dtype=dtype,
+        batch=batch,
+        seq=seq,
+    )
+
+
 def measure(target, config, shape, strategy, lora_rank, dtype, batch, seq) -> dict:
     """One case: the plan for `target`, its compiled step and closed form."""
     import keras_hub_autodist
@@ -170,15 +184,8 @@ def measure(target, config, shape, strategy, lora_rank, dtype, batch, seq) -> di
     compiled = keras_hub_autodist.compiled_memory(plan, batch, seq, "adam")
     seconds = time.perf_counter() - started
     row = dict(
-        target=target,
+        case_fields(target, config, shape, strategy, lora_rank, dtype, batch, seq),
         device_kind=compiled.device_kind,
-        config=config,
-        mesh=f"{shape[0]}x{shape[1]}",
-        strategy=strategy,
-        lora_rank=lora_rank,
-        dtype=dtype,
-        batch=batch,
-        seq=seq,
         peak=compiled.peak_bytes,
         argument=compiled.argument_bytes,
         compile_seconds=round(seconds, 1),
@@ -220,18 +227,10 @@ def estimated_again(row) -> dict:
     return {**row, **closed_form(plan, row)}
 
 
-def refused(target, config, shape, strategy, lora_rank, dtype, batch, seq, error):
+def refused(case, error) -> dict:
     """A case the target's compiler refuses to compile (not for its size)."""
     return dict(
-        target=target,
-        config=config,
-        mesh=f"{shape[0]}x{shape[1]}",
-        strategy=strategy,
-        lora_rank=lora_rank,
-        dtype=dtype,
-        batch=batch,
-        seq=seq,
-        refused=str(error).split(": ", 1)[-1].split(". ")[0],
+        case_fields(*case), refused=str(error).split(": ", 1)[-1].split(". ")[0]
     )
 
 
@@ -362,7 +361,7 @@ def main(argv=None) -> int:
             try:
                 row = measure(target, *case)
             except TargetCompileError as error:
-                row = refused(target, *case, error)
+                row = refused((target, *case), error)
             rows.append(row)
             print(json.dumps(row), flush=True, file=sys.stderr)
             if args.json:
