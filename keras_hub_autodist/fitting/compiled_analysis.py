@@ -64,6 +64,11 @@ ATTENTION_KERNELS = (
 )
 _CUSTOM_CALL = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _KERNEL_NAME = re.compile(r'"(?:kernel_name|name)"\s*:\s*"(?P<name>[^"]+)"')
+# A Pallas kernel's custom call is named after its kernel in the program:
+# `%splash_mqa_fwd.1 = (...) custom-call(...), custom_call_target="tpu_custom_call"`.
+_CALL_NAME = re.compile(
+    r"%(?P<name>[\w.-]+) = [^\n]*custom_call_target=\"tpu_custom_call\""
+)
 # The compiler's own figures when a program does not fit, e.g. (TPU)
 # "the total memory required for HLO temporaries (48.00G) exceeds available
 # HBM (15.75G)" or "Used 20.95G of 15.48G hbm".
@@ -137,11 +142,17 @@ def attention_kernel(hlo_text: str) -> str:
     Example:
     >>> attention_kernel('custom_call_target="__cudnn$fmhaSoftmax"')
     'cudnn_flash'
+    >>> attention_kernel(
+    ...     '%splash_mqa_fwd.1 = f32[8] custom-call(%q), '
+    ...     'custom_call_target="tpu_custom_call"'
+    ... )
+    'splash'
     >>> attention_kernel("%dot = f32[8,8] dot(%q, %k)")
     'xla'
     """
     names = [m["target"] for m in _CUSTOM_CALL.finditer(hlo_text)]
     names += [m["name"] for m in _KERNEL_NAME.finditer(hlo_text)]
+    names += [m["name"] for m in _CALL_NAME.finditer(hlo_text)]
     for name in names:
         lowered = name.lower()
         for word, answer in ATTENTION_KERNELS:

@@ -133,21 +133,36 @@ def rows_with_a_key(rule, query_positions, key_valid):
     return (counts_before[:, end] - counts_before[:, begin]) > 0
 
 
-def _forward(rule, queries, keys, values, query_positions, key_positions, key_valid):
-    """The output `[batch, queries, kv_heads, groups, head_dim]` (float32),
-    and each query's highest score and sum of `exp(score - highest)`: kept
-    apart, as a log-sum-exp near `MASKED_SCORE` would lose the sum's log
-    to rounding. Key blocks masked by position are skipped; a query with
-    no key at all gets `rule.keyless_mean`'s answer."""
-    size = key_block_size(keys.shape[1], rule.key_block)
-    scaled = queries.astype(jnp.float32) * rule.scale
-    batch, length, kv_heads, groups, _ = queries.shape
+def start_carry(queries):
+    """The online softmax's state before any key, per query: the highest
+    score so far, the sum of `exp(score - highest)`, and the weighted sum
+    of values (`[batch, kv_heads, groups, queries(, head_dim)]`, float32)."""
+    batch, length, kv_heads, groups, head_dim = queries.shape
     shape = (batch, kv_heads, groups, length)
-    start = (
+    return (
         jnp.full(shape, MASKED_SCORE, jnp.float32),
         jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, values.shape[-1]), jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
     )
+
+
+def accumulate(
+    rule, carry, scaled, keys, values, query_positions, key_positions, key_valid
+):
+    """The online softmax's state after `keys` and `values` too, one key
+    block at a time; key blocks masked by position are skipped.
+
+    Args:
+        rule: the `AttentionRule`.
+        carry: `start_carry`'s, or a previous `accumulate`'s.
+        scaled: the queries times `rule.scale`, float32.
+        keys: `[batch, keys, kv_heads, head_dim]`.
+        values: as `keys`.
+        query_positions: `[queries]` int32.
+        key_positions: `[keys]` int32.
+        key_valid: `[batch, keys]` bool, `False` on padding.
+    """
+    size = key_block_size(keys.shape[1], rule.key_block)
 
     def attend(carry, block):
         high, total, weighted = carry
@@ -174,15 +189,45 @@ def _forward(rule, queries, keys, values, query_positions, key_positions, key_va
         key_positions.reshape(-1, size),
         _blocks(key_valid, size),
     )
-    (high, total, weighted), _ = jax.lax.scan(step, start, blocks)
-    has_key = rows_with_a_key(rule, query_positions, key_valid)[:, None, None, :]
+    carry, _ = jax.lax.scan(step, carry, blocks)
+    return carry
+
+
+def finish(rule, carry, has_key, value_mean):
+    """The output `[batch, queries, kv_heads, groups, head_dim]` (float32)
+    of an online softmax's final state. A query without a key (`has_key`,
+    `[batch, queries]`) gets `value_mean` (`[batch, kv_heads, head_dim]`,
+    the mean of every value) under `rule.keyless_mean`, else zeros."""
+    _, total, weighted = carry
+    has_key = has_key[:, None, None, :]
     keyless = 0.0
     if rule.keyless_mean:
-        keyless = values.astype(jnp.float32).mean(axis=1)[:, :, None, None, :]
+        keyless = value_mean[:, :, None, None, :]
     output = jnp.where(
         has_key[..., None], weighted / jnp.where(has_key, total, 1)[..., None], keyless
     )
-    return jnp.einsum("bkgtd->btkgd", output), (high, total)
+    return jnp.einsum("bkgtd->btkgd", output)
+
+
+def _forward(rule, queries, keys, values, query_positions, key_positions, key_valid):
+    """The output `[batch, queries, kv_heads, groups, head_dim]` (float32),
+    and each query's highest score and sum of `exp(score - highest)`: kept
+    apart, as a log-sum-exp near `MASKED_SCORE` would lose the sum's log
+    to rounding."""
+    scaled = queries.astype(jnp.float32) * rule.scale
+    carry = accumulate(
+        rule,
+        start_carry(queries),
+        scaled,
+        keys,
+        values,
+        query_positions,
+        key_positions,
+        key_valid,
+    )
+    has_key = rows_with_a_key(rule, query_positions, key_valid)
+    value_mean = values.astype(jnp.float32).mean(axis=1)
+    return finish(rule, carry, has_key, value_mean), carry[:2]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -221,26 +266,33 @@ def _attention_forward(
     return output.astype(queries.dtype), (saved, output, softmax_sums)
 
 
-def _attention_backward(rule, residuals, output_grad):
-    """Flash attention's backward pass, one key block at a time: each
-    block's probabilities come back from the saved maximum and sum."""
-    saved, output, (high, total) = residuals
-    queries, keys, values, query_positions, key_positions, key_valid = saved
-    size = key_block_size(keys.shape[1], rule.key_block)
-    scaled = queries.astype(jnp.float32) * rule.scale
-    output_grad = output_grad.astype(jnp.float32)
-    # Each query's sum of output x its gradient: softmax's correction term.
-    correction = jnp.einsum("btkgd,btkgd->bkgt", output_grad, output)
+def gradients(
+    rule, query_grad, softmax, keys, values, key_positions, key_valid, **queries
+):
+    """The queries' gradient so far plus that through `keys` and `values`,
+    and the gradients of `keys` and `values` (float32), one key block at a
+    time: each block's probabilities come back from the saved softmax.
 
-    rows = rows_with_a_key(rule, query_positions, key_valid)
-    has_key = rows[:, None, None, :]
-    total = jnp.where(has_key, total, 1)
+    Args:
+        rule: the `AttentionRule`.
+        query_grad: the queries' gradient so far (float32, unscaled).
+        softmax: `(high, total, has_key, correction)`: each query's highest
+            score, its sum of `exp(score - high)` (1 where it has no key),
+            whether it has a key, and its sum of output x output gradient.
+        keys, values, key_positions, key_valid: as `accumulate`'s.
+        **queries: `scaled` (as `accumulate`'s), `positions` (its
+            `query_positions`) and `output_grad` (float32).
+    """
+    high, total, has_key, correction = softmax
+    scaled, positions = queries["scaled"], queries["positions"]
+    output_grad = queries["output_grad"]
+    size = key_block_size(keys.shape[1], rule.key_block)
 
     def attend(query_grad, block):
-        key, value, positions, valid = block
+        key, value, key_positions, valid = block
         key, value = key.astype(jnp.float32), value.astype(jnp.float32)
         raw, scores = _scores(rule, scaled, key)
-        allowed = _allowed(rule, query_positions, positions, valid)
+        allowed = _allowed(rule, positions, key_positions, valid)
         scores = jnp.where(allowed, scores, MASKED_SCORE)
         weights = jnp.exp(scores - high[..., None]) / total[..., None]
         # A query without a key has no weights here (see `keyless_mean`).
@@ -261,7 +313,7 @@ def _attention_backward(rule, residuals, output_grad):
         return query_grad, (zeros, zeros)
 
     def step(query_grad, block):
-        skipped = _skipped(rule, query_positions, block[2])
+        skipped = _skipped(rule, positions, block[2])
         return jax.lax.cond(skipped, skip, attend, query_grad, block)
 
     blocks = (
@@ -270,17 +322,55 @@ def _attention_backward(rule, residuals, output_grad):
         key_positions.reshape(-1, size),
         _blocks(key_valid, size),
     )
-    start = jnp.zeros(queries.shape, jnp.float32)
-    query_grad, (key_grads, value_grads) = jax.lax.scan(step, start, blocks)
-    value_grad = _unblocks(value_grads)
+    query_grad, (key_grads, value_grads) = jax.lax.scan(step, query_grad, blocks)
+    return query_grad, _unblocks(key_grads), _unblocks(value_grads)
+
+
+def softmax_of(rule, carry_sums, output, output_grad, query_positions, key_valid):
+    """`gradients`' `softmax` from the forward pass' saved sums, output
+    (float32) and the output's gradient (float32)."""
+    high, total = carry_sums
+    # Each query's sum of output x its gradient: softmax's correction term.
+    correction = jnp.einsum("btkgd,btkgd->bkgt", output_grad, output)
+    has_key = rows_with_a_key(rule, query_positions, key_valid)[:, None, None, :]
+    return high, jnp.where(has_key, total, 1), has_key, correction
+
+
+def keyless_value_grad(rule, output_grad, query_positions, key_valid):
+    """`[batch, kv_heads, head_dim]`: what each value's gradient gains from
+    the queries without a key, which took the mean of every value (times
+    the number of values), under `rule.keyless_mean`."""
+    rows = rows_with_a_key(rule, query_positions, key_valid)
+    keyless = 1.0 - rows.astype(jnp.float32)
+    return jnp.einsum("btkgd,bt->bkd", output_grad, keyless)
+
+
+def _attention_backward(rule, residuals, output_grad):
+    """Flash attention's backward pass, one key block at a time."""
+    saved, output, carry_sums = residuals
+    queries, keys, values, query_positions, key_positions, key_valid = saved
+    output_grad = output_grad.astype(jnp.float32)
+    softmax = softmax_of(
+        rule, carry_sums, output, output_grad, query_positions, key_valid
+    )
+    query_grad, key_grad, value_grad = gradients(
+        rule,
+        jnp.zeros(queries.shape, jnp.float32),
+        softmax,
+        keys,
+        values,
+        key_positions,
+        key_valid,
+        scaled=queries.astype(jnp.float32) * rule.scale,
+        positions=query_positions,
+        output_grad=output_grad,
+    )
     if rule.keyless_mean:
-        # The queries without a key took the mean of the values.
-        keyless = 1.0 - rows.astype(jnp.float32)
-        keyless = jnp.einsum("btkgd,bt->bkd", output_grad, keyless)
+        keyless = keyless_value_grad(rule, output_grad, query_positions, key_valid)
         value_grad = value_grad + keyless[:, None] / keys.shape[1]
     return (
         (query_grad * rule.scale).astype(queries.dtype),
-        _unblocks(key_grads).astype(keys.dtype),
+        key_grad.astype(keys.dtype),
         value_grad.astype(values.dtype),
         None,
         None,

@@ -32,17 +32,23 @@ import functools
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.compat import attention as compat_attention
 from keras_hub_autodist.planning import distribution as distribution_lib
+from keras_hub_autodist.planning import splash_attention
 from keras_hub_autodist.planning.blockwise_attention import AttentionRule
 from keras_hub_autodist.planning.blockwise_attention import blockwise_attention
 
 # The context-parallel strategies implemented: each device gathers the
 # whole sequence's keys and values before attending.
 STRATEGIES = ("all_gather",)
+
+# The kernel each device attends with, by the platform of the mesh's
+# devices: the fused one where it applies, else `blockwise_attention`.
+FUSED_KERNELS = {"tpu": "splash"}
 
 # On a causal sequence, each device attends the queries of two half blocks,
 # one from each end of the sequence (`_balanced`), so that every device
@@ -163,6 +169,7 @@ def attention_per_device(
     batch_axis: str,
     context_axis: str,
     model_axis: str | None = None,
+    kernel: str | None = None,
 ):
     """Attention of a whole batch on a context mesh, each device attending
     its block of queries to the keys and values gathered over the context
@@ -180,6 +187,9 @@ def attention_per_device(
         batch_axis: the mesh axis of the batch.
         context_axis: the mesh axis that splits each sequence.
         model_axis: the mesh axis of the heads, or `None`.
+        kernel: `"splash"` or `"blockwise"`; `None`: the fused kernel of
+            the mesh's platform (`FUSED_KERNELS`) where it applies, else
+            `"blockwise"`. Splash off a TPU runs in Pallas' interpreter.
 
     Returns:
         `[batch, sequence, heads, head_dim]`, split as `query`.
@@ -201,19 +211,43 @@ def attention_per_device(
 
     contexts = sizes[context_axis]
     balanced = BALANCE_CAUSAL and rule.causal and query.shape[1] % (2 * contexts) == 0
+    sequence, block = query.shape[1], query.shape[1] // contexts
+    kernel = kernel or FUSED_KERNELS.get(mesh.devices.flat[0].platform, "blockwise")
+    if kernel == "splash" and not splash_attention.applies(
+        head_dim, block, sequence, contexts
+    ):
+        kernel = "blockwise"
+    fused = ()
+    if kernel == "splash":
+        local_kv = 1 if slice_kv else (kv_heads // models if kv_axis else kv_heads)
+        fused = (
+            splash_attention.splash_kernel(
+                rule,
+                tuple(query_order(sequence, contexts, balanced)),
+                local_heads // local_kv,
+                block,
+                contexts,
+                interpret=mesh.devices.flat[0].platform != "tpu",
+            ),
+        )
 
-    def attend(query, key, value, key_valid, positions):
+    def attend(query, key, value, key_valid, positions, fused=()):
         shape = query.shape
         grouped = query.reshape(
             *shape[:2], key.shape[2], shape[2] // key.shape[2], head_dim
         )
-        key_positions = jnp.arange(key.shape[1], dtype=jnp.int32)
-        output = blockwise_attention(
-            rule, grouped, key, value, positions, key_positions, key_valid
-        )
+        if fused:
+            output = splash_attention.attend(
+                fused[0], rule, grouped, key, value, positions, key_valid
+            )
+        else:
+            key_positions = jnp.arange(key.shape[1], dtype=jnp.int32)
+            output = blockwise_attention(
+                rule, grouped, key, value, positions, key_positions, key_valid
+            )
         return output.reshape(shape)
 
-    def local(query, key, value, key_valid):
+    def local(query, key, value, key_valid, *fused):
         key = jax.lax.all_gather(key, context_axis, axis=1, tiled=True)
         value = jax.lax.all_gather(value, context_axis, axis=1, tiled=True)
         index = jax.lax.axis_index(context_axis)
@@ -221,28 +255,57 @@ def attention_per_device(
             first = jax.lax.axis_index(heads_axis) * local_heads // groups
             key = jax.lax.dynamic_slice_in_dim(key, first, 1, axis=2)
             value = jax.lax.dynamic_slice_in_dim(value, first, 1, axis=2)
-        block = query.shape[1]
+        attend_all = functools.partial(
+            attend, key=key, value=value, key_valid=key_valid, fused=fused
+        )
         if not balanced:
             positions = index * block + jnp.arange(block, dtype=jnp.int32)
-            return attend(query, key, value, key_valid, positions)
+            return attend_all(query, positions=positions)
+        # The fused kernel takes both halves at once, in its rows' order;
+        # the blocks skip more keys one half at a time.
         return _balanced(
-            functools.partial(attend, key=key, value=value, key_valid=key_valid),
-            query,
-            index,
-            contexts,
-            context_axis,
+            attend_all, query, index, contexts, context_axis, together=bool(fused)
         )
 
     query_spec = PartitionSpec(batch_spec, context_axis, heads_axis, None)
     kv_spec = PartitionSpec(batch_spec, context_axis, kv_axis, None)
+    fused_specs = tuple(
+        splash_attention.kernel_spec(f, mesh, context_axis) for f in fused
+    )
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(query_spec, kv_spec, kv_spec, PartitionSpec(batch_spec, None)),
+        in_specs=(
+            query_spec,
+            kv_spec,
+            kv_spec,
+            PartitionSpec(batch_spec, None),
+            *fused_specs,
+        ),
         out_specs=query_spec,
         check_vma=False,
     )
-    return mapped(query, key, value, key_valid)
+    return mapped(query, key, value, key_valid, *fused)
+
+
+def query_order(sequence: int, contexts: int, balanced: bool) -> np.ndarray:
+    """The position of each query in the order the devices attend them:
+    device `i`'s block is the `i`-th `sequence / contexts` of it.
+
+    Example:
+    >>> query_order(8, 2, balanced=True).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    if not balanced:
+        return np.arange(sequence)
+    half = sequence // (2 * contexts)
+    return np.concatenate(
+        [
+            np.arange(chunk * half, (chunk + 1) * half)
+            for pair in balanced_chunks(contexts)
+            for chunk in pair
+        ]
+    )
 
 
 def balanced_chunks(contexts: int) -> list[tuple[int, int]]:
@@ -263,12 +326,13 @@ def _owner(chunk: int, contexts: int) -> int:
     return chunk if chunk < contexts else 2 * contexts - 1 - chunk
 
 
-def _balanced(attend, query, index, contexts: int, context_axis: str):
+def _balanced(attend, query, index, contexts: int, context_axis: str, together=False):
     """`attend(queries, positions)` over the head-and-tail half blocks
     (`balanced_chunks`), from and back to the contiguous blocks the model
     holds: device `i` holds half blocks `2i` and `2i + 1`, sends each to
     the device that attends it (`ppermute`), attends the two it receives at
-    their positions in the sequence, and sends the outputs back."""
+    their positions in the sequence (both at once when `together`), and
+    sends the outputs back."""
     half = query.shape[1] // 2
     sends = [
         [(i, _owner(2 * i + slot, contexts)) for i in range(contexts)]
@@ -285,8 +349,17 @@ def _balanced(attend, query, index, contexts: int, context_axis: str):
     head = jnp.where(head_first, received[0], received[1])
     tail = jnp.where(head_first, received[1], received[0])
     steps = jnp.arange(half, dtype=jnp.int32)
-    head_out = attend(head, positions=index * half + steps)
-    tail_out = attend(tail, positions=(2 * contexts - 1 - index) * half + steps)
+    head_positions = index * half + steps
+    tail_positions = (2 * contexts - 1 - index) * half + steps
+    if together:
+        both = attend(
+            jnp.concatenate([head, tail], axis=1),
+            positions=jnp.concatenate([head_positions, tail_positions]),
+        )
+        head_out, tail_out = both[:, :half], both[:, half:]
+    else:
+        head_out = attend(head, positions=head_positions)
+        tail_out = attend(tail, positions=tail_positions)
     back = (
         jnp.where(head_first, head_out, tail_out),
         jnp.where(head_first, tail_out, head_out),

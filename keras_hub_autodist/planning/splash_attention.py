@@ -1,0 +1,190 @@
+"""TPU's fused attention kernel (Pallas' splash attention) per device on a
+context mesh.
+
+The splash kernel computes flash attention with its mask as a function of
+the query's and key's positions: it never holds a score matrix, and skips
+the blocks of keys that no query of a block may see. Here one kernel is
+built for the whole `[sequence, sequence]` mask, its rows in the order the
+devices hold the queries (`q_sequence`: contiguous blocks, or the
+head-and-tail halves of the balanced layout), and its block tables are
+split over the context axis (`q_seq_shards`): each device gets the rows of
+its own queries and attends them to the keys and values gathered over the
+context axis.
+
+What the kernel does not compute as the layer would is done around it: the
+queries are scaled before it, and padding is a segment id (every query 1,
+a key 1 for a token and 0 for padding), so that no query sees a padding
+key. A query without a key to attend (a left-padding token) gets the
+layer's answer for it, as in `blockwise_attention`.
+
+On a TPU the kernel is compiled; anywhere else (a test on the CPU) it runs
+in Pallas' interpreter, which computes the same.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash_kernel_lib,
+)
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask as splash_mask_lib,
+)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from keras_hub_autodist.planning.blockwise_attention import AttentionRule
+from keras_hub_autodist.planning.blockwise_attention import rows_with_a_key
+
+# The kernel's head dimension is laid out in lanes of 128 values.
+HEAD_DIM_MULTIPLE = 128
+
+# The query and key blocks tried, largest first: the first that divides a
+# device's queries and the whole sequence is taken.
+BLOCK_SIZES = (512, 256, 128)
+
+
+def block_size(queries: int, sequence: int) -> int | None:
+    """The splash block for `queries` per device and `sequence` keys, or
+    `None` when no block of `BLOCK_SIZES` divides both.
+
+    Example:
+    >>> block_size(4096, 32768), block_size(96, 768)
+    (512, None)
+    """
+    for size in BLOCK_SIZES:
+        if queries % size == 0 and sequence % size == 0:
+            return size
+    return None
+
+
+def applies(head_dim: int, queries: int, sequence: int, contexts: int) -> bool:
+    """Whether splash can attend `queries` per device of a `sequence` cut
+    in `contexts` blocks: a head dimension of whole lanes, a block that
+    divides both lengths, and a sequence that the mask's shards split
+    evenly (splash asks `contexts²` to divide it).
+
+    Example:
+    >>> applies(256, 4096, 32768, 8), applies(64, 4096, 32768, 8)
+    (True, False)
+    """
+    return (
+        head_dim % HEAD_DIM_MULTIPLE == 0
+        and block_size(queries, sequence) is not None
+        and sequence % (contexts * contexts) == 0
+    )
+
+
+def _mask(rule: AttentionRule, order: tuple[int, ...]):
+    """The `[sequence, sequence]` mask of `rule` with its rows in `order`
+    (each row's query position)."""
+    shape = (len(order), len(order))
+    window = rule.window
+    if rule.causal and window is None:
+        mask = splash_mask_lib.CausalMask(shape)
+    elif window is not None:
+        # A key `window` or more positions before its query is masked; one
+        # after it too, when causal.
+        mask = splash_mask_lib.LocalMask(
+            shape, window_size=(window - 1, 0 if rule.causal else None), offset=0
+        )
+    else:
+        return splash_mask_lib.FullMask(shape)
+    mask.q_sequence = np.asarray(order, np.int32)
+    return mask
+
+
+@functools.lru_cache(maxsize=16)
+def splash_kernel(
+    rule: AttentionRule,
+    order: tuple[int, ...],
+    heads_per_kv_head: int,
+    queries: int,
+    contexts: int,
+    interpret: bool,
+):
+    """The splash kernel of one key/value head and its `heads_per_kv_head`
+    query heads, for a sequence whose query rows the devices hold in
+    `order`, `queries` each, split over `contexts` devices.
+
+    Cached: every layer with the same rule shares one kernel (building its
+    block tables is numpy work that grows with the square of the sequence).
+    """
+    size = block_size(queries, len(order))
+    sizes = splash_kernel_lib.BlockSizes(
+        block_q=size,
+        block_kv=size,
+        block_kv_compute=size,
+        block_q_dkv=size,
+        block_kv_dkv=size,
+        block_kv_dkv_compute=size,
+        block_q_dq=size,
+        block_kv_dq=size,
+    )
+    mask = splash_mask_lib.MultiHeadMask([_mask(rule, order)] * heads_per_kv_head)
+    # Built outside any trace, and kept as numpy: the cached kernel's tables
+    # are constants of every program that uses them.
+    with jax.ensure_compile_time_eval():
+        kernel = splash_kernel_lib.make_splash_mqa(
+            mask,
+            block_sizes=sizes,
+            attn_logits_soft_cap=rule.soft_cap,
+            head_shards=1,
+            q_seq_shards=contexts,
+            interpret=interpret,
+        )
+    return jax.tree.map(np.asarray, kernel)
+
+
+def kernel_spec(kernel, mesh, context_axis: str):
+    """`kernel`'s `shard_map` spec: its block tables split over
+    `context_axis`, replicated over every other axis."""
+    return kernel.manual_sharding_spec(
+        NamedSharding(mesh, PartitionSpec(None, context_axis))
+    )
+
+
+def attend(kernel, rule: AttentionRule, query, key, value, positions, key_valid):
+    """One device's queries attended by `kernel` to every key.
+
+    Args:
+        kernel: `splash_kernel`'s, as `shard_map` split it.
+        rule: the `AttentionRule` the kernel was built for.
+        query: `[batch, queries, kv_heads, groups, head_dim]`, in the
+            kernel's row order.
+        key: `[batch, sequence, kv_heads, head_dim]`.
+        value: as `key`.
+        positions: `[queries]` int32, each query's position.
+        key_valid: `[batch, sequence]` bool, `False` on padding.
+
+    Returns:
+        As `query`.
+    """
+    dtype = query.dtype
+    scaled = (query.astype(jnp.float32) * rule.scale).astype(dtype)
+    # The kernel's layout: heads first, then the sequence.
+    queries = jnp.einsum("btkgd->bkgtd", scaled)
+    keys = jnp.einsum("bskd->bksd", key.astype(dtype))
+    values = jnp.einsum("bskd->bksd", value.astype(dtype))
+    # Every query is in segment 1, and only the keys that are tokens: a
+    # padding key is masked for every query, as the decoder's mask does.
+    segments = splash_kernel_lib.SegmentIds(
+        q=jnp.ones((key_valid.shape[0], positions.shape[0]), jnp.int32),
+        kv=key_valid.astype(jnp.int32),
+    )
+
+    def one_head(queries, keys, values, segments):
+        return kernel(queries, keys, values, segment_ids=segments)
+
+    per_head = jax.vmap(one_head, in_axes=(0, 0, 0, None))
+    output = jax.vmap(per_head)(queries, keys, values, segments)
+    output = jnp.einsum("bkgtd->btkgd", output)
+    has_key = rows_with_a_key(rule, positions, key_valid)[:, :, None, None, None]
+    keyless = jnp.zeros((), dtype)
+    if rule.keyless_mean:
+        keyless = value.astype(jnp.float32).mean(axis=1)[:, None, :, None, :]
+    return jnp.where(has_key, output, keyless.astype(dtype))

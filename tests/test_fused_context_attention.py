@@ -1,0 +1,99 @@
+"""The fused kernels of the attention per device on a context mesh: splash
+(TPU), checked in Pallas' interpreter against the whole score matrix, and
+compiled for a TPU target on this machine."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from test_context_attention import whole_matrix
+
+from keras_hub_autodist.planning import context_attention
+from keras_hub_autodist.planning import splash_attention
+from keras_hub_autodist.planning.blockwise_attention import AttentionRule
+
+RULES = {
+    "causal": AttentionRule(0.25),
+    "cap_window": AttentionRule(0.25, soft_cap=2.0, window=100),
+    "keyless_mean": AttentionRule(0.25, keyless_mean=True),
+}
+
+
+def inputs(batch=2, sequence=1024, heads=4, kv_heads=2, dim=128, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(batch, sequence, heads, dim)), "float32")
+    k = jnp.asarray(rng.normal(size=(batch, sequence, kv_heads, dim)), "float32")
+    v = jnp.asarray(rng.normal(size=(batch, sequence, kv_heads, dim)), "float32")
+    steps = np.arange(sequence)
+    # The first row is left-padded up to 100, the second right-padded from
+    # 900.
+    valid = jnp.asarray(np.stack([steps >= 100, steps < 900])[:batch])
+    return q, k, v, valid
+
+
+def reference(rule, q, k, v, valid):
+    batch, sequence, heads, dim = q.shape
+    grouped = q.reshape(batch, sequence, k.shape[2], heads // k.shape[2], dim)
+    positions = jnp.arange(sequence)
+    out = whole_matrix(rule, grouped, k, v, positions, positions, valid)
+    return out.reshape(q.shape)
+
+
+MESHES = {"batch_context": (2, 1, 4), "model_context": (1, 2, 4)}
+
+
+def per_device(rule, kernel, mesh_name):
+    shape = MESHES[mesh_name]
+    devices = np.array(jax.devices()[:8]).reshape(shape)
+    mesh = Mesh(devices, ("batch", "model", "context"))
+
+    def attention(q, k, v, valid):
+        return context_attention.attention_per_device(
+            rule,
+            q,
+            k,
+            v,
+            valid,
+            mesh=mesh,
+            batch_axis="batch",
+            context_axis="context",
+            model_axis="model",
+            kernel=kernel,
+        )
+
+    return attention
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_splash_per_device_equals_the_whole_matrix(rule, mesh_name):
+    rule = RULES[rule]
+    q, k, v, valid = inputs()
+    attention = jax.jit(per_device(rule, "splash", mesh_name))
+    got = attention(q, k, v, valid)
+    # Padding queries see no key: the layer's answer, not splash's.
+    np.testing.assert_allclose(got, reference(rule, q, k, v, valid), atol=2e-5)
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v, valid) ** 2).sum()
+
+    grads = jax.grad(loss(attention), (0, 1, 2))(q, k, v)
+    expected = jax.grad(loss(lambda *a: reference(rule, *a)), (0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", grads, expected):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4, err_msg=name)
+
+
+def test_splash_applies_only_where_its_blocks_fit():
+    assert splash_attention.applies(256, 4096, 32768, 8)
+    assert not splash_attention.applies(64, 4096, 32768, 8)  # lanes
+    assert not splash_attention.applies(128, 96, 768, 8)  # no block
+
+
+def test_query_order_puts_each_devices_halves_in_its_block():
+    order = context_attention.query_order(16, 4, balanced=True).tolist()
+    assert sorted(order) == list(range(16))
+    pairs = context_attention.balanced_chunks(4)
+    for device, (head, tail) in enumerate(pairs):
+        block = order[4 * device : 4 * device + 4]
+        assert block == [2 * head, 2 * head + 1, 2 * tail, 2 * tail + 1]
