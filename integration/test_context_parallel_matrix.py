@@ -18,6 +18,7 @@ from equivalence import assert_same_generate
 from equivalence import assert_same_training
 from equivalence import batch_for
 from equivalence import mesh_id
+from test_context_parallel import assert_estimate_near_the_compiled_step
 
 import keras_hub_autodist
 from keras_hub_autodist import SequenceLengthError
@@ -127,12 +128,21 @@ GENERATING = [
     "phi3",
     "smollm3",
     tiny_presets.moe_preset_name("mixtral", 8),
+    tiny_presets.moe_preset_name("qwen_moe", 8),
+    tiny_presets.moe_preset_name("qwen3_moe", 8),
+    "gemma4",
 ]
 
 
 @pytest.mark.parametrize("name", GENERATING)
 def test_generate_gives_the_tokens_of_one_device(tiny_presets_dir, name):
-    assert_same_generate(tiny_presets_dir[name], MESHES[1])
+    # Gemma 4's CausalLM named: `CausalLM.from_preset` may pick its assistant.
+    task = (
+        tiny_presets.DENSE_FAMILIES["gemma4"][1]
+        if name.startswith("gemma4")
+        else keras_hub.models.CausalLM
+    )
+    assert_same_generate(tiny_presets_dir[name], MESHES[1], task=task)
 
 
 def test_a_sequence_the_axis_does_not_divide_is_refused_before_compute(
@@ -256,3 +266,39 @@ def test_compiled_peak_is_linear_in_the_sequence(tmp_path):
     ]
     ratios = [after / before for before, after in zip(peaks, peaks[1:])]
     assert max(ratios) <= 2.2, (peaks, ratios)
+
+
+# Measured off by more than 15% on `{"batch": 1, "context": 4, "model": 2}`
+# at 8192 tokens (estimate / compiled): Qwen 2 1.16 and Qwen-MoE 1.17 (the
+# activations of every family there are counted 10-20% over, Qwen 3's
+# query/key norms, which no term counts, make up some of it); Gemma 4 with
+# its mixture of experts 0.82 (as on one device, 0.78 at 2048 tokens: the
+# estimate counts about a third of what its MoE block keeps).
+OFF_ON_A_MODEL_AXIS = {"qwen2": "1.16x", "qwen_moe": "1.17x", "gemma4_moe": "0.82x"}
+ESTIMATE_CASES = [
+    pytest.param(family, mesh, length, id=f"{family}-{name}")
+    for family in sorted({**tiny_presets.DENSE_FAMILIES, **tiny_presets.MOE_FAMILIES})
+    for name, mesh, length in [
+        ("context8-4k", {"batch": 1, "context": 8}, 4096),
+        ("context8-16k", {"batch": 1, "context": 8}, 16384),
+    ]
+] + [
+    pytest.param(
+        family,
+        {"batch": 1, "context": 4, "model": 2},
+        8192,
+        id=f"{family}-context4-model2-8k",
+        marks=[pytest.mark.xfail(reason=f"measured {OFF_ON_A_MODEL_AXIS[family]}")]
+        if family in OFF_ON_A_MODEL_AXIS
+        else [],
+    )
+    for family in sorted({**tiny_presets.DENSE_FAMILIES, **tiny_presets.MOE_FAMILIES})
+]
+
+
+@pytest.mark.parametrize("family,mesh,sequence_length", ESTIMATE_CASES)
+def test_the_estimate_is_near_the_compiled_step(family, mesh, sequence_length):
+    """Every family's closed-form CPU estimate within 15% of the compiled
+    step on a context mesh, where its attention holds one block of keys'
+    scores per device."""
+    assert_estimate_near_the_compiled_step(family, mesh, sequence_length)

@@ -333,11 +333,13 @@ def greedy_tokens(lm, preset: str) -> np.ndarray:
     return np.asarray(out["token_ids"])
 
 
-def assert_same_generate(preset: str, mesh, **from_preset_kwargs) -> None:
-    """Greedy `generate` on `mesh` gives the single-device tokens."""
+def assert_same_generate(
+    preset: str, mesh, task=keras_hub.models.CausalLM, **from_preset_kwargs
+) -> None:
+    """Greedy `generate` of `task` on `mesh` gives the single-device tokens."""
     models = []
     for kwargs in ({}, {"device_mesh": mesh, **from_preset_kwargs}):
-        lm = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None, **kwargs)
+        lm = task.from_preset(preset, preprocessor=None, **kwargs)
         lm.compile(sampler="greedy")
         models.append(lm)
     single, sharded = models

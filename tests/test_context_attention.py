@@ -101,10 +101,10 @@ def test_no_step_holds_more_than_a_block_of_scores():
     assert large / small < 4.5, (small, large)
 
 
-def padded_batch(preset, sequence_length=16):
+def padded_batch(preset, sequence_length=16, position_ids=False):
     """Row 0 left-padded (its first 3 tokens), row 1 right-padded (its last
-    5); the other rows whole."""
-    x, y = batch_for(preset, sequence_length=sequence_length)
+    5); the other rows whole. `position_ids` for Gemma 4, which takes them."""
+    x, y = batch_for(preset, sequence_length=sequence_length, position_ids=position_ids)
     x["padding_mask"][0, :3] = 0
     x["padding_mask"][1, -5:] = 0
     return x, y
@@ -157,15 +157,23 @@ REPEATED_HEADS = {
         name: tiny_presets.DENSE_FAMILIES[name][1]
         for name in ("qwen2", "qwen3", "phi3", "smollm3")
     },
-    tiny_presets.moe_preset_name("mixtral", 6): tiny_presets.MOE_FAMILIES["mixtral"][1],
+    **{
+        tiny_presets.moe_preset_name(family, 6): tiny_presets.MOE_FAMILIES[family][1]
+        for family in ("mixtral", "qwen_moe", "qwen3_moe")
+    },
 }
+# The families that ask their own `_use_fused_attention_op`, which a
+# context mesh turns off: keras' `Softmax`, a query with no key gets zeros.
+ASK_THEIR_LAYER = ("mixtral", "qwen_moe")
 
 
-def assert_padded_batch_matches_one_device(preset, task, mesh, monkeypatch):
+def assert_padded_batch_matches_one_device(
+    preset, task, mesh, monkeypatch, position_ids=False
+):
     """Logits of a padded batch as one device's, each decoder block's
     attention run per device, and training as one device's; returns the
     rules the attention per device ran with."""
-    batch = padded_batch(preset)
+    batch = padded_batch(preset, position_ids=position_ids)
     one = task.from_preset(preset, preprocessor=None)
     expected = np.asarray(one.predict(batch[0], verbose=0))
     calls = counting_kernel(monkeypatch)
@@ -176,8 +184,10 @@ def assert_padded_batch_matches_one_device(preset, task, mesh, monkeypatch):
     # Each decoder block's attention ran per device, on the head and the
     # tail half blocks of its queries, in each trace: Keras' `predict` first
     # calls a model with layers left unbuilt (SmolLM3's) once eagerly.
-    per_trace = 2 * lm.backbone.get_config()["num_layers"]
-    assert calls and len(calls) % per_trace == 0, calls
+    layers = lm.backbone.get_config()["num_layers"]
+    assert calls and len(calls) % (2 * layers) == 0, calls
+    method = compat_attention.COMPUTE_ATTENTION_METHOD
+    assert sum(method in vars(layer) for layer in compat.sublayers(lm)) == layers
     assert_same_training(preset, task=task, batch=batch, device_mesh=mesh)
     return calls
 
@@ -190,16 +200,22 @@ def test_repeated_heads_families_equal_one_device(tiny_presets_dir, monkeypatch,
         {"batch": 1, "context": 4, "model": 2},
         monkeypatch,
     )
-    # Each of these calls `ops.dot_product_attention` on JAX: a query with
-    # no key gets the mean of the values. Mixtral asks its own
-    # `_use_fused_attention_op`, which a context mesh turns off.
-    assert {rule.keyless_mean for rule in rules} == {"mixtral" not in name}
+    # The others call `ops.dot_product_attention` on JAX: a query with no
+    # key gets the mean of the values.
+    asks = any(name.startswith(f"{family}_") for family in ASK_THEIR_LAYER)
+    assert {rule.keyless_mean for rule in rules} == {not asks}
 
 
 # Windows of 4 tokens on blocks of 4: Mixtral's decoder blocks mask it,
-# Qwen's attention layers on keras' `Softmax` path only.
+# Qwen's attention layers on keras' `Softmax` path only (the only path of
+# Qwen-MoE's on a context mesh, as of Mixtral's).
 WINDOWED = {
     "mixtral": (tiny_presets.MOE_FAMILIES["mixtral"], {"sliding_window": 4}, None),
+    "qwen_moe": (
+        tiny_presets.MOE_FAMILIES["qwen_moe"],
+        {"use_sliding_window_attention": True, "sliding_window_size": 4},
+        None,
+    ),
     "qwen2": (
         tiny_presets.DENSE_FAMILIES["qwen2"],
         {"use_sliding_window_attention": True, "sliding_window_size": 4},
@@ -209,6 +225,11 @@ WINDOWED = {
         tiny_presets.DENSE_FAMILIES["qwen3"],
         {"sliding_window_size": 4},
         "keras_hub.src.models.qwen3.qwen3_attention",
+    ),
+    "qwen3_moe": (
+        tiny_presets.MOE_FAMILIES["qwen3_moe"],
+        {"sliding_window_size": 4},
+        "keras_hub.src.models.qwen3_moe.qwen3_moe_attention",
     ),
 }
 
@@ -223,12 +244,15 @@ WINDOWED = {
             ("qwen2", True),
             ("qwen3", False),
             ("qwen3", True),
+            ("qwen_moe", True),
+            ("qwen3_moe", False),
+            ("qwen3_moe", True),
         ]
     ],
 )
 def test_sliding_windows_equal_one_device(tmp_path, monkeypatch, name, softmax):
-    """Qwen on both of its paths; Mixtral on its `Softmax` path, which a
-    context mesh takes."""
+    """Qwen 2, Qwen 3 and Qwen3-MoE on both of their paths; Mixtral and
+    Qwen-MoE on their `Softmax` path, which a context mesh takes."""
     (backbone, task, config), window, module = WINDOWED[name]
     if softmax and module:
         # keras-hub's other path, as where `ops.dot_product_attention` is
@@ -244,6 +268,38 @@ def test_sliding_windows_equal_one_device(tmp_path, monkeypatch, name, softmax):
     expected = 4 if softmax or module is None else None
     assert {rule.window for rule in rules} == {expected}
     assert {rule.keyless_mean for rule in rules} == {module is not None and not softmax}
+
+
+@pytest.mark.parametrize(
+    "name,mesh",
+    [
+        # Local and global layers, a global head size of 16 with one
+        # key/value head (keys as values), the last layer attending the
+        # first's keys and values.
+        ("gemma4", {"batch": 1, "context": 4, "model": 2}),
+        # Every layer with its own keys and values, soft-capped scores.
+        ("gemma4_no_global_heads", {"batch": 2, "context": 4}),
+    ],
+)
+def test_gemma4_equals_one_device(tiny_presets_dir, monkeypatch, name, mesh):
+    preset = tiny_presets_dir[name]
+    task = tiny_presets.DENSE_FAMILIES["gemma4"][1]
+    rules = assert_padded_batch_matches_one_device(
+        preset, task, mesh, monkeypatch, position_ids=True
+    )
+    config = tiny_presets.DENSE_VARIANTS[name][2]
+    # Layer `i` is global when `i % pattern == pattern - 1`: no window.
+    pattern = config["sliding_window_pattern"]
+    windows = [
+        None if i % pattern == pattern - 1 else config["sliding_window_size"]
+        for i in range(config["num_layers"])
+    ]
+    # Two calls per layer (head and tail half blocks), in each trace.
+    assert [rule.window for rule in rules[::2]][: len(windows)] == windows
+    cap = config.get("attention_logit_soft_cap")
+    assert {(rule.scale, rule.soft_cap, rule.keyless_mean) for rule in rules} == {
+        (1.0, cap, False)
+    }
 
 
 def test_the_known_attention_layers_are_replaced_on_a_context_mesh(tiny_presets_dir):

@@ -9,6 +9,7 @@ import re
 
 import keras
 import pytest
+import tiny_presets
 from equivalence import assert_same_training
 from equivalence import batch_for
 from equivalence import vocabulary_size
@@ -17,6 +18,8 @@ import keras_hub_autodist
 from keras_hub_autodist import MeshError
 from keras_hub_autodist import SequenceLengthError
 from keras_hub_autodist import StrategyError
+from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting.compiled_step import compiled_memory
 from keras_hub_autodist.fitting.report import memory_verdict
 from keras_hub_autodist.planning.distribution import ContextParallel
 from keras_hub_autodist.planning.distribution import decoding
@@ -241,3 +244,36 @@ def test_a_padded_batch_is_counted_as_padded(tiny_presets_dir):
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], {"batch": 8})
     one = plan.activation_bytes_per_device(1, 512)
     assert one == plan.activation_bytes_per_device(8, 512)
+
+
+def sized_config(family: str) -> dict:
+    """`family`'s tiny preset (`tiny_presets`) at sizes whose activations
+    outweigh its weights at a few thousand tokens, as a config dict."""
+    specs = {**tiny_presets.DENSE_FAMILIES, **tiny_presets.MOE_FAMILIES}
+    backbone, _, config = specs[family]
+    sizes = dict(vocabulary_size=4096, hidden_dim=128, intermediate_dim=512)
+    for name, size in (("head_dim", 32), ("max_position_embeddings", 65536)):
+        if name in config:
+            sizes[name] = size
+    return {"class_name": backbone.__name__, "config": {**config, **sizes}}
+
+
+def assert_estimate_near_the_compiled_step(family, mesh, sequence_length):
+    """The CPU estimate of one sequence's Adam step within 15% of XLA's
+    compiled peak per device, as on a mesh without a context axis
+    (integration/test_compiled_memory_matrix.py)."""
+    config = sized_config(family)
+    plan = keras_hub_autodist.plan(config, mesh, strategy="tp")
+    compiled = compiled_memory(plan, 1, sequence_length, preset=config)
+    estimate = step_memory.step_estimate(plan, 1, sequence_length, platform="cpu")
+    ratio = estimate.total_bytes / compiled.peak_bytes
+    assert 0.85 < ratio < 1.15, (family, mesh, sequence_length, ratio)
+
+
+@pytest.mark.parametrize("family", ["smollm3", "gemma4"])
+def test_the_estimate_on_a_context_mesh_is_near_the_compiled_step(family):
+    """SmolLM3's flat query kernel gives no head shape of its own (its
+    output projection does); Gemma 4 takes `position_ids` too. Each family's
+    attention runs per device: one block of keys' scores, not the
+    sequence's (integration/test_context_parallel_matrix.py has the others)."""
+    assert_estimate_near_the_compiled_step(family, {"batch": 1, "context": 8}, 4096)

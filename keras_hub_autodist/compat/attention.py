@@ -15,17 +15,33 @@ does with its mask, which the decoder block built as causal and key padding:
   queries (`1/sqrt(head_dim)`, or `1/sqrt(hidden_dim / heads)`), soft-cap
   the scores, and on sliding-window layers also mask keys `window` or more
   positions before their query.
-- Llama, Mistral, Mixtral, Phi-3, SmolLM3, Qwen 2 and Qwen 3 take them
-  repeated to the query heads (`ops.repeat` in `call`, before
-  `_compute_attention`), and drop out the attention's output in `call`, not
-  its weights. Mistral's and Mixtral's decoder blocks mask their sliding
-  window into the mask itself, from the same `sliding_window`.
-- Qwen 2 and Qwen 3 mask their sliding window inside `_compute_attention`,
-  and only on keras' `Softmax` path: `ops.dot_product_attention` gets the
-  decoder block's causal and padding mask alone, so no window there.
+- Gemma 4 takes them per key/value head too, with a scale of 1 (its
+  queries and keys are RMS-normalized instead), an optional soft cap, and
+  its local layers' window masked by its decoder blocks into the mask
+  itself. Its global layers may have their own head size and fewer
+  key/value heads (keys and values from one projection), and its last
+  layers may attend the keys and values of an earlier layer: each arrives
+  at `_compute_attention` as whole-sequence keys and values, with RoPE
+  (partial on global layers) applied, so none changes the reading. `call`
+  zeroes the output of a query with no key to attend, on either path.
+- Llama, Mistral, Mixtral, Phi-3, SmolLM3, Qwen 2, Qwen 3, Qwen-MoE and
+  Qwen3-MoE take them repeated to the query heads (`ops.repeat` in `call`,
+  before `_compute_attention`), and drop out the attention's output in
+  `call`, not its weights. Mistral's and Mixtral's decoder blocks mask their
+  sliding window into the mask itself, from the same `sliding_window`.
+- Qwen 2, Qwen 3, Qwen-MoE and Qwen3-MoE mask their sliding window inside
+  `_compute_attention`, and only on keras' `Softmax` path:
+  `ops.dot_product_attention` gets the decoder block's causal and padding
+  mask alone, so no window there. (Qwen3-MoE's backbone always has one:
+  32768 by default.)
 - Each of these but Gemma's calls `ops.dot_product_attention` where its
-  module's `fused_attention_op_available()` says so (Mixtral: where its
-  `_use_fused_attention_op()` does), else keras' `Softmax`.
+  module's `fused_attention_op_available()` says so (Mixtral, Qwen-MoE and
+  Gemma 4: where their `_use_fused_attention_op()` does, which a context
+  mesh turns off), else keras' `Softmax`.
+
+Layers computed otherwise keep keras-hub's own path (`None`): attention
+both ways (Gemma's and Gemma 4's embedding models), and a model with a
+vision encoder (`planning.context_attention` leaves it whole).
 """
 
 from __future__ import annotations
@@ -102,9 +118,19 @@ def _mixtral(layer) -> AttentionReading:
     return AttentionReading(layer._inv_norm_factor, None, window, groups, 0.0, mean)
 
 
-def _qwen_reading(layer, window: int | None) -> AttentionReading:
-    """Qwen 2 or Qwen 3 with `window` masked on keras' `Softmax` path."""
-    mean = _takes_dot_product_attention(layer)
+def _gemma4(layer) -> AttentionReading | None:
+    if layer.use_bidirectional_attention:
+        return None  # embedding models: a two-sided window
+    # The decoder block masks the window on local layers (`is_global_attention`
+    # false), and `call` zeroes a query with no key, whichever path it took.
+    local = layer.use_sliding_window_attention and not layer.is_global_attention
+    window = layer.sliding_window_size if local else None
+    return AttentionReading(1.0, layer.logit_soft_cap, window, 1, layer.dropout)
+
+
+def _qwen_reading(layer, window: int | None, mean: bool) -> AttentionReading:
+    """A Qwen with `window` masked on keras' `Softmax` path, which it takes
+    unless `mean` (it calls `ops.dot_product_attention`)."""
     window = None if mean else window
     groups = layer.num_key_value_groups
     return AttentionReading(layer._inv_norm_factor, None, window, groups, 0.0, mean)
@@ -112,17 +138,26 @@ def _qwen_reading(layer, window: int | None) -> AttentionReading:
 
 def _qwen2(layer) -> AttentionReading:
     windowed = layer.use_sliding_window_attention
-    return _qwen_reading(layer, layer.sliding_window_size if windowed else None)
+    window = layer.sliding_window_size if windowed else None
+    return _qwen_reading(layer, window, _takes_dot_product_attention(layer))
 
 
 def _qwen3(layer) -> AttentionReading:
-    return _qwen_reading(layer, layer.sliding_window_size or None)
+    window = layer.sliding_window_size or None
+    return _qwen_reading(layer, window, _takes_dot_product_attention(layer))
+
+
+def _qwen_moe(layer) -> AttentionReading:
+    windowed = layer.use_sliding_window_attention
+    window = layer.sliding_window_size if windowed else None
+    return _qwen_reading(layer, window, layer._use_fused_attention_op())
 
 
 # keras-hub attention class (module, name) -> its reading.
 _READINGS = {
     ("keras_hub.src.models.gemma.gemma_attention", "CachedGemmaAttention"): _gemma,
     ("keras_hub.src.models.gemma3.gemma3_attention", "CachedGemma3Attention"): _gemma,
+    ("keras_hub.src.models.gemma4.gemma4_attention", "Gemma4TextAttention"): _gemma4,
     ("keras_hub.src.models.llama.llama_attention", "LlamaAttention"): _repeated_heads,
     ("keras_hub.src.models.mistral.mistral_attention", "CachedMistralAttention"): (
         _mistral
@@ -133,6 +168,12 @@ _READINGS = {
     ("keras_hub.src.models.phi3.phi3_attention", "Phi3Attention"): _repeated_heads,
     ("keras_hub.src.models.qwen.qwen_attention", "QwenAttention"): _qwen2,
     ("keras_hub.src.models.qwen3.qwen3_attention", "Qwen3Attention"): _qwen3,
+    ("keras_hub.src.models.qwen_moe.qwen_moe_attention", "QwenMoeAttention"): (
+        _qwen_moe
+    ),
+    ("keras_hub.src.models.qwen3_moe.qwen3_moe_attention", "Qwen3MoeAttention"): (
+        _qwen3
+    ),
     ("keras_hub.src.models.smollm3.smollm3_layers", "SmolLM3Attention"): (
         _repeated_heads
     ),

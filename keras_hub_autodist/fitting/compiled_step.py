@@ -269,7 +269,7 @@ def _backbone_config(plan, preset):
     return backbone_cls, config
 
 
-def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank):
+def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_rank):
     """The task model and its optimizer, built with deferred variables that
     carry their layouts, and the distribution they were laid out with."""
     import keras
@@ -316,7 +316,8 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, data, lora_rank)
             )
         with compat.deferred_variables():
             try:
-                compat.symbolic_build(model, data)
+                x = dict.fromkeys(_input_names(model), tokens)
+                compat.symbolic_build(model, (x, tokens))
             except RuntimeError as error:
                 if plan.remat is None:
                     raise
@@ -418,12 +419,11 @@ def compiled_memory(
     )
     keras_optimizer, optimizer_name = _optimizer(optimizer)
     tokens = jax.ShapeDtypeStruct((runs.rows, sequence_length), np.int32)
-    build_batch = ({"token_ids": tokens, "padding_mask": tokens}, tokens)
     if lora_rank is None:
         lora_rank = plan.lora_rank
     check_lora_rank(lora_rank)
     model, distribution = _abstract_model(
-        plan, mesh, model_class, preset, keras_optimizer, build_batch, lora_rank
+        plan, mesh, model_class, preset, keras_optimizer, tokens, lora_rank
     )
     with distribution.scope():
         shardings, groups = _state_shardings(model, distribution)
@@ -519,6 +519,10 @@ def program_facts(compiled) -> dict:
     }
 
 
+# The inputs the check feeds, `[rows, sequence]` int32 (Gemma 4's positions).
+FED_INPUTS = ("token_ids", "padding_mask", "position_ids")
+
+
 def _input_names(model) -> list[str]:
     inputs = model.input
     if not isinstance(inputs, dict):
@@ -528,11 +532,11 @@ def _input_names(model) -> list[str]:
             f"model class {type(model).__name__}"
         )
     names = sorted(inputs)
-    unknown = [n for n in names if n not in ("token_ids", "padding_mask")]
+    unknown = [n for n in names if n not in FED_INPUTS]
     if unknown:
         raise ModelClassError(
-            "The compiled memory check feeds `token_ids` and `padding_mask` "
-            f"only; {type(model).__name__} also takes {unknown}. Received: "
+            f"The compiled memory check feeds {list(FED_INPUTS)} only; "
+            f"{type(model).__name__} also takes {unknown}. Received: "
             f"inputs {names}"
         )
     return names

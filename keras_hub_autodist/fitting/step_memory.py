@@ -191,7 +191,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     def first(condition):
         return next((r for r in plan.rows if condition(r)), None)
 
-    query = first(lambda r: "query" in r.path and "heads" in r.logical_axes)
+    query = first(_gives_head_shape)
     key = first(lambda r: "kv_heads" in r.logical_axes)
     ups = [r for r in plan.rows if r.logical_axes[-2:] == ("embed", "mlp")]
     downs = [r for r in plan.rows if r.logical_axes[-2:] == ("mlp", "embed")]
@@ -213,7 +213,9 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     d = dim(output, "embed")
     h = dim(query, "head_dim")
     heads = dim(query, "heads")
-    kv_heads = dim(key, "kv_heads") if key is not None else heads
+    # Keys and values per token: a flat kernel's `kv_heads` axis carries
+    # `kv_heads · head_dim` (SmolLM3's).
+    kv_width = _width(key, h) if key is not None else heads * h
     q_shards = shards(query)
     kv_shards = shards(key) if key is not None else q_shards
     # The residual stream: split on the sequence with sequence parallelism.
@@ -258,7 +260,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     return {
         "stream": layers * b * s * d / split,
         "attention": layers
-        * (b * s * heads * h / q_shards + b * whole * kv_heads * h / kv_shards),
+        * (b * s * heads * h / q_shards + b * whole * kv_width / kv_shards),
         "scores": scores,
         "scores_one_block": scores / layers if keys_held == whole else scores,
         "masks": layers * b * s * keys_held,
@@ -386,11 +388,22 @@ def calibration_of(platform: str) -> tuple[str, tuple[str, ...]]:
     return factors, FLOAT32_COMPUTE.get(key, FLOAT32_COMPUTE.get(factors, ()))
 
 
+def _gives_head_shape(row) -> bool:
+    """Whether `row` has the attention's `heads` and `head_dim` axes: the
+    query's kernel, or where that is flat (`(embed, heads · head_dim)`,
+    SmolLM3's) the output projection's. One per decoder block."""
+    return {"heads", "head_dim"} <= set(row.logical_axes)
+
+
+def _width(row, head_dim: int) -> int:
+    """Elements per token of a key or value projection `row`: its
+    `kv_heads` axis, times `head_dim` unless that axis carries it."""
+    width = row.shape[row.logical_axes.index("kv_heads")]
+    return width * head_dim if "head_dim" in row.logical_axes else width
+
+
 def _num_blocks(plan) -> int:
-    query = next(
-        (r for r in plan.rows if "query" in r.path and "heads" in r.logical_axes),
-        None,
-    )
+    query = next((r for r in plan.rows if _gives_head_shape(r)), None)
     return sum(1 for r in plan.rows if r.pattern == query.pattern) if query else 1
 
 

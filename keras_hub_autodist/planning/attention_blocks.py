@@ -11,11 +11,14 @@ KEY_BLOCK = 512
 PER_DEVICE_ARCHITECTURES = (
     "gemma",
     "gemma3",
+    "gemma4",
     "llama",
     "mistral",
     "mixtral",
     "phi3",
     "qwen",
     "qwen3",
+    "qwen_moe",
+    "qwen3_moe",
     "smollm3",
 )
