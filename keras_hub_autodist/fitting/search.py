@@ -420,7 +420,12 @@ def search(
         (e for e in entries.values() if e.stage != PRUNED),
         key=lambda e: e.seconds_per_token,
     )
-    to_compile = [rule] + [e.candidate for e in order if e.candidate != rule]
+    # When none of those fits, the pruned ones follow, the smallest first.
+    pruned = sorted(
+        (e for e in entries.values() if e.stage == PRUNED),
+        key=lambda e: e.estimate_bytes,
+    )
+    to_compile = [rule] + [e.candidate for e in order + pruned if e.candidate != rule]
     compiles = hits = fitting = 0
     for index, candidate in enumerate(to_compile):
         enough = index > max_compiles and (fitting or index > 2 * max_compiles)
@@ -481,7 +486,13 @@ _STAGE_RANK = {(COMPILED, True): 0, (NOT_COMPILED, True): 1, (COMPILED, False): 
 
 
 def _rank(entry: Entry) -> tuple:
-    return (_STAGE_RANK.get((entry.stage, entry.fits), 3), entry.seconds_per_token)
+    """Stage first (`_STAGE_RANK`); then the modelled time per token, but
+    the compiled peak among compiled steps that don't fit (the one closest
+    to fitting first)."""
+    stage = _STAGE_RANK.get((entry.stage, entry.fits), 3)
+    if stage == 2:
+        return (stage, entry.compiled.peak_bytes)
+    return (stage, entry.seconds_per_token)
 
 
 __all__ = [

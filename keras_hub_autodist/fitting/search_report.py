@@ -69,6 +69,12 @@ def why(entry: Entry, chosen: Entry, capacity: int, speed: DeviceSpeed) -> str:
     gib = GIB
     if entry is chosen or entry.candidate == chosen.candidate:
         peak = entry.compiled.peak_bytes if entry.compiled else entry.estimate_bytes
+        if not entry.fits:
+            return (
+                f"nothing compiled fits: this needs the least, {peak / gib:.2f} "
+                f"GiB per device of {capacity / gib:.2f} GiB; more devices, a "
+                "smaller batch or sequence, or LoRA"
+            )
         return (
             f"chosen: the fastest modelled step that fits ({peak / gib:.2f} GiB "
             f"of {capacity / gib:.2f} GiB per device)"
