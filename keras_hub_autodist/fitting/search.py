@@ -35,6 +35,11 @@ from keras_hub_autodist.fitting.compiled_step import compiled_memory
 from keras_hub_autodist.fitting.device_profiles import device_profile
 from keras_hub_autodist.fitting.device_profiles import device_speed
 from keras_hub_autodist.fitting.planner import plan
+from keras_hub_autodist.fitting.search_report import COMPILED
+from keras_hub_autodist.fitting.search_report import NOT_COMPILED
+from keras_hub_autodist.fitting.search_report import PRUNED
+from keras_hub_autodist.fitting.search_report import explain
+from keras_hub_autodist.fitting.search_report import table
 from keras_hub_autodist.fitting.step_memory import step_estimate
 from keras_hub_autodist.reading.presets import read_config
 
@@ -48,11 +53,6 @@ MAX_COMPILES = 4
 MAX_AUTO_BATCH = 1024
 STRATEGIES = ("tp", "fsdp")
 REMATS = (None, "full")
-
-# Where a candidate stopped.
-PRUNED = "pruned"  # over the memory by the closed form
-NOT_COMPILED = "not compiled"  # fits by the closed form, slower than those compiled
-COMPILED = "compiled"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -143,8 +143,6 @@ class SearchResult:
     cache_hits: int
 
     def __str__(self):
-        from keras_hub_autodist.fitting.search_report import table
-
         return table(self)
 
 
@@ -346,8 +344,6 @@ def search(
     result.chosen.candidate.mesh, result.chosen.modelled.seconds
     ```
     """
-    from keras_hub_autodist.fitting.search_report import explain
-
     started = time.perf_counter()
     auto = batch_size == "auto"
     if not auto and (not isinstance(batch_size, int) or batch_size < 1):

@@ -1,22 +1,27 @@
 """The layout search's answer in words: why each candidate won or lost (one
 line each), the ranked table, the `--search --json` object, and the one
-line `from_preset` prints about the chosen layout.
+line `from_preset` prints about the chosen layout. An entry is a
+`search.Entry`, a result a `search.SearchResult` (typed `Any` here: the
+search imports this module, not the other way round).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
+from typing import Any
 
 from keras_hub_autodist.fitting import step_cost
 
 if TYPE_CHECKING:
     from keras_hub_autodist.fitting.device_profiles import DeviceProfile
     from keras_hub_autodist.fitting.device_profiles import DeviceSpeed
-    from keras_hub_autodist.fitting.search import Entry
-    from keras_hub_autodist.fitting.search import SearchResult
 
 GIB = 1024**3
+# Where a candidate stopped (`search.Entry.stage`).
+PRUNED = "pruned"  # over the memory by the closed form: not compiled
+NOT_COMPILED = "not compiled"  # fits by the closed form, slower than those compiled
+COMPILED = "compiled"
 # How each link is named in a reason.
 LINK_NAMES = {"ici": "ICI", "nvlink": "NVLink", "pcie": "PCIe"}
 # What each term of the roofline is, in a reason.
@@ -24,14 +29,14 @@ TERM_WORDS = {"compute": "flops", "memory": "HBM bytes", "link": "link bytes"}
 _TERM_FIELDS = {"compute": "flops", "memory": "hbm_bytes", "link": "link_bytes"}
 
 
-def _largest_collective(entry: Entry) -> str:
+def _largest_collective(entry: Any) -> str:
     if entry.compiled is None or not entry.compiled.collectives:
         return ""
     kind = max(entry.compiled.collectives, key=lambda c: c.bytes).kind
     return f", mostly {kind}"
 
 
-def _slower(entry: Entry, chosen: Entry, speed: DeviceSpeed) -> str:
+def _slower(entry: Any, chosen: Any, speed: DeviceSpeed) -> str:
     """Why a candidate that fits is slower than the chosen one: the term of
     the roofline it loses most time on, as a ratio of amounts."""
     # A candidate not compiled is held to the chosen one's closed form: the
@@ -61,11 +66,8 @@ def _slower(entry: Entry, chosen: Entry, speed: DeviceSpeed) -> str:
     )
 
 
-def why(entry: Entry, chosen: Entry, capacity: int, speed: DeviceSpeed) -> str:
+def why(entry: Any, chosen: Any, capacity: int, speed: DeviceSpeed) -> str:
     """One line on why `entry` won or lost against `chosen`."""
-    from keras_hub_autodist.fitting.search import COMPILED
-    from keras_hub_autodist.fitting.search import PRUNED
-
     gib = GIB
     if entry is chosen or entry.candidate == chosen.candidate:
         peak = entry.compiled.peak_bytes if entry.compiled else entry.estimate_bytes
@@ -107,8 +109,8 @@ def why(entry: Entry, chosen: Entry, capacity: int, speed: DeviceSpeed) -> str:
 
 
 def explain(
-    ranked: list[Entry], chosen: Entry, profile: DeviceProfile, speed: DeviceSpeed
-) -> list[Entry]:
+    ranked: list, chosen: Any, profile: DeviceProfile, speed: DeviceSpeed
+) -> list:
     """The ranked entries, each with its `why`."""
     capacity = profile.memory_bytes
     return [
@@ -117,11 +119,11 @@ def explain(
     ]
 
 
-def mesh_text(entry: Entry) -> str:
+def mesh_text(entry: Any) -> str:
     return ",".join(f"{k}={v}" for k, v in entry.candidate.mesh.items())
 
 
-def entry_json(entry: Entry, result: SearchResult) -> dict:
+def entry_json(entry: Any, result: Any) -> dict:
     """One candidate as `--search --json` prints it."""
     seconds = entry.modelled.seconds
     candidate = entry.candidate
@@ -149,7 +151,7 @@ def entry_json(entry: Entry, result: SearchResult) -> dict:
     }
 
 
-def to_json(result: SearchResult) -> dict:
+def to_json(result: Any) -> dict:
     """The `--search --json` object: `chosen`, `rule_choice` and every
     candidate ranked (`candidates`), with what was searched."""
     return {
@@ -170,7 +172,7 @@ def to_json(result: SearchResult) -> dict:
     }
 
 
-def table(result: SearchResult) -> str:
+def table(result: Any) -> str:
     """The ranked table, one row per candidate, in Markdown."""
     gib = GIB
     lines = [
@@ -213,7 +215,7 @@ def table(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
-def chosen_reason(result: SearchResult) -> str:
+def chosen_reason(result: Any) -> str:
     """Why the search chose its layout, in one line (the summary's)."""
     chosen, rule = result.chosen, result.rule_choice
     compiled = sum(1 for e in result.entries if e.compiled is not None)
