@@ -62,7 +62,7 @@ CASES = {
 }
 
 
-def run(name: str, cache: pathlib.Path) -> dict:
+def run(name: str, cache: pathlib.Path, max_compiles: int) -> dict:
     """One case, cold then warm, as its JSON object with the timings."""
     from keras_hub_autodist.fitting.search import search
     from keras_hub_autodist.fitting.search_report import table
@@ -70,8 +70,9 @@ def run(name: str, cache: pathlib.Path) -> dict:
 
     arguments = dict(CASES[name])
     preset = str(REAL_PRESETS / arguments.pop("preset"))
-    cold = search(preset, cache_dir=cache, **arguments)
-    warm = search(preset, cache_dir=cache, **arguments)
+    arguments.update(cache_dir=cache, max_compiles=max_compiles)
+    cold = search(preset, **arguments)
+    warm = search(preset, **arguments)
     answer = to_json(cold)
     answer["preset"] = pathlib.Path(preset).name
     answer["case"] = name
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
     parser.add_argument("--case", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--cache", default=None, help="default: a fresh folder")
     parser.add_argument("--measured", action="store_true")
+    parser.add_argument("--max-compiles", type=int, default=4)
     args = parser.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
     cache = pathlib.Path(args.cache or tempfile.mkdtemp(prefix="layout-search-"))
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
         measured(cache)
         return 0
     for name in args.case:
-        answer = run(name, cache)
+        answer = run(name, cache, args.max_compiles)
         chosen = answer["chosen"]
         print(
             f"{name}: chosen {chosen['mesh']} {chosen['strategy']} "

@@ -412,9 +412,10 @@ def search(
             sequence_length=sequence_length,
         )
     # The fastest by the closed form, and the rule's choice, compiled.
+    # Those that fit by the closed form first, the fastest first.
     order = sorted(
         (e for e in entries.values() if e.stage != PRUNED),
-        key=lambda e: e.seconds_per_token,
+        key=lambda e: (not e.fits, e.seconds_per_token),
     )
     # When none of those fits, the pruned ones follow, the smallest first.
     pruned = sorted(

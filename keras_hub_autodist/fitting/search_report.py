@@ -74,8 +74,8 @@ def why(entry: Any, chosen: Any, capacity: int, speed: DeviceSpeed) -> str:
         if not entry.fits:
             return (
                 f"nothing compiled fits: this needs the least, {peak / gib:.2f} "
-                f"GiB per device of {capacity / gib:.2f} GiB; more devices, a "
-                "smaller batch or sequence, or LoRA"
+                f"GiB per device of {capacity / gib:.2f} GiB; more devices or "
+                "memory, or a smaller step"
             )
         return (
             f"chosen: the fastest modelled step that fits ({peak / gib:.2f} GiB "
