@@ -412,11 +412,21 @@ def search(
             sequence_length=sequence_length,
         )
     # The fastest by the closed form, and the rule's choice, compiled.
-    # Those that fit by the closed form first, the fastest first.
+    # Those that fit by the closed form first, the fastest first; but the
+    # fastest that fits with the closed form's margin to spare comes
+    # second, so that one likely to fit is among the first compiled.
     order = sorted(
         (e for e in entries.values() if e.stage != PRUNED),
         key=lambda e: (not e.fits, e.seconds_per_token),
     )
+    safe = [
+        e
+        for e in order[1:]
+        if e.estimate_bytes * PRUNE_MARGIN <= planned[e.candidate].device_memory_bytes
+    ]
+    if safe:
+        order.remove(safe[0])
+        order.insert(min(1, len(order)), safe[0])
     # When none of those fits, the pruned ones follow, the smallest first.
     pruned = sorted(
         (e for e in entries.values() if e.stage == PRUNED),
