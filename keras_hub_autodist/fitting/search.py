@@ -454,7 +454,9 @@ def search(
         hits += hit
         fits = compiled_fits(memory, layout.device_memory_bytes)
         fitting += fits
-        cost = step_cost.compiled_cost(memory, speed)
+        # A step the compiler refused has no program to cost: the closed
+        # form's time stands for it.
+        cost = None if memory.out_of_memory else step_cost.compiled_cost(memory, speed)
         entries[candidate] = dataclasses.replace(
             entries[candidate],
             stage=COMPILED,
@@ -462,7 +464,11 @@ def search(
             cost=cost,
             fits=fits,
             mfu=step_cost.modelled_mfu(
-                layout, candidate.batch_size, sequence_length, cost.seconds, speed
+                layout,
+                candidate.batch_size,
+                sequence_length,
+                (cost or entries[candidate].closed_form).seconds,
+                speed,
             ),
         )
     ranked = sorted(entries.values(), key=_rank)

@@ -189,8 +189,10 @@ def model_flops(
     """The flops of a whole training step, all devices together: `2 x`
     parameters `x` tokens per pass (`passes`: 6·N·tokens for a full
     fine-tune without rematerialization) and attention's scores and
-    weighted sums (`4 x` tokens `x` sequence `x` query width per block and
-    pass, the whole square, as XLA's attention computes it).
+    weighted sums over the causal half of the square (`2 x` tokens `x`
+    sequence `x` query width per block and pass: what must be computed;
+    XLA's own attention computes the whole square, the context axis'
+    blockwise attention skips the masked blocks).
 
     Example:
     ```python
@@ -200,7 +202,7 @@ def model_flops(
     shape = model_shape(plan)
     tokens = batch_size * sequence_length
     dense = 2 * shape.parameters * tokens
-    attention = 4 * tokens * sequence_length * shape.attention_width * shape.layers
+    attention = 2 * tokens * sequence_length * shape.attention_width * shape.layers
     return (dense + attention) * passes(lora_rank, remat)
 
 
