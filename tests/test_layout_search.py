@@ -336,3 +336,29 @@ def test_the_stored_reference_rankings_hold():
     assert Candidate({"batch": 1}, "tp", None, 1) == Candidate(
         {"batch": 1, "model": 1}, "tp", None, 1
     )
+
+
+@needs_compilers
+def test_auto_on_a_known_accelerator_takes_the_winner_and_says_why(
+    tiny_presets_dir, tmp_path, monkeypatch
+):
+    # Two TPU v5e chips as from_preset would list them; the search compiles
+    # for the TPU compiler's stand-ins of them.
+    from keras_hub_autodist.fitting import auto_search
+    from keras_hub_autodist.fitting.planner import plan
+    from keras_hub_autodist.summary_line import summary_line
+
+    monkeypatch.setattr(auto_search, "FROM_PRESET_SEQUENCE", 32)
+    monkeypatch.setenv(search_cache.COMPILE_CACHE_ENV, str(tmp_path))
+    v5e = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+    preset = tiny_presets_dir["gemma_mqa"]
+    mesh, options, reason = searched_layout(
+        preset, "auto", PlanOptions(remat=None), [v5e, v5e]
+    )
+    assert isinstance(mesh, dict) and options.strategy in ("tp", "fsdp")
+    assert reason.startswith("searched for 2 x v5e: the fastest modelled step")
+    layout = plan(preset, mesh, strategy=options.strategy)
+    line = summary_line(layout.replace(mesh_reason=reason))
+    assert "searched for 2 x v5e" in line and "\n" not in line
+    monkeypatch.setenv(auto_search.SEARCH_ENV, "0")
+    assert searched_layout(preset, "auto", options, [v5e])[2] == ""
