@@ -306,6 +306,7 @@ def test_from_preset_keeps_the_rule_off_accelerators():
     cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
     options = PlanOptions()
     assert local_device_name([cpu]) is None
+    assert local_device_name(["cpu:0"]) is None  # Keras' names of devices
     assert searched_layout("./p", "auto", options, [cpu]) == ("auto", options, "")
     v5e = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
     t4 = types.SimpleNamespace(platform="gpu", device_kind="Tesla T4")

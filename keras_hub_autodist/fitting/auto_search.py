@@ -30,8 +30,9 @@ ACCELERATORS = ("gpu", "tpu")
 
 
 def local_device_name(devices) -> str | None:
-    """The `--device` name of `devices` (all of one kind), or `None` when
-    they are not accelerators the search has figures for.
+    """The `--device` name of `devices` (JAX devices, or Keras' names of
+    them, all of one kind), or `None` when they are not accelerators the
+    search has figures for.
 
     Example:
     ```python
@@ -41,6 +42,11 @@ def local_device_name(devices) -> str | None:
     if not devices:
         return None
     first = devices[0]
+    if isinstance(first, str):
+        # Keras lists devices by name ("gpu:0"): JAX's own say their kind.
+        import jax
+
+        first = jax.devices()[0]
     if getattr(first, "platform", "") not in ACCELERATORS:
         return None
     kind = getattr(first, "device_kind", "")
