@@ -89,6 +89,8 @@ _LAZY = {
     "compiled_memory": "keras_hub_autodist.fitting.compiled_step",
     "CompiledMemory": "keras_hub_autodist.fitting.compiled_step",
     "summary": "keras_hub_autodist.summary_line",
+    "search": "keras_hub_autodist.fitting.search",
+    "SearchResult": "keras_hub_autodist.fitting.search",
 }
 
 __all__ = [
@@ -127,6 +129,8 @@ __all__ = [
     "RestoreError",
     "ResumableCheckpoint",
     "SaveTargetError",
+    "search",
+    "SearchResult",
     "SequenceLengthError",
     "TargetCompileError",
     "StateLostError",

@@ -26,6 +26,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from keras_hub_autodist import cli_search
 from keras_hub_autodist.cli_flags import as_flags
 from keras_hub_autodist.fitting.device_memory import GIB
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
@@ -184,11 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--mesh",
         type=parse_mesh,
-        required=True,
+        default=None,
         help=(
             "axis sizes, e.g. batch=2,model=4; or auto: split the devices "
             "(--devices N, else all JAX devices of this machine) as "
-            "from_preset(device_mesh='auto') would"
+            "from_preset(device_mesh='auto') would (required unless --search)"
         ),
     )
     plan.add_argument(
@@ -221,17 +222,23 @@ def build_parser() -> argparse.ArgumentParser:
             "or an assumed 16)"
         ),
     )
-    for flag, metavar, help_text in (
-        ("--batch", "B", "with --seq: estimate a training step of B sequences"),
-        ("--seq", "S", "with --batch: tokens per sequence of the training step"),
-    ):
-        plan.add_argument(
-            flag,
-            type=parse_positive(flag),
-            default=None,
-            metavar=metavar,
-            help=help_text,
-        )
+    plan.add_argument(
+        "--batch",
+        type=cli_search.parse_batch,
+        default=None,
+        metavar="B",
+        help=(
+            "with --seq: estimate a training step of B sequences (auto, with "
+            "--search: the largest batch that fits)"
+        ),
+    )
+    plan.add_argument(
+        "--seq",
+        type=parse_positive("--seq"),
+        default=None,
+        metavar="S",
+        help="with --batch: tokens per sequence of the training step",
+    )
     plan.add_argument(
         "--device",
         default=None,
@@ -285,6 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
             "local devices; fits is its peak's; nothing is allocated"
         ),
     )
+    plan.add_argument(
+        "--search",
+        action="store_true",
+        help=(
+            "with --device, --devices, --batch and --seq: rank the layouts "
+            "(meshes over batch, model and context, tp/fsdp, remat) by the "
+            "step compiled for the device, and name the fastest that fits"
+        ),
+    )
     demo = commands.add_parser(
         "demo", help="plan, LoRA fine-tune and generate (embedded tiny Gemma)"
     )
@@ -327,7 +343,9 @@ def _run_plan(args) -> int:
 
 def _answer(args) -> dict:
     """The plan, its memory verdict and the compiled check, as text and as
-    the `--json` object."""
+    the `--json` object (with `--search`, the layout search's)."""
+    if args.search:
+        return cli_search.answer(args)
     from keras_hub_autodist.fitting import compiled_answer as compiled
     from keras_hub_autodist.fitting.device_profiles import device_profile
     from keras_hub_autodist.fitting.device_profiles import usable_memory
@@ -545,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "plan":
+            cli_search.check_flags(args)
             _check_step_flags(args)
             if args.compiled:
                 _use_virtual_devices_for(args.mesh)

@@ -20,6 +20,7 @@ Each step takes the previous step's value and never calls back up.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,7 @@ from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import warn
+from keras_hub_autodist.fitting.auto_search import searched_layout
 from keras_hub_autodist.fitting.planner import plan_model
 from keras_hub_autodist.fitting.planner import resolve_mesh
 from keras_hub_autodist.loading.progress import progress_enabled
@@ -180,9 +182,14 @@ def from_preset(
     preset_config = read_preset_config(preset)
     weights = model_weights(preset_config, options)
     # 3. The mesh, resolved once over the devices, and the plan on it.
-    resolved = resolve_mesh(
-        device_mesh, weights, options, devices=keras.distribution.list_devices()
+    devices = keras.distribution.list_devices()
+    # On accelerators the layout search knows, "auto" is its winner.
+    device_mesh, options, searched = searched_layout(
+        preset, device_mesh, options, devices
     )
+    resolved = resolve_mesh(device_mesh, weights, options, devices=devices)
+    if searched:
+        resolved = dataclasses.replace(resolved, reason=searched)
     layout_plan = plan_model(weights, resolved, options)
     mesh = resolved.build()
     plan_seconds = time.perf_counter() - planning_started

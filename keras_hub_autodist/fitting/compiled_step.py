@@ -26,9 +26,9 @@ from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 from keras_hub_autodist.fitting.compiled_analysis import collectives
-from keras_hub_autodist.fitting.compiled_analysis import cost_figures
 from keras_hub_autodist.fitting.compiled_analysis import not_compiled
 from keras_hub_autodist.fitting.compiled_analysis import out_of_memory
+from keras_hub_autodist.fitting.hlo_cost import program_cost
 from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
 from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.step_shape import runnable_step
@@ -513,7 +513,7 @@ def program_facts(compiled) -> dict:
     except Exception:  # a program without text
         text = ""
     return {
-        "cost": cost_figures(cost),
+        "cost": program_cost(cost, text),
         "collectives": collectives(text),
         "attention": attention_kernel(text),
     }

@@ -217,3 +217,84 @@ def device_profile(name: str) -> DeviceProfile:
             f"(`device_memory=16 * 1024**3`). Received: device_memory={name!r}"
         )
     return DEVICE_PROFILES[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpeed:
+    """How fast one device of a kind computes and moves bytes: the data of
+    the step-time roofline (`step_cost`).
+
+    Args:
+        peak_flops: dense 16-bit matrix flops per second of one JAX device,
+            as it runs bfloat16 (a T4 has no bfloat16 tensor cores: XLA
+            computes bfloat16 in float32 there).
+        hbm_bytes_per_second: memory bandwidth of one JAX device.
+        link_bytes_per_second: what one device sends to the others per
+            second over `link` (one direction, all its links together).
+        link: `"ici"` (TPU inter-chip interconnect), `"nvlink"` or
+            `"pcie"`.
+        source: where the numbers come from.
+    """
+
+    peak_flops: float
+    hbm_bytes_per_second: float
+    link_bytes_per_second: float
+    link: str
+    source: str
+
+
+_NVIDIA_SHEET = "NVIDIA's datasheet of the {}"
+_TPU_DOCS = "Google Cloud's TPU {} page (per chip; a v3/v4 JAX device is one core)"
+
+# Per JAX device. TPU v3 and v4 chips are two TensorCores each, which the
+# compiler sees as two devices: half a chip's figures each.
+DEVICE_SPEEDS = {
+    # 65 TFLOP/s is float16 on tensor cores; bfloat16 runs in float32
+    # (8.1 TFLOP/s). 320 GB/s GDDR6; PCIe 3.0 x16 (16 GB/s), no NVLink.
+    "t4": DeviceSpeed(8.1e12, 320e9, 16e9, "pcie", _NVIDIA_SHEET.format("T4")),
+    # 121 TFLOP/s bfloat16 dense, 300 GB/s, PCIe 4.0 x16 (32 GB/s).
+    "l4": DeviceSpeed(121e12, 300e9, 32e9, "pcie", _NVIDIA_SHEET.format("L4")),
+    # 312 TFLOP/s bfloat16 dense; 1555 / 2039 GB/s; NVLink 3: 600 GB/s
+    # both directions.
+    "a100-40": DeviceSpeed(
+        312e12, 1555e9, 300e9, "nvlink", _NVIDIA_SHEET.format("A100")
+    ),
+    "a100-80": DeviceSpeed(
+        312e12, 2039e9, 300e9, "nvlink", _NVIDIA_SHEET.format("A100")
+    ),
+    # 989 TFLOP/s bfloat16 dense; 3.35 / 4.8 TB/s; NVLink 4: 900 GB/s
+    # both directions.
+    "h100": DeviceSpeed(
+        989e12, 3350e9, 450e9, "nvlink", _NVIDIA_SHEET.format("H100 SXM")
+    ),
+    "h200": DeviceSpeed(989e12, 4800e9, 450e9, "nvlink", _NVIDIA_SHEET.format("H200")),
+    # v3 chip: 123 TFLOP/s, 900 GB/s, ICI 656 Gbit/s (82 GB/s); per core.
+    "v3-8": DeviceSpeed(61.5e12, 450e9, 41e9, "ici", _TPU_DOCS.format("v3")),
+    # v4 chip: 275 TFLOP/s, 1200 GB/s, ICI 2400 Gbit/s (300 GB/s); per core.
+    "v4": DeviceSpeed(137.5e12, 600e9, 150e9, "ici", _TPU_DOCS.format("v4")),
+    # v5e chip: 197 TFLOP/s, 819 GB/s, ICI 1600 Gbit/s (200 GB/s).
+    "v5e": DeviceSpeed(197e12, 819e9, 200e9, "ici", _TPU_DOCS.format("v5e")),
+    # v5p chip: 459 TFLOP/s, 2765 GB/s, ICI 4800 Gbit/s (600 GB/s).
+    "v5p": DeviceSpeed(459e12, 2765e9, 600e9, "ici", _TPU_DOCS.format("v5p")),
+    # v6e chip: 918 TFLOP/s, 1640 GB/s, ICI 3584 Gbit/s (448 GB/s).
+    "v6e": DeviceSpeed(918e12, 1640e9, 448e9, "ici", _TPU_DOCS.format("v6e")),
+}
+
+
+def device_speed(name: str) -> DeviceSpeed:
+    """The `DeviceSpeed` of a named device, case and spaces ignored.
+
+    Raises:
+        PlanError: for a name not in `DEVICE_SPEEDS`.
+
+    Example:
+    >>> device_speed("V5E").link
+    'ici'
+    """
+    key = device_key(name)
+    if key not in DEVICE_SPEEDS:
+        raise PlanError(
+            f"No speed figures for device {name!r}: name one of "
+            f"{sorted(DEVICE_SPEEDS)}. Received: device={name!r}"
+        )
+    return DEVICE_SPEEDS[key]

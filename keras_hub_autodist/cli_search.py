@@ -1,0 +1,94 @@
+"""`keras-hub-autodist plan PRESET --search`: the layout search from the
+command line (`fitting.search.search`), as its ranked table or, with
+`--json`, as one object (`search_report.to_json`).
+
+    keras-hub-autodist plan ./llama3_8b --device v5e --devices 8 \\
+        --batch 8 --seq 2048 --search [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from keras_hub_autodist.errors import PlanError
+
+
+def parse_batch(text: str) -> int | str:
+    """`--batch`: a positive integer, or `auto` (with `--search`: the
+    largest batch that fits).
+
+    Example:
+    >>> parse_batch("8"), parse_batch("auto")
+    (8, 'auto')
+    """
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--batch takes a positive integer, or auto with --search. "
+            f"Received: {text!r}"
+        )
+    return int(text)
+
+
+def check_flags(args) -> None:
+    """Refuse what the search can't take, naming the flag to add or drop."""
+    if not args.search:
+        if args.mesh is None:
+            raise PlanError(
+                "plan needs --mesh (e.g. --mesh batch=2,model=4, or --mesh auto), "
+                "or --search. Received: no --mesh"
+            )
+        if args.batch == "auto":
+            raise PlanError(
+                "--batch auto asks the layout search for the largest batch that "
+                "fits: add --search. Received: --batch auto"
+            )
+        return
+    missing = [
+        flag
+        for flag, value in (
+            ("--device", args.device),
+            ("--devices", args.devices),
+            ("--batch", args.batch),
+            ("--seq", args.seq),
+        )
+        if value is None
+    ]
+    if missing:
+        raise PlanError(
+            "--search ranks layouts of a training step on a named device: it "
+            f"needs {', '.join(missing)}, e.g. --device v5e --devices 8 --batch 8 "
+            f"--seq 2048. Received: no {', '.join(missing)}"
+        )
+    if args.mesh not in (None, "auto") or args.compiled:
+        raise PlanError(
+            "--search chooses the mesh and compiles its candidates itself: drop "
+            f"--mesh and --compiled. Received: --mesh {args.mesh}"
+            + (", --compiled" if args.compiled else "")
+        )
+
+
+def answer(args) -> dict:
+    """The search's table and its `--json` object."""
+    from keras_hub_autodist.fitting.search import STRATEGIES
+    from keras_hub_autodist.fitting.search import search
+    from keras_hub_autodist.fitting.search_report import table
+    from keras_hub_autodist.fitting.search_report import to_json
+
+    result = search(
+        args.preset,
+        args.device,
+        args.devices,
+        args.batch,
+        args.seq,
+        args.lora_rank,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        strategies=STRATEGIES if args.strategy == "auto" else (args.strategy,),
+        remats=(None, "full") if args.remat is None else (args.remat,),
+    )
+    return {"text": table(result), "json": to_json(result)}
+
+
+__all__ = ["answer", "check_flags", "parse_batch"]

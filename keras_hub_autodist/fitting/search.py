@@ -1,0 +1,524 @@
+"""`search()`: the fastest layout of a training step that fits a named
+device, chosen by the step compiled for it.
+
+1. Candidates (`candidates`): every mesh over the `batch`, `model` and
+   `context` axes (and `expert` for a mixture of experts) of the devices,
+   each with strategy `"tp"` and `"fsdp"` and rematerialization off and
+   `"full"`; with `batch_size="auto"`, each at the largest batch that
+   fits by the closed form.
+2. Pruning: the calibrated closed form (`step_memory.step_estimate` for
+   the device) drops the candidates that can't fit; the rest are ranked by
+   the closed form's step time (`step_cost.closed_form_cost`) and the
+   fastest `max_compiles` of them, with the memory rule's choice
+   (`device_mesh="auto"` today), are compiled for the device
+   (`compiled_step.compiled_memory`, cached on disk: `search_cache`).
+3. Ranking: the compiled ones that fit by their compile, by the modelled
+   time per token of the compiled program (`step_cost.compiled_cost`); the
+   rule's choice is among them, so the chosen one is never slower in the
+   model than it. `search_report` explains each loser in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Mapping
+
+from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.fitting import search_cache
+from keras_hub_autodist.fitting import step_cost
+from keras_hub_autodist.fitting.compiled_answer import compiled_fits
+from keras_hub_autodist.fitting.compiled_step import CompiledMemory
+from keras_hub_autodist.fitting.compiled_step import compiled_memory
+from keras_hub_autodist.fitting.device_profiles import device_profile
+from keras_hub_autodist.fitting.device_profiles import device_speed
+from keras_hub_autodist.fitting.planner import plan
+from keras_hub_autodist.fitting.search_report import COMPILED
+from keras_hub_autodist.fitting.search_report import NOT_COMPILED
+from keras_hub_autodist.fitting.search_report import PRUNED
+from keras_hub_autodist.fitting.search_report import explain
+from keras_hub_autodist.fitting.search_report import table
+from keras_hub_autodist.fitting.step_memory import step_estimate
+from keras_hub_autodist.reading.presets import read_config
+
+# A candidate whose closed-form estimate exceeds the device's memory by
+# more than this factor is not compiled: the calibrated closed form is
+# within about 20% of the target compiles (docs/benchmarks.md, section 8).
+PRUNE_MARGIN = 1.2
+# How many candidates, beside the memory rule's choice, are compiled.
+MAX_COMPILES = 4
+# With `batch_size="auto"`: batches tried, up to this many sequences.
+MAX_AUTO_BATCH = 1024
+STRATEGIES = ("tp", "fsdp")
+REMATS = (None, "full")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Candidate:
+    """One layout of the step: a mesh, a strategy, remat and a batch (equal
+    to another of the same `key()`)."""
+
+    mesh: Mapping[str, int]
+    strategy: str
+    remat: str | None
+    batch_size: int
+
+    def label(self) -> str:
+        """E.g. `batch=2,model=4 tp remat=full`."""
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+        remat = f" remat={self.remat}" if self.remat else ""
+        return f"{mesh} {self.strategy}{remat}"
+
+    def key(self) -> tuple:
+        """What tells layouts apart: the mesh's axes of more than one
+        device, the strategy, remat and the batch."""
+        mesh = tuple(sorted((k, v) for k, v in self.mesh.items() if v > 1))
+        return (mesh, self.strategy, self.remat, self.batch_size)
+
+    def __eq__(self, other):
+        return isinstance(other, Candidate) and self.key() == other.key()
+
+    def __hash__(self):
+        return hash(self.key())
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A candidate as the search left it.
+
+    Args:
+        candidate: the layout.
+        stage: `PRUNED`, `NOT_COMPILED` or `COMPILED`.
+        estimate_bytes: the closed form's bytes per device.
+        closed_form: its `StepCost` by the closed form.
+        compiled: the compiled step, when compiled.
+        cost: its `StepCost` from the compiled program, when compiled.
+        fits: by the compile where compiled, else by the closed form.
+        rule: whether the memory rule (`device_mesh="auto"`) picks it.
+        why: one line on why it won or lost (`search_report`).
+    """
+
+    candidate: Candidate
+    stage: str
+    estimate_bytes: int
+    closed_form: step_cost.StepCost
+    compiled: CompiledMemory | None = None
+    cost: step_cost.StepCost | None = None
+    fits: bool = False
+    rule: bool = False
+    why: str = ""
+    mfu: float = 0.0
+
+    @property
+    def modelled(self) -> step_cost.StepCost:
+        return self.cost or self.closed_form
+
+    @property
+    def seconds_per_token(self) -> float:
+        tokens = self.candidate.batch_size * self.sequence_length
+        return self.modelled.seconds / tokens if tokens else math.inf
+
+    sequence_length: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """The search's answer: every candidate ranked, the chosen one and the
+    memory rule's choice (see `search_report` for its table and JSON)."""
+
+    preset: str
+    device: str
+    devices: int
+    sequence_length: int
+    lora_rank: int | None
+    optimizer: str
+    capacity_bytes: int
+    entries: tuple[Entry, ...]
+    chosen: Entry
+    rule_choice: Entry
+    seconds: float
+    compiles: int
+    cache_hits: int
+
+    def __str__(self):
+        return table(self)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending.
+
+    Example:
+    >>> divisors(8)
+    [1, 2, 4, 8]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(
+    devices: int,
+    batch_size: int | None,
+    sequence_length: int,
+    experts: bool = False,
+) -> list[dict[str, int]]:
+    """The meshes of `devices` over `batch`, `model` and `context` (with
+    `experts`, also `expert` in the model axis' place): a batch axis that
+    divides `batch_size` (any with `None`), a context axis that divides the
+    sequence. The largest batch axis first.
+
+    Example:
+    >>> meshes(4, 4, 8)[:2]
+    [{'batch': 4, 'model': 1}, {'batch': 2, 'model': 2}]
+    >>> meshes(4, 4, 8)[2]
+    {'batch': 2, 'model': 1, 'context': 2}
+    """
+    found = []
+    for batch in reversed(divisors(devices)):
+        if batch_size is not None and batch_size % batch:
+            continue
+        rest = devices // batch
+        for context in divisors(rest):
+            if sequence_length % context:
+                continue
+            model = rest // context
+            names = ("model",) + (("expert",) if experts and model > 1 else ())
+            for name in names:
+                mesh = {"batch": batch, name: model}
+                if context > 1:
+                    mesh["context"] = context
+                found.append(mesh)
+    return found
+
+
+def candidates(
+    devices: int,
+    batch_size: int | None,
+    sequence_length: int,
+    *,
+    strategies=STRATEGIES,
+    remats=REMATS,
+    experts: bool = False,
+) -> list[Candidate]:
+    """Every layout searched (`meshes` x strategies x remat); `"fsdp"`
+    only where a batch axis has more than one device (else it is `"tp"`).
+    `batch_size` `None`: a batch is chosen per layout later (0 here).
+
+    Example:
+    >>> len(candidates(2, 2, 16))  # 3 meshes; fsdp on the two with batch=2
+    10
+    """
+    found = []
+    for mesh in meshes(devices, batch_size, sequence_length, experts):
+        for strategy in strategies:
+            if strategy == "fsdp" and mesh["batch"] == 1:
+                continue
+            for remat in remats:
+                found.append(Candidate(mesh, strategy, remat, batch_size or 0))
+    return found
+
+
+def _planned(preset, candidate, device, lora_rank, dtype):
+    return plan(
+        preset,
+        dict(candidate.mesh),
+        strategy=candidate.strategy,
+        device_memory=device,
+        lora_rank=lora_rank,
+        remat=candidate.remat,
+        dtype=dtype,
+    )
+
+
+def _closed_form(
+    preset, candidate, device, lora_rank, dtype, sequence_length, optimizer, speed
+):
+    """The candidate's plan, closed-form bytes and closed-form cost."""
+    layout = _planned(preset, candidate, device, lora_rank, dtype)
+    estimate = step_estimate(
+        layout, candidate.batch_size, sequence_length, optimizer, platform=device
+    )
+    cost = step_cost.closed_form_cost(
+        layout, candidate.batch_size, sequence_length, estimate, speed
+    )
+    return layout, estimate.total_bytes, cost
+
+
+def _largest_batch(preset, candidate, device, lora_rank, dtype, seq, optimizer):
+    """With `batch_size="auto"`: the largest batch (the batch axis times a
+    power of two, up to `MAX_AUTO_BATCH`) whose closed form fits; the batch
+    axis' size when none does."""
+    layout = _planned(preset, candidate, device, lora_rank, dtype)
+    rows = candidate.mesh["batch"]
+    best = rows
+    while rows <= MAX_AUTO_BATCH:
+        estimate = step_estimate(layout, rows, seq, optimizer, platform=device)
+        if estimate.total_bytes > layout.device_memory_bytes:
+            break
+        best, rows = rows, rows * 2
+    return dataclasses.replace(candidate, batch_size=best)
+
+
+def rule_choice(
+    preset, device, devices, batch_size, lora_rank, dtype
+) -> tuple[dict[str, int], str]:
+    """What `device_mesh="auto"` and `strategy="auto"` pick by the memory
+    rule (`planner.resolve_mesh`), as a mesh and a strategy."""
+    chosen = plan(
+        preset,
+        "auto",
+        num_devices=devices,
+        batch_size=batch_size,
+        device_memory=device,
+        lora_rank=lora_rank,
+        dtype=dtype,
+    )
+    axes = chosen.mesh_axes
+    return dict(zip(axes.axis_names, axes.shape)), chosen.strategy
+
+
+def _compile(layout, batch, seq, optimizer, device, lora_rank, folder, config, preset):
+    """The compiled step, from the disk cache when there; and whether it
+    was."""
+    key = search_cache.compile_key(layout, config, batch, seq, optimizer, device)
+    stored = search_cache.read_compile(folder, key)
+    if stored is not None:
+        return stored, True
+    memory = compiled_memory(
+        layout,
+        batch,
+        seq,
+        optimizer,
+        device=device,
+        lora_rank=lora_rank,
+        preset=preset,
+    )
+    search_cache.store_compile(folder, key, memory)
+    return memory, False
+
+
+def search(
+    preset: str | os.PathLike | Mapping,
+    device: str,
+    devices: int,
+    batch_size: int | str,
+    sequence_length: int,
+    lora_rank: int | None = None,
+    *,
+    dtype: str | None = None,
+    optimizer: str = "adam",
+    strategies=STRATEGIES,
+    remats=REMATS,
+    max_compiles: int = MAX_COMPILES,
+    cache_dir: str | os.PathLike | None = None,
+) -> SearchResult:
+    """The fastest layout of a training step that fits `devices` of
+    `device`, by the step compiled for that device; every candidate ranked
+    and explained.
+
+    Args:
+        preset: what to plan, as for `plan()`.
+        device: a named device of `compile_targets.TARGETS` (`"v5e"`,
+            `"t4"`, `"h100"`): its memory, speed and compiler.
+        devices: how many of them.
+        batch_size: the global batch, or `"auto"`: the largest per-step
+            batch that fits, per layout (ranked by tokens per second).
+        sequence_length: tokens per sequence.
+        lora_rank: search for a LoRA fine-tune of this rank.
+        dtype: the dtype the model is loaded with; defaults to the preset's.
+        optimizer: the optimizer's name (`trained_state.OPTIMIZERS`).
+        strategies: the strategies searched.
+        remats: the rematerializations searched (`None`: off).
+        max_compiles: how many candidates beside the memory rule's choice
+            are compiled (more when none of them fits).
+        cache_dir: where compiled steps are kept
+            (`search_cache.compile_cache_folder`).
+
+    Returns:
+        A `SearchResult`; `str()` of it is the ranked table.
+
+    Example:
+    ```python
+    result = keras_hub_autodist.search("./llama3_8b", device="v5e", devices=8,
+                                       batch_size=8, sequence_length=2048)
+    result.chosen.candidate.mesh, result.chosen.modelled.seconds
+    ```
+    """
+    started = time.perf_counter()
+    auto = batch_size == "auto"
+    if not auto and (not isinstance(batch_size, int) or batch_size < 1):
+        raise PlanError(
+            "search() takes a positive batch size, or 'auto' for the largest "
+            f"that fits. Received: batch_size={batch_size!r}"
+        )
+    profile = device_profile(device)
+    speed = device_speed(device)
+    info = read_config(preset)
+    config = dict(info.config)
+    folder = search_cache.compile_cache_folder(cache_dir)
+    experts = any(
+        "expert" in w.logical_axes
+        for w in _planned(
+            preset, Candidate({"batch": 1}, "tp", None, 1), device, lora_rank, dtype
+        ).rows
+    )
+    found = candidates(
+        devices,
+        None if auto else batch_size,
+        sequence_length,
+        strategies=strategies,
+        remats=remats,
+        experts=experts,
+    )
+    rule_mesh, rule_strategy = rule_choice(
+        preset, device, devices, None if auto else batch_size, lora_rank, dtype
+    )
+    rule = Candidate(rule_mesh, rule_strategy, None, 0 if auto else batch_size)
+    if all(c.key()[:3] != rule.key()[:3] for c in found):
+        found.append(rule)
+    if auto:
+        found = [
+            _largest_batch(
+                preset, c, device, lora_rank, dtype, sequence_length, optimizer
+            )
+            for c in found
+        ]
+    rule = next(c for c in found if c.key()[:3] == rule.key()[:3])
+    # Each candidate by the closed form.
+    planned = {}
+    entries = {}
+    for candidate in found:
+        layout, estimate, closed = _closed_form(
+            preset,
+            candidate,
+            device,
+            lora_rank,
+            dtype,
+            sequence_length,
+            optimizer,
+            speed,
+        )
+        planned[candidate] = layout
+        fits = estimate <= layout.device_memory_bytes
+        entries[candidate] = Entry(
+            candidate,
+            PRUNED
+            if estimate > PRUNE_MARGIN * layout.device_memory_bytes
+            else NOT_COMPILED,
+            estimate,
+            closed,
+            fits=fits,
+            rule=candidate == rule,
+            sequence_length=sequence_length,
+        )
+    # The fastest by the closed form, and the rule's choice, compiled.
+    # Those that fit by the closed form first, the fastest first; but the
+    # fastest that fits with the closed form's margin to spare comes
+    # second, so that one likely to fit is among the first compiled.
+    order = sorted(
+        (e for e in entries.values() if e.stage != PRUNED),
+        key=lambda e: (not e.fits, e.seconds_per_token),
+    )
+    safe = [
+        e
+        for e in order[1:]
+        if e.estimate_bytes * PRUNE_MARGIN <= planned[e.candidate].device_memory_bytes
+    ]
+    if safe:
+        order.remove(safe[0])
+        order.insert(min(1, len(order)), safe[0])
+    # When none of those fits, the pruned ones follow, the smallest first.
+    pruned = sorted(
+        (e for e in entries.values() if e.stage == PRUNED),
+        key=lambda e: e.estimate_bytes,
+    )
+    to_compile = [rule] + [e.candidate for e in order + pruned if e.candidate != rule]
+    compiles = hits = fitting = 0
+    for index, candidate in enumerate(to_compile):
+        enough = index > max_compiles and (fitting or index > 2 * max_compiles)
+        if enough:
+            break
+        layout = planned[candidate]
+        memory, hit = _compile(
+            layout,
+            candidate.batch_size,
+            sequence_length,
+            optimizer,
+            device,
+            lora_rank,
+            folder,
+            config,
+            preset,
+        )
+        compiles += 1
+        hits += hit
+        fits = compiled_fits(memory, layout.device_memory_bytes)
+        fitting += fits
+        # A step the compiler refused has no program to cost: the closed
+        # form's time stands for it.
+        cost = None if memory.out_of_memory else step_cost.compiled_cost(memory, speed)
+        entries[candidate] = dataclasses.replace(
+            entries[candidate],
+            stage=COMPILED,
+            compiled=memory,
+            cost=cost,
+            fits=fits,
+            mfu=step_cost.modelled_mfu(
+                layout,
+                candidate.batch_size,
+                sequence_length,
+                (cost or entries[candidate].closed_form).seconds,
+                speed,
+            ),
+        )
+    ranked = sorted(entries.values(), key=_rank)
+    chosen = ranked[0]
+    entries_out = tuple(explain(ranked, chosen, profile, speed))
+    chosen = entries_out[0]
+    rule_entry = next(e for e in entries_out if e.rule)
+    return SearchResult(
+        preset=str(preset) if not isinstance(preset, Mapping) else "<config dict>",
+        device=profile.name,
+        devices=devices,
+        sequence_length=sequence_length,
+        lora_rank=lora_rank,
+        optimizer=optimizer,
+        capacity_bytes=planned[rule].device_memory_bytes,
+        entries=entries_out,
+        chosen=chosen,
+        rule_choice=rule_entry,
+        seconds=time.perf_counter() - started,
+        compiles=compiles,
+        cache_hits=hits,
+    )
+
+
+# Ranked first: compiled and fitting; then not compiled but fitting by the
+# closed form; then compiled and not fitting; then pruned.
+_STAGE_RANK = {(COMPILED, True): 0, (NOT_COMPILED, True): 1, (COMPILED, False): 2}
+
+
+def _rank(entry: Entry) -> tuple:
+    """Stage first (`_STAGE_RANK`); then the modelled time per token, but
+    the compiled peak among compiled steps that don't fit (the one closest
+    to fitting first)."""
+    stage = _STAGE_RANK.get((entry.stage, entry.fits), 3)
+    if stage == 2:
+        return (stage, entry.compiled.peak_bytes)
+    return (stage, entry.seconds_per_token)
+
+
+__all__ = [
+    "COMPILED",
+    "Candidate",
+    "Entry",
+    "MAX_COMPILES",
+    "NOT_COMPILED",
+    "PRUNED",
+    "PRUNE_MARGIN",
+    "SearchResult",
+    "candidates",
+    "meshes",
+    "rule_choice",
+    "search",
+]

@@ -1,0 +1,239 @@
+"""The layout search's answer in words: why each candidate won or lost (one
+line each), the ranked table, the `--search --json` object, and the one
+line `from_preset` prints about the chosen layout. An entry is a
+`search.Entry`, a result a `search.SearchResult` (typed `Any` here: the
+search imports this module, not the other way round).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+from typing import Any
+
+from keras_hub_autodist.fitting import step_cost
+
+if TYPE_CHECKING:
+    from keras_hub_autodist.fitting.device_profiles import DeviceProfile
+    from keras_hub_autodist.fitting.device_profiles import DeviceSpeed
+
+GIB = 1024**3
+# Where a candidate stopped (`search.Entry.stage`).
+PRUNED = "pruned"  # over the memory by the closed form: not compiled
+NOT_COMPILED = "not compiled"  # fits by the closed form, slower than those compiled
+COMPILED = "compiled"
+# How each link is named in a reason.
+LINK_NAMES = {"ici": "ICI", "nvlink": "NVLink", "pcie": "PCIe"}
+# What each term of the roofline is, in a reason.
+TERM_WORDS = {"compute": "flops", "memory": "HBM bytes", "link": "link bytes"}
+_TERM_FIELDS = {"compute": "flops", "memory": "hbm_bytes", "link": "link_bytes"}
+
+
+def _largest_collective(entry: Any) -> str:
+    if entry.compiled is None or not entry.compiled.collectives:
+        return ""
+    kind = max(entry.compiled.collectives, key=lambda c: c.bytes).kind
+    return f", mostly {kind}"
+
+
+def _slower(entry: Any, chosen: Any, speed: DeviceSpeed) -> str:
+    """Why a candidate that fits is slower than the chosen one: the term of
+    the roofline it loses most time on, as a ratio of amounts."""
+    # A candidate not compiled is held to the chosen one's closed form: the
+    # two models' scales differ.
+    compiled = entry.cost is not None
+    mine = entry.modelled
+    best = chosen.modelled if compiled else chosen.closed_form
+    ratio = (mine.seconds / entry.candidate.batch_size) / (
+        best.seconds / chosen.candidate.batch_size
+    )
+    lost = {
+        term: mine.terms()[term] / entry.candidate.batch_size
+        - best.terms()[term] / chosen.candidate.batch_size
+        for term in TERM_WORDS
+    }
+    term = max(lost, key=lost.get)
+    amount = getattr(mine, _TERM_FIELDS[term])
+    their = getattr(best, _TERM_FIELDS[term])
+    scale = chosen.candidate.batch_size / max(entry.candidate.batch_size, 1)
+    times = amount * scale / their if their else float("inf")
+    where = f" over {LINK_NAMES[speed.link]}" if term == "link" else ""
+    detail = _largest_collective(entry) if term == "link" else ""
+    how = "modelled" if compiled else "closed form:"
+    return (
+        f"{entry.candidate.strategy}: {how} {ratio:.2f}x the chosen step time "
+        f"per token; {times:.1f}x the {TERM_WORDS[term]}{where}{detail}"
+    )
+
+
+def why(entry: Any, chosen: Any, capacity: int, speed: DeviceSpeed) -> str:
+    """One line on why `entry` won or lost against `chosen`."""
+    gib = GIB
+    if entry is chosen or entry.candidate == chosen.candidate:
+        peak = entry.compiled.peak_bytes if entry.compiled else entry.estimate_bytes
+        if not entry.fits:
+            return (
+                f"nothing compiled fits: this needs the least, {peak / gib:.2f} "
+                f"GiB per device of {capacity / gib:.2f} GiB; more devices or "
+                "memory, or a smaller step"
+            )
+        return (
+            f"chosen: the fastest modelled step that fits ({peak / gib:.2f} GiB "
+            f"of {capacity / gib:.2f} GiB per device)"
+        )
+    if entry.stage == PRUNED:
+        return (
+            f"pruned: the closed form needs {entry.estimate_bytes / gib:.2f} GiB "
+            f"per device, over {capacity / gib:.2f} GiB"
+        )
+    if entry.stage == COMPILED and not entry.fits:
+        memory = entry.compiled
+        if memory.out_of_memory:
+            return (
+                f"does not fit: the compiler refuses it, needing "
+                f"{memory.peak_bytes / gib:.2f} GiB per device"
+            )
+        return (
+            f"does not fit: compiled peak {memory.peak_bytes / gib:.2f} GiB "
+            f"per device, over {capacity / gib:.2f} GiB"
+        )
+    if not entry.fits:
+        return (
+            f"not compiled: the closed form needs {entry.estimate_bytes / gib:.2f}"
+            f" GiB per device, over {capacity / gib:.2f} GiB"
+        )
+    line = _slower(entry, chosen, speed)
+    if entry.stage != COMPILED:
+        line = "not compiled, " + line
+    return line
+
+
+def explain(
+    ranked: list, chosen: Any, profile: DeviceProfile, speed: DeviceSpeed
+) -> list:
+    """The ranked entries, each with its `why`."""
+    capacity = profile.memory_bytes
+    return [
+        dataclasses.replace(entry, why=why(entry, chosen, capacity, speed))
+        for entry in ranked
+    ]
+
+
+def mesh_text(entry: Any) -> str:
+    return ",".join(f"{k}={v}" for k, v in entry.candidate.mesh.items())
+
+
+def entry_json(entry: Any, result: Any) -> dict:
+    """One candidate as `--search --json` prints it."""
+    seconds = entry.modelled.seconds
+    candidate = entry.candidate
+    return {
+        "mesh": dict(candidate.mesh),
+        "strategy": candidate.strategy,
+        "remat": candidate.remat,
+        "batch_size": candidate.batch_size,
+        "stage": entry.stage,
+        "compiled_peak_bytes_per_device": (
+            entry.compiled.peak_bytes if entry.compiled else None
+        ),
+        "estimate_bytes_per_device": entry.estimate_bytes,
+        "fits": entry.fits,
+        "modelled_step_seconds": seconds,
+        "modelled_by": entry.modelled.source,
+        "closed_form_step_seconds": entry.closed_form.seconds,
+        "tokens_per_second": step_cost.tokens_per_second(
+            candidate.batch_size, result.sequence_length, seconds
+        ),
+        "modelled_mfu": entry.mfu if entry.compiled else None,
+        "roofline_seconds": entry.modelled.terms(),
+        "rule_choice": entry.rule,
+        "why": entry.why,
+    }
+
+
+def to_json(result: Any) -> dict:
+    """The `--search --json` object: `chosen`, `rule_choice` and every
+    candidate ranked (`candidates`), with what was searched."""
+    return {
+        "preset": result.preset,
+        "device": result.device,
+        "devices": result.devices,
+        "sequence_length": result.sequence_length,
+        "lora_rank": result.lora_rank,
+        "optimizer": result.optimizer,
+        "device_memory_bytes": result.capacity_bytes,
+        "collective_overlap": step_cost.COLLECTIVE_OVERLAP,
+        "chosen": entry_json(result.chosen, result),
+        "rule_choice": entry_json(result.rule_choice, result),
+        "candidates": [entry_json(e, result) for e in result.entries],
+        "compiles": result.compiles,
+        "cache_hits": result.cache_hits,
+        "search_seconds": result.seconds,
+    }
+
+
+def table(result: Any) -> str:
+    """The ranked table, one row per candidate, in Markdown."""
+    gib = GIB
+    lines = [
+        f"layouts of a training step on {result.devices} x {result.device} "
+        f"(sequence {result.sequence_length}, {result.optimizer}"
+        + (f", LoRA rank {result.lora_rank}" if result.lora_rank else "")
+        + f"): {result.compiles} compiled ({result.cache_hits} from the cache), "
+        f"{result.seconds:.1f} s",
+        "",
+        "| # | layout | batch | peak GiB/device | step s | tokens/s | MFU | why |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rank, entry in enumerate(result.entries, 1):
+        peak = (
+            f"{entry.compiled.peak_bytes / gib:.2f}"
+            if entry.compiled
+            else f"~{entry.estimate_bytes / gib:.2f}"
+        )
+        seconds = entry.modelled.seconds
+        tokens = step_cost.tokens_per_second(
+            entry.candidate.batch_size, result.sequence_length, seconds
+        )
+        mfu = f"{entry.mfu:.0%}" if entry.compiled else ""
+        rule = " (rule)" if entry.rule else ""
+        lines.append(
+            f"| {rank} | {entry.candidate.label()}{rule} | "
+            f"{entry.candidate.batch_size} | {peak} | {seconds:.4g} | "
+            f"{tokens:,.0f} | {mfu} | {entry.why} |"
+        )
+    lines.append("")
+    lines.append(
+        "peak: compiled for the device (~: the closed form's estimate, not "
+        "compiled); step s: the compiler's estimate where it gives one (TPU), "
+        "else the roofline of the compiled program, with "
+        + ", ".join(
+            f"{share:.0%} of {LINK_NAMES[link]} collectives hidden"
+            for link, share in step_cost.COLLECTIVE_OVERLAP.items()
+        )
+    )
+    return "\n".join(lines)
+
+
+def chosen_reason(result: Any) -> str:
+    """Why the search chose its layout, in one line (the summary's)."""
+    chosen, rule = result.chosen, result.rule_choice
+    compiled = sum(1 for e in result.entries if e.compiled is not None)
+    if chosen.candidate == rule.candidate:
+        against = "the memory rule's choice too"
+    else:
+        speedup = rule.seconds_per_token / chosen.seconds_per_token
+        against = (
+            f"{speedup:.2f}x the tokens/s of the memory rule's "
+            f"{mesh_text(rule)} {rule.candidate.strategy}"
+        )
+    remat = f", remat {chosen.candidate.remat}" if chosen.candidate.remat else ""
+    return (
+        f"searched for {result.devices} x {result.device}: the fastest "
+        f"modelled step of {compiled} compiled layouts at batch "
+        f"{chosen.candidate.batch_size} x {result.sequence_length}{remat}, "
+        f"{against}"
+    )
+
+
+__all__ = ["chosen_reason", "entry_json", "explain", "table", "to_json", "why"]
