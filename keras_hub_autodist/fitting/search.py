@@ -205,8 +205,8 @@ def candidates(
     `batch_size` `None`: a batch is chosen per layout later (0 here).
 
     Example:
-    >>> len(candidates(2, 2, 16))  # 3 meshes; fsdp on the two with batch=2
-    10
+    >>> len(candidates(2, 2, 16))  # 3 meshes x 2 remats; fsdp on batch=2 only
+    8
     """
     found = []
     for mesh in meshes(devices, batch_size, sequence_length, experts):
