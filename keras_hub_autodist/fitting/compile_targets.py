@@ -26,7 +26,7 @@ import os
 
 from keras_hub_autodist.errors import CompilerMissingError
 from keras_hub_autodist.errors import PlanError
-from keras_hub_autodist.fitting.device_profiles import device_key
+from keras_hub_autodist.fitting.device_profiles import look_up
 from keras_hub_autodist.quiet import native_stderr_filtered
 
 TPU_EXTRA = "tpu-compile"
@@ -115,13 +115,12 @@ def target_spec(name: str) -> TargetSpec:
     >>> target_spec("V5E").platform
     'tpu'
     """
-    key = device_key(name)
-    if key not in TARGETS:
-        raise PlanError(
-            f"No compiler target for device {name!r}: name one of "
-            f"{sorted(TARGETS)}. Received: device={name!r}"
-        )
-    return TARGETS[key]
+    return look_up(
+        TARGETS,
+        name,
+        "No compiler target for device {name!r}: name one of {known}. "
+        "Received: device={name!r}",
+    )
 
 
 def local_target(count: int | None = None) -> CompileTarget:

@@ -199,6 +199,21 @@ def device_key(name):
     return name.strip().lower() if isinstance(name, str) else name
 
 
+def look_up(table: dict, name, refusal: str):
+    """`table`'s entry for the device `name` (`device_key`); a `PlanError`
+    of `refusal` (formatted with `name` and `known`, the table's names)
+    for a name it lacks.
+
+    Example:
+    >>> look_up({"t4": 1}, " T4", "Unknown {name!r}")
+    1
+    """
+    key = device_key(name)
+    if key not in table:
+        raise PlanError(refusal.format(name=name, known=sorted(table)))
+    return table[key]
+
+
 def device_profile(name: str) -> DeviceProfile:
     """The profile of a named device, case and spaces ignored.
 
@@ -209,14 +224,13 @@ def device_profile(name: str) -> DeviceProfile:
     >>> device_profile("V3-8").platform
     'tpu'
     """
-    key = device_key(name)
-    if key not in DEVICE_PROFILES:
-        raise PlanError(
-            f"Unknown device {name!r}: name one of {sorted(DEVICE_PROFILES)}, "
-            "or give the memory per device as a number of bytes "
-            f"(`device_memory=16 * 1024**3`). Received: device_memory={name!r}"
-        )
-    return DEVICE_PROFILES[key]
+    return look_up(
+        DEVICE_PROFILES,
+        name,
+        "Unknown device {name!r}: name one of {known}, or give the memory per "
+        "device as a number of bytes (`device_memory=16 * 1024**3`). "
+        "Received: device_memory={name!r}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,10 +305,9 @@ def device_speed(name: str) -> DeviceSpeed:
     >>> device_speed("V5E").link
     'ici'
     """
-    key = device_key(name)
-    if key not in DEVICE_SPEEDS:
-        raise PlanError(
-            f"No speed figures for device {name!r}: name one of "
-            f"{sorted(DEVICE_SPEEDS)}. Received: device={name!r}"
-        )
-    return DEVICE_SPEEDS[key]
+    return look_up(
+        DEVICE_SPEEDS,
+        name,
+        "No speed figures for device {name!r}: name one of {known}. "
+        "Received: device={name!r}",
+    )
