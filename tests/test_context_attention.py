@@ -15,6 +15,7 @@ from equivalence import batch_for
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.compat import attention as compat_attention
+from keras_hub_autodist.planning import causal_balance
 from keras_hub_autodist.planning import context_attention
 from keras_hub_autodist.planning.blockwise_attention import MASKED_SCORE
 from keras_hub_autodist.planning.blockwise_attention import AttentionRule
@@ -110,15 +111,16 @@ def padded_batch(preset, sequence_length=16, position_ids=False):
     return x, y
 
 
-def counting_kernel(monkeypatch):
+def counting_kernel(monkeypatch, name="blockwise_attention"):
+    """The rules `context_attention.<name>` is called with, from now on."""
     calls = []
-    kernel = context_attention.blockwise_attention
+    kernel = getattr(context_attention, name)
 
     def counted(rule, *arguments):
         calls.append(rule)
         return kernel(rule, *arguments)
 
-    monkeypatch.setattr(context_attention, "blockwise_attention", counted)
+    monkeypatch.setattr(context_attention, name, counted)
     return calls
 
 
@@ -352,13 +354,13 @@ def test_causal_work_is_balanced_over_the_context_axis(contexts):
     """Head-and-tail half blocks: every device computes as many unmasked
     score blocks as the mean (within 10%); contiguous blocks don't."""
     sequence = 32768
-    balanced = context_attention.score_blocks_per_device(sequence, contexts, 512)
+    balanced = causal_balance.score_blocks_per_device(sequence, contexts, 512)
     mean = sum(balanced) / contexts
     assert all(abs(blocks - mean) <= 0.1 * mean for blocks in balanced), balanced
-    contiguous = context_attention.score_blocks_per_device(
+    contiguous = causal_balance.score_blocks_per_device(
         sequence, contexts, 512, balanced=False
     )
     assert max(contiguous) > 1.1 * sum(contiguous) / contexts, contiguous
-    pairs = context_attention.balanced_chunks(contexts)
+    pairs = causal_balance.balanced_chunks(contexts)
     # Every half block is attended exactly once.
     assert sorted(c for pair in pairs for c in pair) == list(range(2 * contexts))

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh
 from test_context_attention import whole_matrix
 
+from keras_hub_autodist.planning import causal_balance
 from keras_hub_autodist.planning import context_attention
 from keras_hub_autodist.planning import splash_attention
 from keras_hub_autodist.planning.blockwise_attention import AttentionRule
@@ -43,7 +44,7 @@ def reference(rule, q, k, v, valid):
 MESHES = {"batch_context": (2, 1, 4), "model_context": (1, 2, 4)}
 
 
-def per_device(rule, kernel, mesh_name):
+def per_device(rule, kernel, mesh_name, strategy="all_gather"):
     shape = MESHES[mesh_name]
     devices = np.array(jax.devices()[:8]).reshape(shape)
     mesh = Mesh(devices, ("batch", "model", "context"))
@@ -59,6 +60,7 @@ def per_device(rule, kernel, mesh_name):
             batch_axis="batch",
             context_axis="context",
             model_axis="model",
+            strategy=strategy,
             kernel=kernel,
         )
 
@@ -91,9 +93,9 @@ def test_splash_applies_only_where_its_blocks_fit():
 
 
 def test_query_order_puts_each_devices_halves_in_its_block():
-    order = context_attention.query_order(16, 4, balanced=True).tolist()
+    order = causal_balance.query_order(16, 4, balanced=True).tolist()
     assert sorted(order) == list(range(16))
-    pairs = context_attention.balanced_chunks(4)
+    pairs = causal_balance.balanced_chunks(4)
     for device, (head, tail) in enumerate(pairs):
         block = order[4 * device : 4 * device + 4]
         assert block == [2 * head, 2 * head + 1, 2 * tail, 2 * tail + 1]

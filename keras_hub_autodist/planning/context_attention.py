@@ -39,12 +39,13 @@ from keras_hub_autodist import compat
 from keras_hub_autodist.compat import attention as compat_attention
 from keras_hub_autodist.planning import distribution as distribution_lib
 from keras_hub_autodist.planning import splash_attention
+from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
 from keras_hub_autodist.planning.blockwise_attention import AttentionRule
 from keras_hub_autodist.planning.blockwise_attention import blockwise_attention
+from keras_hub_autodist.planning.causal_balance import owner
+from keras_hub_autodist.planning.ring_attention import ring_attention
 
-# The context-parallel strategies implemented: each device gathers the
-# whole sequence's keys and values before attending.
-STRATEGIES = ("all_gather",)
+STRATEGIES = CONTEXT_PARALLEL_STRATEGIES
 
 # The kernel each device attends with, by the platform of the mesh's
 # devices: the fused one where it applies, else `blockwise_attention`.
@@ -85,6 +86,7 @@ def install_per_device_attention(model, plan) -> int:
             getattr(layer, method),
             reading,
             model_axis,
+            plan.context_parallel_strategy,
         )
         compat.patch_instance("attention_per_device", layer, method, replacement)
         changed += 1
@@ -97,7 +99,7 @@ def _argument(args, kwargs, index, name, default):
     return kwargs.get(name, default)
 
 
-def _compute_attention(original, reading, model_axis, *args, **kwargs):
+def _compute_attention(original, reading, model_axis, strategy, *args, **kwargs):
     """A layer's `_compute_attention(q, k, v, attention_mask, ...)`, per
     device when it can be, else the layer's own."""
     query, key, value = args[:3]
@@ -138,6 +140,7 @@ def _compute_attention(original, reading, model_axis, *args, **kwargs):
         batch_axis=distribution.batch_dim_name,
         context_axis=distribution.context_dim_name,
         model_axis=model_axis,
+        strategy=strategy,
     )
 
 
@@ -169,6 +172,7 @@ def attention_per_device(
     batch_axis: str,
     context_axis: str,
     model_axis: str | None = None,
+    strategy: str = "all_gather",
     kernel: str | None = None,
 ):
     """Attention of a whole batch on a context mesh, each device attending
@@ -187,9 +191,13 @@ def attention_per_device(
         batch_axis: the mesh axis of the batch.
         context_axis: the mesh axis that splits each sequence.
         model_axis: the mesh axis of the heads, or `None`.
+        strategy: how keys and values reach each device (`STRATEGIES`):
+            `"all_gather"` (the whole sequence's at once) or `"ring"`
+            (block by block, `ring_attention`).
         kernel: `"splash"` or `"blockwise"`; `None`: the fused kernel of
             the mesh's platform (`FUSED_KERNELS`) where it applies, else
-            `"blockwise"`. Splash off a TPU runs in Pallas' interpreter.
+            `"blockwise"`. Splash off a TPU runs in Pallas' interpreter;
+            the ring attends each block with `"blockwise"`.
 
     Returns:
         `[batch, sequence, heads, head_dim]`, split as `query`.
@@ -213,7 +221,7 @@ def attention_per_device(
     balanced = BALANCE_CAUSAL and rule.causal and query.shape[1] % (2 * contexts) == 0
     sequence, block = query.shape[1], query.shape[1] // contexts
     kernel = kernel or FUSED_KERNELS.get(mesh.devices.flat[0].platform, "blockwise")
-    if kernel == "splash" and not splash_attention.applies(
+    if strategy == "ring" or not splash_attention.applies(
         head_dim, block, sequence, contexts
     ):
         kernel = "blockwise"
@@ -223,49 +231,70 @@ def attention_per_device(
         fused = (
             splash_attention.splash_kernel(
                 rule,
-                tuple(query_order(sequence, contexts, balanced)),
-                local_heads // local_kv,
-                block,
+                sequence,
                 contexts,
+                balanced,
+                local_heads // local_kv,
                 interpret=mesh.devices.flat[0].platform != "tpu",
             ),
         )
 
-    def attend(query, key, value, key_valid, positions, fused=()):
-        shape = query.shape
-        grouped = query.reshape(
-            *shape[:2], key.shape[2], shape[2] // key.shape[2], head_dim
+    def attend(queries, positions, key, value, key_valid, fused=()):
+        """Each of `queries` (at its `positions`) attended to the whole
+        sequence: `key` and `value` are the gathered sequence's, or (ring)
+        the device's own block."""
+        kv_local = key.shape[2]
+        grouped = tuple(
+            q.reshape(*q.shape[:2], kv_local, q.shape[2] // kv_local, head_dim)
+            for q in queries
         )
-        if fused:
-            output = splash_attention.attend(
-                fused[0], rule, grouped, key, value, positions, key_valid
+        if strategy == "ring":
+            outputs = ring_attention(
+                rule,
+                context_axis,
+                contexts,
+                grouped,
+                tuple(positions),
+                key,
+                value,
+                key_valid,
             )
+        elif fused:
+            lengths = np.cumsum([q.shape[1] for q in grouped])[:-1].tolist()
+            output = splash_attention.attend(
+                fused[0],
+                rule,
+                jnp.concatenate(grouped, axis=1),
+                key,
+                value,
+                jnp.concatenate(positions),
+                key_valid,
+            )
+            outputs = jnp.split(output, lengths, axis=1)
         else:
             key_positions = jnp.arange(key.shape[1], dtype=jnp.int32)
-            output = blockwise_attention(
-                rule, grouped, key, value, positions, key_positions, key_valid
-            )
-        return output.reshape(shape)
+            outputs = [
+                blockwise_attention(rule, q, key, value, p, key_positions, key_valid)
+                for q, p in zip(grouped, positions)
+            ]
+        return [o.reshape(q.shape) for o, q in zip(outputs, queries)]
 
     def local(query, key, value, key_valid, *fused):
-        key = jax.lax.all_gather(key, context_axis, axis=1, tiled=True)
-        value = jax.lax.all_gather(value, context_axis, axis=1, tiled=True)
         index = jax.lax.axis_index(context_axis)
         if slice_kv:
             first = jax.lax.axis_index(heads_axis) * local_heads // groups
             key = jax.lax.dynamic_slice_in_dim(key, first, 1, axis=2)
             value = jax.lax.dynamic_slice_in_dim(value, first, 1, axis=2)
-        attend_all = functools.partial(
+        if strategy == "all_gather":
+            key = jax.lax.all_gather(key, context_axis, axis=1, tiled=True)
+            value = jax.lax.all_gather(value, context_axis, axis=1, tiled=True)
+        attend_parts = functools.partial(
             attend, key=key, value=value, key_valid=key_valid, fused=fused
         )
         if not balanced:
             positions = index * block + jnp.arange(block, dtype=jnp.int32)
-            return attend_all(query, positions=positions)
-        # The fused kernel takes both halves at once, in its rows' order;
-        # the blocks skip more keys one half at a time.
-        return _balanced(
-            attend_all, query, index, contexts, context_axis, together=bool(fused)
-        )
+            return attend_parts([query], [positions])[0]
+        return _balanced(attend_parts, query, index, contexts, context_axis)
 
     query_spec = PartitionSpec(batch_spec, context_axis, heads_axis, None)
     kv_spec = PartitionSpec(batch_spec, context_axis, kv_axis, None)
@@ -288,55 +317,15 @@ def attention_per_device(
     return mapped(query, key, value, key_valid, *fused)
 
 
-def query_order(sequence: int, contexts: int, balanced: bool) -> np.ndarray:
-    """The position of each query in the order the devices attend them:
-    device `i`'s block is the `i`-th `sequence / contexts` of it.
-
-    Example:
-    >>> query_order(8, 2, balanced=True).tolist()
-    [0, 1, 6, 7, 2, 3, 4, 5]
-    """
-    if not balanced:
-        return np.arange(sequence)
-    half = sequence // (2 * contexts)
-    return np.concatenate(
-        [
-            np.arange(chunk * half, (chunk + 1) * half)
-            for pair in balanced_chunks(contexts)
-            for chunk in pair
-        ]
-    )
-
-
-def balanced_chunks(contexts: int) -> list[tuple[int, int]]:
-    """The two half blocks of queries each device attends on a causal
-    sequence cut in `2 · contexts` half blocks: device `i` takes half
-    blocks `i` and `2 · contexts - 1 - i` (head and tail), so that each
-    has as many keys before its queries as any other.
-
-    Example:
-    >>> balanced_chunks(4)
-    [(0, 7), (1, 6), (2, 5), (3, 4)]
-    """
-    return [(i, 2 * contexts - 1 - i) for i in range(contexts)]
-
-
-def _owner(chunk: int, contexts: int) -> int:
-    """The device that attends half block `chunk` (`balanced_chunks`)."""
-    return chunk if chunk < contexts else 2 * contexts - 1 - chunk
-
-
-def _balanced(attend, query, index, contexts: int, context_axis: str, together=False):
-    """`attend(queries, positions)` over the head-and-tail half blocks
+def _balanced(attend, query, index, contexts: int, context_axis: str):
+    """`attend(parts, positions)` over the head-and-tail half blocks
     (`balanced_chunks`), from and back to the contiguous blocks the model
     holds: device `i` holds half blocks `2i` and `2i + 1`, sends each to
     the device that attends it (`ppermute`), attends the two it receives at
-    their positions in the sequence (both at once when `together`), and
-    sends the outputs back."""
+    their positions in the sequence, and sends the outputs back."""
     half = query.shape[1] // 2
     sends = [
-        [(i, _owner(2 * i + slot, contexts)) for i in range(contexts)]
-        for slot in (0, 1)
+        [(i, owner(2 * i + slot, contexts)) for i in range(contexts)] for slot in (0, 1)
     ]
     received = [
         jax.lax.ppermute(part, context_axis, perm)
@@ -349,17 +338,10 @@ def _balanced(attend, query, index, contexts: int, context_axis: str, together=F
     head = jnp.where(head_first, received[0], received[1])
     tail = jnp.where(head_first, received[1], received[0])
     steps = jnp.arange(half, dtype=jnp.int32)
-    head_positions = index * half + steps
-    tail_positions = (2 * contexts - 1 - index) * half + steps
-    if together:
-        both = attend(
-            jnp.concatenate([head, tail], axis=1),
-            positions=jnp.concatenate([head_positions, tail_positions]),
-        )
-        head_out, tail_out = both[:, :half], both[:, half:]
-    else:
-        head_out = attend(head, positions=head_positions)
-        tail_out = attend(tail, positions=tail_positions)
+    head_out, tail_out = attend(
+        [head, tail],
+        [index * half + steps, (2 * contexts - 1 - index) * half + steps],
+    )
     back = (
         jnp.where(head_first, head_out, tail_out),
         jnp.where(head_first, tail_out, head_out),
@@ -369,30 +351,3 @@ def _balanced(attend, query, index, contexts: int, context_axis: str, together=F
         for part, perm in zip(back, sends)
     ]
     return jnp.concatenate(returned, axis=1)
-
-
-def score_blocks_per_device(
-    sequence: int, contexts: int, key_block: int, balanced: bool = True
-) -> list[int]:
-    """How many `[half block of queries, key block]` score blocks each
-    device computes on a causal sequence (key blocks after every query are
-    skipped), with the queries balanced (`balanced_chunks`) or contiguous.
-
-    Example:
-    >>> score_blocks_per_device(4096, 4, 256, balanced=False)
-    [6, 14, 22, 30]
-    >>> score_blocks_per_device(4096, 4, 256)
-    [18, 18, 18, 18]
-    """
-    half = sequence // (2 * contexts)
-    chunks = (
-        balanced_chunks(contexts)
-        if balanced
-        else [(2 * i, 2 * i + 1) for i in range(contexts)]
-    )
-
-    def blocks(chunk):
-        last_query = (chunk + 1) * half - 1
-        return sum(1 for start in range(0, sequence, key_block) if start <= last_query)
-
-    return [sum(blocks(chunk) for chunk in pair) for pair in chunks]

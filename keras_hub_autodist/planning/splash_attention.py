@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec
 
 from keras_hub_autodist.planning.blockwise_attention import AttentionRule
 from keras_hub_autodist.planning.blockwise_attention import rows_with_a_key
+from keras_hub_autodist.planning.causal_balance import query_order
 
 # The kernel's head dimension is laid out in lanes of 128 values.
 HEAD_DIM_MULTIPLE = 128
@@ -101,19 +102,22 @@ def _mask(rule: AttentionRule, order: tuple[int, ...]):
 @functools.lru_cache(maxsize=16)
 def splash_kernel(
     rule: AttentionRule,
-    order: tuple[int, ...],
-    heads_per_kv_head: int,
-    queries: int,
+    sequence: int,
     contexts: int,
+    balanced: bool,
+    heads_per_kv_head: int,
     interpret: bool,
 ):
     """The splash kernel of one key/value head and its `heads_per_kv_head`
-    query heads, for a sequence whose query rows the devices hold in
-    `order`, `queries` each, split over `contexts` devices.
+    query heads, for a sequence of `sequence` queries split over `contexts`
+    devices, in the head-and-tail order where `balanced`
+    (`causal_balance.query_order`).
 
     Cached: every layer with the same rule shares one kernel (building its
     block tables is numpy work that grows with the square of the sequence).
     """
+    order = tuple(query_order(sequence, contexts, balanced))
+    queries = sequence // contexts
     size = block_size(queries, len(order))
     sizes = splash_kernel_lib.BlockSizes(
         block_q=size,
