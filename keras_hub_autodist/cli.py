@@ -31,6 +31,7 @@ from keras_hub_autodist.cli_flags import as_flags
 from keras_hub_autodist.fitting.device_memory import GIB
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
+from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
 from keras_hub_autodist.planning.options import STRATEGY_CHOICES
 
 PROG = "keras-hub-autodist"
@@ -207,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the axis that splits each sequence, if not context",
     )
     plan.add_argument(
+        "--context-parallel-strategy",
+        default="all_gather",
+        choices=CONTEXT_PARALLEL_STRATEGIES,
+        help=(
+            "on a context axis: gather each layer's keys and values whole "
+            "(all_gather, default) or pass them around it block by block (ring)"
+        ),
+    )
+    plan.add_argument(
         "--dtype",
         default=None,
         help="float16, bfloat16, float32, float64, mixed_float16 or mixed_bfloat16",
@@ -359,6 +369,7 @@ def _answer(args) -> dict:
         batch_axis=args.batch_axis,
         model_axis=args.model_axis,
         context_axis=args.context_axis,
+        context_parallel_strategy=args.context_parallel_strategy,
         dtype=args.dtype,
         device_memory=args.device or args.device_memory,
         lora_rank=args.lora_rank,

@@ -16,6 +16,7 @@ FLAGS = {
     "batch_axis": "--batch-axis",
     "model_axis": "--model-axis",
     "context_axis": "--context-axis",
+    "context_parallel_strategy": "--context-parallel-strategy",
     "strategy": "--strategy",
     "dtype": "--dtype",
     "device_memory": "--device-memory",

@@ -101,6 +101,7 @@ def from_preset(
     batch_axis: str | None = None,
     model_axis: str | None = None,
     context_axis: str | None = None,
+    context_parallel_strategy: str = "all_gather",
     progress: bool | None = None,
     strict: bool = True,
     sequence_parallel: bool = False,
@@ -125,6 +126,8 @@ def from_preset(
         model_axis: the mesh axis that shards weights.
         context_axis: the mesh axis that splits each sequence (context
             parallelism), if not `context` (see `plan()`).
+        context_parallel_strategy: how keys and values reach each device
+            on a context axis: `"all_gather"` or `"ring"` (see `plan()`).
         progress: show a progress bar while loading; by default what
             `$KERAS_HUB_AUTODIST_PROGRESS` says (`1`/`0`, `on`/`off`...), else
             on a terminal only.
@@ -167,6 +170,7 @@ def from_preset(
         batch_axis=batch_axis,
         model_axis=model_axis,
         context_axis=context_axis,
+        context_parallel_strategy=context_parallel_strategy,
         dtype=kwargs.get("dtype"),
         sequence_parallel=sequence_parallel,
         strict=strict,

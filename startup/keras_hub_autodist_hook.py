@@ -40,6 +40,7 @@ MESH_KEYWORDS = (
     "batch_axis",
     "model_axis",
     "context_axis",
+    "context_parallel_strategy",
     "remat",
     "progress",
     "strict",

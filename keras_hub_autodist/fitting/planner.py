@@ -55,6 +55,7 @@ def plan(
     batch_axis: str | None = None,
     model_axis: str | None = None,
     context_axis: str | None = None,
+    context_parallel_strategy: str = "all_gather",
     dtype: str | None = None,
     device_memory: int | str | None = None,
     lora_rank: int | None = None,
@@ -96,6 +97,13 @@ def plan(
         context_axis: the mesh axis that splits each sequence (context
             parallelism: tokens, activations and attention's queries are
             split over it; keys and values are gathered), if not `context`.
+        context_parallel_strategy: how keys and values reach each device's
+            queries on a context axis: `"all_gather"` (default; the whole
+            sequence's, gathered once per layer; on a TPU each device then
+            attends with the fused splash kernel) or `"ring"` (passed
+            around the axis block by block; each device holds its own block
+            and the one arriving, not the whole sequence's, and attends
+            with the blockwise kernel). See docs/long-context.md.
         dtype: the dtype (policy) the model will be loaded with; defaults to
             the preset's.
         device_memory: per-device bytes, or a named device such as `"t4"`,
@@ -141,6 +149,7 @@ def plan(
         batch_axis=batch_axis,
         model_axis=model_axis,
         context_axis=context_axis,
+        context_parallel_strategy=context_parallel_strategy,
         dtype=dtype,
         device_memory=device_memory,
         lora_rank=lora_rank,
@@ -381,6 +390,7 @@ def plan_model(
         device_memory_source=mesh.device_memory_source,
         mesh_reason=mesh.reason,
         config_fields=model.config_fields,
+        context_parallel_strategy=options.context_parallel_strategy,
         sequence_parallel=options.sequence_parallel,
         sequence_parallel_outputs=model.sequence_parallel_outputs,
         lora_rank=options.lora_rank,

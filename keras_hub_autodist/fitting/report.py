@@ -324,6 +324,14 @@ def summary(plan: PlanRecord) -> str:
     return "\n".join(lines)
 
 
+# How attention reaches the other blocks' keys and values, by
+# `context_parallel_strategy`.
+CONTEXT_PARALLEL_NOTES = {
+    "all_gather": "attention gathers each layer's keys and values (all_gather)",
+    "ring": "keys and values pass around the context axis block by block (ring)",
+}
+
+
 def context_parallel_note(plan: PlanRecord) -> str:
     """Whether the plan splits each sequence over a context axis, and how."""
     axes = plan.mesh_axes
@@ -335,7 +343,7 @@ def context_parallel_note(plan: PlanRecord) -> str:
     return (
         f"on: each sequence split over '{axes.context_axis}' into {size} "
         "blocks (tokens, activations, queries, keys, values and logits); "
-        "attention gathers the keys and values"
+        + CONTEXT_PARALLEL_NOTES[plan.context_parallel_strategy]
     )
 
 

@@ -17,6 +17,7 @@ from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
+from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
 from keras_hub_autodist.planning.remat_arguments import check_remat
 from keras_hub_autodist.planning.sharding import STRATEGIES
 from keras_hub_autodist.reading.dtypes import check_dtype
@@ -57,6 +58,13 @@ OPTIONS = (
         "context_axis",
         None,
         "mesh axis that splits each sequence (context parallelism), if not `context`.",
+    ),
+    Option(
+        "context_parallel_strategy",
+        "all_gather",
+        'how keys and values reach each device on a context axis: `"all_gather"` '
+        '(default: the whole sequence\'s at once) or `"ring"` (block by block '
+        "around the axis; holds one block, not the sequence).",
     ),
     Option(
         "dtype",
@@ -134,6 +142,9 @@ class PlanOptions:
             `model`/`tensor`.
         context_axis: the mesh axis that splits each sequence, if not
             `context`.
+        context_parallel_strategy: how keys and values reach each device
+            on a context axis (`CONTEXT_PARALLEL_STRATEGIES`): `"all_gather"`
+            or `"ring"`.
         dtype: the float dtype or mixed-precision policy the model will be
             loaded with (`reading.dtypes.ACCEPTED_DTYPES`); `None`: Keras'
             global policy, as keras-hub's `from_preset` loads a preset.
@@ -158,6 +169,7 @@ class PlanOptions:
     batch_axis: str | None = None
     model_axis: str | None = None
     context_axis: str | None = None
+    context_parallel_strategy: str = "all_gather"
     dtype: Any = None
     device_memory: int | str | None = None
     lora_rank: int | None = None
@@ -179,6 +191,13 @@ class PlanOptions:
                     f"Received: {name}={value!r}"
                 )
         check_strict(self.strict)
+        if self.context_parallel_strategy not in CONTEXT_PARALLEL_STRATEGIES:
+            raise StrategyError(
+                "`context_parallel_strategy` is how keys and values reach "
+                'each device on a context axis: "all_gather" (the whole '
+                'sequence\'s at once) or "ring" (block by block). Received: '
+                f"context_parallel_strategy={self.context_parallel_strategy!r}"
+            )
         if not isinstance(self.sequence_parallel, bool):
             raise StrategyError(
                 "`sequence_parallel` is True (shard residual-stream activations "

@@ -65,6 +65,7 @@ class PlanRecord:
     config_fields: Mapping[str, str] = dataclasses.field(
         default_factory=dict, hash=False
     )
+    context_parallel_strategy: str = "all_gather"
     sequence_parallel: bool = False
     sequence_parallel_outputs: tuple[str, ...] = ()
     lora_rank: int | None = None
