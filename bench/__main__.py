@@ -2,7 +2,8 @@
 
 `python -m bench --only loading` runs section 4 alone and prints it;
 `python -m bench --only context` the context-parallelism part of section 2,
-`python -m bench --only remat` its rematerialization row.
+`python -m bench --only remat` its rematerialization row,
+`python -m bench --only long_context` the context axis' long-sequence curve.
 
 Runs on 8 virtual CPU devices (set here, before JAX starts) in well under
 20 minutes on a 2-core CPU. Every number in the document comes from this run.
@@ -53,6 +54,10 @@ ONLY = {
         _context_section,
     ),
     "remat": (remat.run, report.remat_section),
+    "long_context": (
+        context.long_curve,
+        report.long_context_lines,
+    ),
 }
 
 

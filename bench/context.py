@@ -13,6 +13,7 @@ on `(1, 8)` with `context=8`, its all-gather bytes against those of a
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -30,6 +31,12 @@ STEP_SEQUENCE = 2048
 # Compiled peak per device at 4096 tokens with context=8, relative to one
 # device.
 TARGET = 0.30
+# The long-context curve: context=8, each `context_parallel_strategy`.
+LONG_SEQUENCES = (8192, 16384, 32768, 65536, 131072)
+LONG_CONTEXT = 8
+# Memory linear in the sequence: the compiled peak grows by at most this
+# much per doubling of the tokens (a square would be 4x).
+GROWTH_TARGET = 2.2
 
 
 def memory_grid(path) -> list[dict]:
@@ -52,6 +59,66 @@ def memory_grid(path) -> list[dict]:
                 )
             )
     return rows
+
+
+# A model whose gathered keys and values are what grows: 8 key/value heads
+# of 128 (Llama 3 8B's), 2 layers, a small vocabulary so that the logits
+# don't hide them.
+WIDE_KV = dict(
+    vocabulary_size=8192,
+    num_layers=2,
+    num_query_heads=8,
+    num_key_value_heads=8,
+    hidden_dim=1024,
+    intermediate_dim=2048,
+)
+
+
+def save_wide_kv_preset(root) -> str:
+    """`WIDE_KV` saved as a Llama 3 preset under `root`; its path."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    path = f"{root}/llama_wide_kv"
+    keras_hub.models.Llama3Backbone(**WIDE_KV).save_to_preset(path)
+    return path
+
+
+def long_curve(root) -> dict:
+    """Compiled peak per device at `LONG_SEQUENCES` on `context=8`, for
+    each `context_parallel_strategy`, with its growth per doubling: the
+    bench's `MODEL` and `WIDE_KV`, saved under `root`."""
+    import keras_hub_autodist
+    from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
+
+    paths = {
+        MODEL: models.save_presets(root)[MODEL],
+        "llama_wide_kv": save_wide_kv_preset(root),
+    }
+    curves = {}
+    for name, path in paths.items():
+        for strategy in CONTEXT_PARALLEL_STRATEGIES:
+            plan = keras_hub_autodist.plan(
+                path,
+                {"batch": 1, "context": LONG_CONTEXT},
+                context_parallel_strategy=strategy,
+            )
+            peaks = [
+                keras_hub_autodist.compiled_memory(plan, 1, s, "sgd").peak_bytes
+                for s in LONG_SEQUENCES
+            ]
+            growth = [after / before for before, after in zip(peaks, peaks[1:])]
+            curves[f"{name}, {strategy}"] = dict(peaks=peaks, growth=growth)
+    worst = max(g for curve in curves.values() for g in curve["growth"])
+    return dict(
+        models=list(paths),
+        context=LONG_CONTEXT,
+        sequences=list(LONG_SEQUENCES),
+        curves=curves,
+        worst_growth=worst,
+        met=worst <= GROWTH_TARGET,
+    )
 
 
 def _load(path, mesh):
@@ -167,6 +234,7 @@ def run(paths) -> dict:
         collectives=model_gather_bytes(path, config["vocabulary_size"]),
         reference=reference_gather_bytes(config),
         step_time=step_time_ratio(path, config["vocabulary_size"]),
+        long=long_curve(os.path.dirname(path)),
     )
 
 

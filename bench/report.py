@@ -557,6 +557,43 @@ def context_section(result: dict, out_dir=None) -> list[str]:
         f"{steps['ratio']:.2f}x.",
         "",
     ]
+    if "long" in result:
+        lines += long_context_lines(result["long"])
+    return lines
+
+
+def long_context_lines(long: dict) -> list[str]:
+    """The long-context curve: compiled peak per device on `context=8` for
+    each `context_parallel_strategy`, with its growth per doubling."""
+    from bench import context
+
+    sequences = long["sequences"]
+    lines = [
+        "Long sequences: the same step on "
+        f'`{{"batch": 1, "context": {long["context"]}}}`, peak MiB per device '
+        "(growth per doubling of the tokens), for each "
+        "`context_parallel_strategy`, of "
+        f"{long['models'][0]} and of llama_wide_kv (Llama 3, 8 key/value "
+        "heads of 128, 2 layers, hidden 1024, vocabulary 8192, whose gathered "
+        "keys and values reach 512 MiB per layer at 64k tokens):",
+        "",
+        "| model, strategy | " + " | ".join(str(s) for s in sequences) + " |",
+        "|---" * (len(sequences) + 1) + "|",
+    ]
+    for strategy, curve in long["curves"].items():
+        cells = [_mib(curve["peaks"][0])] + [
+            f"{_mib(peak)} (x{growth:.2f})"
+            for peak, growth in zip(curve["peaks"][1:], curve["growth"])
+        ]
+        lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+    verdict = "met" if long["met"] else "**not met**"
+    lines += [
+        "",
+        f"Target: at most x{context.GROWTH_TARGET} per doubling (memory linear "
+        f"in the sequence; a square is x4): {verdict} (worst "
+        f"x{long['worst_growth']:.2f}).",
+        "",
+    ]
     return lines
 
 

@@ -257,15 +257,10 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     def float32_bytes(row):
         return row.device_bytes // itemsize(row.dtype) * FLOAT32_BYTES
 
-    # The keys and values a layer keeps for its backward pass: gathered
-    # whole, or (ring) the device's own block.
-    kv_tokens = whole
-    if getattr(plan, "context_parallel_strategy", "all_gather") == "ring":
-        kv_tokens = s
     return {
         "stream": layers * b * s * d / split,
         "attention": layers
-        * (b * s * heads * h / q_shards + b * kv_tokens * kv_width / kv_shards),
+        * (b * s * heads * h / q_shards + b * whole * kv_width / kv_shards),
         "scores": scores,
         "scores_one_block": scores / layers if keys_held == whole else scores,
         "masks": layers * b * s * keys_held,
