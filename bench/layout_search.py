@@ -43,6 +43,16 @@ CASES = {
         lora_rank=4,
         dtype="bfloat16",
     ),
+    # The same in float16, which a T4 computes natively.
+    "gemma_7b_lora_2x_t4_float16": dict(
+        preset="gemma_7b",
+        device="t4",
+        devices=2,
+        batch_size=1,
+        sequence_length=1024,
+        lora_rank=4,
+        dtype="float16",
+    ),
     "llama3_8b_full_v5e_8": dict(
         preset="llama3_8b",
         device="v5e",

@@ -295,6 +295,12 @@ DEVICE_SPEEDS = {
 }
 
 
+# Devices without bfloat16 arithmetic, whose compiler computes a bfloat16
+# model in float32 copies of its tensors (a T4, compute capability 7.5):
+# float16 there holds half those copies' bytes.
+FLOAT32_FOR_BFLOAT16 = ("t4",)
+
+
 def device_speed(name: str) -> DeviceSpeed:
     """The `DeviceSpeed` of a named device, case and spaces ignored.
 

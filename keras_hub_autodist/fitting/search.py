@@ -135,6 +135,7 @@ class SearchResult:
     lora_rank: int | None
     optimizer: str
     capacity_bytes: int
+    dtype: str
     entries: tuple[Entry, ...]
     chosen: Entry
     rule_choice: Entry
@@ -484,6 +485,7 @@ def search(
         lora_rank=lora_rank,
         optimizer=optimizer,
         capacity_bytes=planned[rule].device_memory_bytes,
+        dtype=planned[rule].dtype,
         entries=entries_out,
         chosen=chosen,
         rule_choice=rule_entry,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from keras_hub_autodist.fitting import step_cost
+from keras_hub_autodist.fitting.device_profiles import FLOAT32_FOR_BFLOAT16
 
 if TYPE_CHECKING:
     from keras_hub_autodist.fitting.device_profiles import DeviceProfile
@@ -166,6 +167,7 @@ def to_json(result: Any) -> dict:
         "chosen": entry_json(result.chosen, result),
         "rule_choice": entry_json(result.rule_choice, result),
         "candidates": [entry_json(e, result) for e in result.entries],
+        "advice": advice(result),
         "compiles": result.compiles,
         "cache_hits": result.cache_hits,
         "search_seconds": result.seconds,
@@ -212,7 +214,35 @@ def table(result: Any) -> str:
             for link, share in step_cost.COLLECTIVE_OVERLAP.items()
         )
     )
+    for line in advice(result):
+        lines += ["", line]
     return "\n".join(lines)
+
+
+def advice(result: Any) -> list[str]:
+    """What to change when no layout fits, where the search knows more
+    than "more devices or memory": a bfloat16 model on a device that
+    computes bfloat16 in float32 (`FLOAT32_FOR_BFLOAT16`).
+
+    Example:
+    >>> from types import SimpleNamespace as Result
+    >>> unfit = Result(chosen=Result(fits=False), dtype="bfloat16", device="t4")
+    >>> advice(unfit)[0][:40]
+    'A t4 has no bfloat16 arithmetic: its com'
+    >>> advice(Result(chosen=Result(fits=True)))
+    []
+    """
+    if result.chosen.fits:
+        return []
+    if result.dtype == "bfloat16" and result.device in FLOAT32_FOR_BFLOAT16:
+        return [
+            f"A {result.device} has no bfloat16 arithmetic: its compiler "
+            "computes a bfloat16 model in float32 copies of its tensors. "
+            "Loaded in float16 (`dtype='float16'`) the same layouts need about "
+            "half those copies' bytes; float16's range is narrower than "
+            "bfloat16's, so watch the loss for inf/NaN (or use loss scaling)."
+        ]
+    return []
 
 
 def chosen_reason(result: Any) -> str:
@@ -236,4 +266,12 @@ def chosen_reason(result: Any) -> str:
     )
 
 
-__all__ = ["chosen_reason", "entry_json", "explain", "table", "to_json", "why"]
+__all__ = [
+    "advice",
+    "chosen_reason",
+    "entry_json",
+    "explain",
+    "table",
+    "to_json",
+    "why",
+]
