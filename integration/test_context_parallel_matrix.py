@@ -224,24 +224,36 @@ def mistral_preset(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=mesh_id)
-@pytest.mark.parametrize("name", CAUSAL_LMS + ["mistral"])
-def test_padded_batches_match_one_device(tiny_presets_dir, mistral_preset, name, mesh):
+# Each family and mesh with the default strategy; the ring on the families
+# with windows and local/global layers, on both meshes.
+PADDED_CASES = [
+    (name, mesh, "all_gather") for name in CAUSAL_LMS + ["mistral"] for mesh in MESHES
+] + [(name, mesh, "ring") for name in ("gemma3_text", "mistral") for mesh in MESHES]
+
+
+@pytest.mark.parametrize(
+    "name,mesh,strategy",
+    PADDED_CASES,
+    ids=[f"{n}-{mesh_id(m)}-{s}" for n, m, s in PADDED_CASES],
+)
+def test_padded_batches_match_one_device(
+    tiny_presets_dir, mistral_preset, name, mesh, strategy
+):
     """Left- and right-padded rows: logits to rtol 1e-5 / atol 1e-4, losses
     and SGD weights as one device's."""
     preset = mistral_preset if name == "mistral" else tiny_presets_dir[name]
     batch = padded_batch(preset)
     logits = single_device_logits(preset, batch[0])
-    lm = keras_hub.models.CausalLM.from_preset(
-        preset, preprocessor=None, device_mesh=mesh
-    )
+    options = dict(device_mesh=mesh, context_parallel_strategy=strategy)
+    lm = keras_hub.models.CausalLM.from_preset(preset, preprocessor=None, **options)
     np.testing.assert_allclose(
         np.asarray(lm.predict(batch[0], verbose=0)), logits, rtol=1e-5, atol=1e-4
     )
-    assert_same_training(preset, batch=batch, device_mesh=mesh)
+    assert_same_training(preset, batch=batch, **options)
 
 
-def test_compiled_peak_is_linear_in_the_sequence(tmp_path):
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_compiled_peak_is_linear_in_the_sequence(tmp_path, strategy):
     """A Gemma-shaped model (4 query heads, 1 key/value head, head_dim 64,
     hidden 256, 2 layers) on context=8, batch 1: from 8k to 64k tokens each
     doubling of the sequence costs at most 2.2x the compiled peak per
@@ -259,7 +271,9 @@ def test_compiled_peak_is_linear_in_the_sequence(tmp_path):
             head_dim=64,
         ),
     )
-    plan = keras_hub_autodist.plan(path, {"batch": 1, "context": 8})
+    plan = keras_hub_autodist.plan(
+        path, {"batch": 1, "context": 8}, context_parallel_strategy=strategy
+    )
     peaks = [
         keras_hub_autodist.compiled_memory(plan, 1, tokens, "sgd").peak_bytes
         for tokens in (8192, 16384, 32768, 65536)
