@@ -72,10 +72,17 @@ def per_device(rule, kernel, mesh_name, strategy="all_gather"):
 def test_splash_per_device_equals_the_whole_matrix(rule, mesh_name):
     rule = RULES[rule]
     q, k, v, valid = inputs()
-    attention = jax.jit(per_device(rule, "splash", mesh_name))
-    got = attention(q, k, v, valid)
     # Padding queries see no key: the layer's answer, not splash's.
-    np.testing.assert_allclose(got, reference(rule, q, k, v, valid), atol=2e-5)
+    assert_equals_the_whole_matrix(
+        jax.jit(per_device(rule, "splash", mesh_name)), rule, q, k, v, valid
+    )
+
+
+def assert_equals_the_whole_matrix(attention, rule, q, k, v, valid):
+    """`attention(q, k, v, valid)` and its gradients as `reference`'s."""
+    np.testing.assert_allclose(
+        attention(q, k, v, valid), reference(rule, q, k, v, valid), atol=2e-5
+    )
 
     def loss(fn):
         return lambda q, k, v: (fn(q, k, v, valid) ** 2).sum()

@@ -12,6 +12,7 @@ from test_context_attention import WINDOWED
 from test_context_attention import counting_kernel
 from test_context_attention import padded_batch
 from test_fused_context_attention import MESHES
+from test_fused_context_attention import assert_equals_the_whole_matrix
 from test_fused_context_attention import inputs
 from test_fused_context_attention import per_device
 from test_fused_context_attention import reference
@@ -36,17 +37,7 @@ def test_ring_equals_the_whole_matrix(rule, mesh_name):
     rule = RULES[rule]
     q, k, v, valid = inputs(sequence=512, dim=16)
     attention = jax.jit(per_device(rule, None, mesh_name, strategy="ring"))
-    np.testing.assert_allclose(
-        attention(q, k, v, valid), reference(rule, q, k, v, valid), atol=2e-5
-    )
-
-    def loss(fn):
-        return lambda q, k, v: (fn(q, k, v, valid) ** 2).sum()
-
-    grads = jax.grad(loss(attention), (0, 1, 2))(q, k, v)
-    expected = jax.grad(loss(lambda *a: reference(rule, *a)), (0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", grads, expected):
-        np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4, err_msg=name)
+    assert_equals_the_whole_matrix(attention, rule, q, k, v, valid)
 
 
 def test_ring_with_one_key_value_head_split_over_the_model_axis():
