@@ -235,12 +235,18 @@ def _saving(path_argument: str, whole_folder: bool):
 
 
 def _placing(name, method, bound, args, kwargs):
-    """A maker of jitted steps: every variable placed on the mesh first,
-    outside the scope (the step takes the state's shardings); the step it
-    makes records its state (`keeping.record_steps`)."""
-    place_state(bound.model, bound.distribution)
+    """A maker of jitted steps: when it will make one, every variable placed
+    on the mesh first, outside the scope (the step takes the state's
+    shardings); the step it makes records its state
+    (`keeping.record_steps`). Keras asks for the step before every batch
+    (`train_on_batch` included) and gets the one it made, whose variables
+    were placed then and keep their lasting layouts: placing them again
+    would walk every variable of the model on each call."""
+    function = name.replace("make_", "")
+    if getattr(bound.model, function, None) is None or kwargs.get("force"):
+        place_state(bound.model, bound.distribution)
     result = method(*args, **kwargs)
-    record_steps(bound.model, name.replace("make_", ""))
+    record_steps(bound.model, function)
     return result
 
 

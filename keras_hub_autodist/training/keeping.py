@@ -6,9 +6,10 @@ step, putting them back at the end. An error in the middle (a batch that
 won't split, a step that raises, a callback that raises) leaves the
 variables empty, or with the values of another call. Around each bound
 method that feeds batches, `keeping_state` records the last consistent
-state: the values at the start, then the state each step receives and the
-state it returns. When the method raises, every variable of the model, its
-optimizer and its metrics gets that state back:
+state: the values at the start (for the loops that take the values off the
+variables), then the state each step receives and the state it returns.
+When the method raises, every variable of the model, its optimizer and its
+metrics gets that state back:
 
 - an error while drawing a batch or inside a step: the state before that
   step;
@@ -39,6 +40,12 @@ _STEP_GROUPS = {
     "predict_function": ("trainable", "non_trainable"),
 }
 _ALL_GROUPS = _STEP_GROUPS["train_function"]
+# Keras' loops that take the values off the model's variables while they
+# run: their state is kept from the start. The `*_on_batch` methods leave
+# the values on the variables until their step runs, and the step records
+# the state it receives, so they keep nothing before it: reading every
+# variable of the model on each call would cost every batch host time.
+_LOOPS_TAKING_VALUES = ("fit", "evaluate", "predict")
 # Marks a step function this module already wraps.
 _RECORDING_ATTR = "__keras_hub_autodist_recording__"
 # The keepers of the bound methods running in this thread, innermost last.
@@ -65,16 +72,20 @@ class _Keeper:
         self.model = model
         self.method = method
         self.groups = _ALL_GROUPS
-        self.values = tuple(
-            [compat.variable_value_or_none(v) for v in _group(model, name)]
-            for name in _ALL_GROUPS
-        )
+        self.values = None  # the variables hold the state
+        if method in _LOOPS_TAKING_VALUES:
+            self.values = tuple(
+                [compat.variable_value_or_none(v) for v in _group(model, name)]
+                for name in _ALL_GROUPS
+            )
 
     def record(self, function: str, state) -> None:
         self.groups = _STEP_GROUPS[function]
         self.values = tuple(list(values or ()) for values in state)
 
     def restore(self, error: BaseException) -> None:
+        if self.values is None:
+            return  # no step ran: the variables kept their values
         pairs = []
         for name, values in zip(self.groups, self.values):
             variables = _group(self.model, name)
