@@ -1,6 +1,7 @@
 """Every private Keras and keras-hub touchpoint of the package: here
 (loading, saving, building, patching), `steps` (the trainer's), `state` (a
-layer's RNG state), `attention` (keras-hub's attention layers). Nothing
+layer's RNG state), `attention` (keras-hub's attention layers), `devices`
+(keras-hub's device checks, answered for a compile target). Nothing
 else in `keras_hub_autodist` imports `keras.src` or `keras_hub.src` or
 reads a private attribute of a Keras or keras-hub object.
 `tests/test_compat.py` checks each of `TOUCHPOINTS` against the installed
@@ -26,6 +27,7 @@ import dataclasses
 import importlib
 import threading
 
+from keras_hub_autodist.compat import devices as compat_devices
 from keras_hub_autodist.compat import state as compat_state
 from keras_hub_autodist.compat import steps as compat_steps
 
@@ -65,6 +67,7 @@ TOUCHPOINTS = (
     ("keras.src.layers.layer", "Layer._flatten_layers"),
     ("keras.src.backend.jax.nn", "_can_use_flash_attention"),
     *compat_state.TOUCHPOINTS,
+    *compat_devices.TOUCHPOINTS,
 ) + compat_steps.TOUCHPOINTS
 
 
@@ -332,28 +335,6 @@ def orbax_save_now(callback, logs=None) -> None:
         callback._batches_seen_since_last_saving = 0
 
 
-# --- Resume: Keras' global random state -----------------------------------------
-
-
-def global_seed_generator_or_none():
-    """Keras' global `keras.random.SeedGenerator` (a process-wide attribute
-    that `keras.random` functions given no seed draw from), or None while
-    nothing has drawn from it (reading it does not create one: creating one
-    draws its seed from Python's `random`)."""
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
-
-    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
-
-
-def set_global_seed_generator(generator) -> None:
-    """Make `generator` Keras' global `keras.random.SeedGenerator`."""
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
-
-    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, generator)
-
-
 # --- Patches: every change this package makes to Keras and keras-hub ----------
 
 WHILE_LOADING = "while a sharded load runs in some thread"
@@ -441,7 +422,9 @@ PATCHES = (
     ),
     Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch("skipped_batches", None, "train_function", _RESUMABLE, WHILE_SKIPPING),
-) + tuple(Patch(*fields) for fields in compat_steps.PATCH_FIELDS)
+) + tuple(
+    Patch(*fields) for fields in compat_steps.PATCH_FIELDS + compat_devices.PATCH_FIELDS
+)
 _PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
 _MISSING = object()
 # Process-wide patches in place: name -> [contexts holding it, previous value].

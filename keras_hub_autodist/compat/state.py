@@ -84,3 +84,22 @@ def optimizer_children(optimizer) -> list[tuple[str, object]]:
         for name, child in saving_lib._walk_saveable(optimizer)
         if isinstance(child, keras.optimizers.Optimizer) and child is not optimizer
     ]
+
+
+def global_seed_generator_or_none():
+    """Keras' global `keras.random.SeedGenerator` (a process-wide attribute
+    that `keras.random` functions given no seed draw from), or None while
+    nothing has drawn from it (reading it does not create one: creating one
+    draws its seed from Python's `random`)."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+
+
+def set_global_seed_generator(generator) -> None:
+    """Make `generator` Keras' global `keras.random.SeedGenerator`."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, generator)

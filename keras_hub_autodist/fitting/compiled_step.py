@@ -9,11 +9,9 @@ loss, gradients, the optimizer's `stateless_apply`, metrics), jitted as
 Keras jits it (state donated, state shardings kept), against abstract
 inputs of `(batch_size, sequence_length)` tokens, and returns XLA's
 `memory_analysis()` for one device. No weight is allocated; compiling
-needs the mesh's devices, not their memory.
-
-The closed-form estimate (`LayoutPlan.training_bytes_per_device` +
-`activation_bytes_per_device`) needs no devices at all; this check is what
-to trust when the two disagree.
+needs the mesh's devices, not their memory. Where it and the closed form
+disagree, trust this check. Compiled for a named accelerator, the model is
+built and traced as on its devices (`compat.devices`).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
+from keras_hub_autodist.compat.devices import answering_for
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
@@ -422,42 +421,43 @@ def compiled_memory(
     if lora_rank is None:
         lora_rank = plan.lora_rank
     check_lora_rank(lora_rank)
-    model, distribution = _abstract_model(
-        plan, mesh, model_class, preset, keras_optimizer, tokens, lora_rank
-    )
-    with distribution.scope():
-        shardings, groups = _state_shardings(model, distribution)
-        state = tuple(
-            [_abstract(v, s) for v, s in zip(group, group_shardings)]
-            for group, group_shardings in zip(groups, shardings)
+    with answering_for(target.platform, target.device_kind):
+        model, distribution = _abstract_model(
+            plan, mesh, model_class, preset, keras_optimizer, tokens, lora_rank
         )
-        data_sharding = distribution.get_data_layout(tokens.shape).backend_layout
-        placed = jax.ShapeDtypeStruct(
-            tokens.shape, tokens.dtype, sharding=data_sharding
-        )
-        x = {name: placed for name in _input_names(model)}
-        step = jax.jit(
-            model.train_step, donate_argnums=0, out_shardings=(None, shardings)
-        )
-        lowered = step.lower(state, (x, placed, None))
-        fields = {
-            "batch_size": batch_size,
-            "padded_batch_size": runs.rows,
-            "sequence_length": sequence_length,
-            "optimizer": optimizer_name,
-            "devices": len(target.devices),
-            "platform": target.platform,
-            "device_kind": target.device_kind,
-            "target": target.name,
-        }
-        try:
-            compiled = lowered.compile()
-        except Exception as error:
-            refusal = out_of_memory(error)
-            if refusal is None:
-                raise not_compiled(error, plan.dtype, fields) from error
-            arguments = _argument_bytes((state, (x, placed, None)))
-            return _refused(error, refusal, arguments, fields)
+        with distribution.scope():
+            shardings, groups = _state_shardings(model, distribution)
+            state = tuple(
+                [_abstract(v, s) for v, s in zip(group, group_shardings)]
+                for group, group_shardings in zip(groups, shardings)
+            )
+            data_sharding = distribution.get_data_layout(tokens.shape).backend_layout
+            placed = jax.ShapeDtypeStruct(
+                tokens.shape, tokens.dtype, sharding=data_sharding
+            )
+            x = {name: placed for name in _input_names(model)}
+            step = jax.jit(
+                model.train_step, donate_argnums=0, out_shardings=(None, shardings)
+            )
+            lowered = step.lower(state, (x, placed, None))
+            fields = {
+                "batch_size": batch_size,
+                "padded_batch_size": runs.rows,
+                "sequence_length": sequence_length,
+                "optimizer": optimizer_name,
+                "devices": len(target.devices),
+                "platform": target.platform,
+                "device_kind": target.device_kind,
+                "target": target.name,
+            }
+            try:
+                compiled = lowered.compile()
+            except Exception as error:
+                refusal = out_of_memory(error)
+                if refusal is None:
+                    raise not_compiled(error, plan.dtype, fields) from error
+                arguments = _argument_bytes((state, (x, placed, None)))
+                return _refused(error, refusal, arguments, fields)
     return memory_of(compiled, **fields, **program_facts(compiled))
 
 

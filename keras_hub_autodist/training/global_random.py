@@ -24,7 +24,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_hub_autodist import compat
+from keras_hub_autodist.compat import state as compat_state
 
 CHECKPOINTABLE = "keras_global_seed_generator"
 _SEED_PAIR = 2  # Keras' seed state: [seed, counter]
@@ -37,7 +37,7 @@ def saved_form() -> dict:
     >>> sorted(saved_form())
     ['in_use', 'state']
     """
-    generator = compat.global_seed_generator_or_none()
+    generator = compat_state.global_seed_generator_or_none()
     if generator is None:
         return {
             "state": np.zeros(_SEED_PAIR, np.uint32),
@@ -64,11 +64,11 @@ def restore(saved: dict) -> None:
     """
     if not int(np.asarray(saved["in_use"])):
         return
-    generator = compat.global_seed_generator_or_none()
+    generator = compat_state.global_seed_generator_or_none()
     if generator is None:
         # A given seed: creating the generator must not draw from Python's
         # `random` (the user's stream); the state is overwritten below.
         generator = keras.random.SeedGenerator(seed=0)
-        compat.set_global_seed_generator(generator)
+        compat_state.set_global_seed_generator(generator)
     state = np.asarray(saved["state"])
     generator.state.assign(state.astype(generator.state.dtype))

@@ -1,0 +1,117 @@
+"""keras-hub's checks of the devices, answered for the device a step is
+compiled for.
+
+Some of keras-hub's attention layers choose their path by the devices JAX
+sees: Gemma, Gemma 3, Gemma 4, Mixtral and Qwen-MoE call Keras' fused
+`dot_product_attention` on a TPU (soft cap included), on a GPU unless its
+name is denied (a T4) or the logits are soft-capped, and their own einsum
+attention elsewhere. A step compiled on this machine for a named
+accelerator (`compiled_memory(..., device="v5e")`) must take the path that
+accelerator takes, or the compiler is handed another program than the one
+the accelerator will run. Inside `answering_for(platform, device_kind)`,
+these checks answer for that device in the calling thread (and its
+contexts), and defer to keras-hub everywhere else.
+
+Keras' own choice of a fused kernel inside `ops.dot_product_attention`
+needs no answer here: inside a compiled step keras-hub's mask is traced, so
+on a TPU Keras falls back to `jax.nn.dot_product_attention`'s XLA path, the
+one it takes on this machine; a GPU of compute capability 8.0 or more would
+take cuDNN's kernel, which a compile-only GPU can't check (docs/fitting.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+from typing import NamedTuple
+
+_KERAS_UTILS = "keras_hub.src.utils.keras_utils"
+_MODELS = "keras_hub.src.models"
+# keras-hub's modules that import `running_on_tpu`/`running_on_gpu` by
+# name to choose an attention path (`tests/test_compat.py` checks this list
+# against every keras-hub module that does).
+CHECKING_MODULES = tuple(
+    f"{_MODELS}.{family}.{family}_attention"
+    for family in ("gemma", "gemma3", "gemma4", "mixtral", "qwen_moe")
+)
+_RUNNING_ON = ("running_on_tpu", "running_on_gpu")
+WHILE_COMPILING = "while a step is compiled for a named device in some thread"
+_OWNER = "keras_hub_autodist.compat.devices"
+
+
+class Device(NamedTuple):
+    """The device a step is compiled for: its platform (`"tpu"`, `"gpu"`,
+    `"cpu"`) and what JAX calls one of them (`"TPU v5 lite"`, `"Tesla T4"`)."""
+
+    platform: str
+    device_kind: str
+
+
+# What each check answers for a device.
+ANSWERS = {
+    "running_on_tpu": lambda device: device.platform == "tpu",
+    "running_on_gpu": lambda device: device.platform == "gpu",
+    # keras-hub denies its fused path by the GPU's name (`"T4"`).
+    "get_gpu_names": lambda device: (
+        [device.device_kind] if device.platform == "gpu" else []
+    ),
+}
+# Each (module, check) replaced: the checks as the attention modules
+# imported them, and the GPU's names as keras-hub's utilities read them.
+TOUCHPOINTS = tuple(
+    (module, check) for module in CHECKING_MODULES for check in _RUNNING_ON
+) + ((_KERAS_UTILS, "get_gpu_names"),)
+# `compat.Patch` fields: (name, holder, attribute, owner, lasts).
+PATCH_FIELDS = tuple(
+    (
+        f"device_check:{module.rsplit('.', 1)[-1]}.{check}",
+        module,
+        check,
+        _OWNER,
+        WHILE_COMPILING,
+    )
+    for module, check in TOUCHPOINTS
+)
+
+_DEVICE = contextvars.ContextVar("keras_hub_autodist_compiled_for", default=None)
+
+
+def _answering(check: str):
+    def replace(original):
+        @functools.wraps(original)
+        def answer(*args, **kwargs):
+            device = _DEVICE.get()
+            if device is None:
+                return original(*args, **kwargs)
+            return ANSWERS[check](device)
+
+        return answer
+
+    return replace
+
+
+@contextlib.contextmanager
+def answering_for(platform: str, device_kind: str = "") -> Iterator[None]:
+    """keras-hub's device checks answer for `platform` in this context.
+
+    Args:
+        platform: the platform of the devices a step is compiled for.
+        device_kind: what JAX calls one of them.
+
+    Example:
+    ```python
+    with answering_for("tpu", "TPU v5 lite"):
+        lowered = jax.jit(model.train_step).lower(state, batch)
+    ```
+    """
+    from keras_hub_autodist import compat
+
+    replacements = {name: _answering(check) for name, _, check, *_ in PATCH_FIELDS}
+    token = _DEVICE.set(Device(platform, device_kind))
+    try:
+        with compat.patched(replacements):
+            yield
+    finally:
+        _DEVICE.reset(token)
