@@ -10,8 +10,9 @@ prints). Elsewhere (CPU, an unknown device) and with
 
 `from_preset` knows no batch: the search is for one sequence per device of
 `FROM_PRESET_SEQUENCE` tokens (at most the model's own limit), full
-fine-tuning with Adam, the strategy and remat as the call asks (remat is
-never switched on behind the user's back).
+fine-tuning with Adam, the strategy, remat and context-parallel strategy
+as the call asks: every candidate has them (remat is never switched on
+behind the user's back), and what is loaded is the layout compiled.
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ def searched_layout(preset, device_mesh, options, devices):
         dtype=options.dtype,
         strategies=STRATEGIES if options.strategy == "auto" else (options.strategy,),
         remats=(options.remat,),
+        context_parallel_strategy=options.context_parallel_strategy,
     )
     chosen = result.chosen.candidate
-    options = dataclasses.replace(options, strategy=chosen.strategy)
+    # What is loaded is the layout compiled: its mesh, strategy and remat
+    # (the remat asked for, the only one searched).
+    options = dataclasses.replace(options, strategy=chosen.strategy, remat=chosen.remat)
     return dict(chosen.mesh), options, chosen_reason(result)
 
 
