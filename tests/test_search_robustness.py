@@ -196,10 +196,7 @@ def test_from_preset_loads_the_layout_compiled_with_the_options_asked(
         tiny_presets_dir["gemma_mqa"], "auto", asked, [v5e] * 4
     )
     assert (options.strategy, options.remat) == ("fsdp", "full")
-    loaded = {
-        (tuple(sorted(mesh.items())), options.strategy, options.remat)
-        for mesh in [mesh]
-    }
+    loaded = {(tuple(sorted(mesh.items())), options.strategy, options.remat)}
     compiled = {
         (
             tuple(sorted(zip(c.mesh_axes.axis_names, c.mesh_axes.shape))),
@@ -456,3 +453,30 @@ def test_the_key_changes_with_the_packages_code(tmp_path, monkeypatch):
     first = key()
     monkeypatch.setattr(search_cache, "code_digest", lambda: before)
     assert key() != first
+
+
+def test_a_remat_layout_whose_twin_without_remat_fits_is_not_compiled(
+    tmp_path, compiler
+):
+    # Remat only adds recomputation: once a layout fits by its compile, the
+    # same layout with remat can't be chosen, and its compile is skipped.
+    result = _search(tmp_path, max_compiles=6)
+    fitted = set()
+    for layout in compiler.calls:
+        shape = tuple(zip(layout.mesh_axes.axis_names, layout.mesh_axes.shape))
+        assert layout.remat is None or (shape, layout.strategy) not in fitted
+        if layout.remat is None:
+            fitted.add((shape, layout.strategy))
+    skipped = [
+        e
+        for e in result.entries
+        if e.candidate.remat == "full"
+        and e.stage != COMPILED
+        and any(
+            t.stage == COMPILED
+            and t.candidate.key()[:2] == e.candidate.key()[:2]
+            and t.candidate.remat is None
+            for t in result.entries
+        )
+    ]
+    assert skipped and result.chosen.candidate.remat is None

@@ -14,7 +14,8 @@ device, chosen by the step compiled for it.
    are compiled for the device (`compiled_step.compiled_memory`, cached on
    disk: `search_cache`). A candidate the compiler refuses for a reason
    other than its size is a `FAILED` row with the compiler's words, and
-   the next one is compiled in its place.
+   the next one is compiled in its place; one with remat whose twin
+   without remat fits by its compile is not compiled (it can't be faster).
 3. Ranking: the compiled ones that fit by their compile, by the modelled
    time per token of the compiled program (`step_cost.compiled_cost`); the
    rule's choice is among them, so the chosen one is never slower in the
@@ -390,15 +391,19 @@ def search(
     to_compile = [rule] + [
         e.candidate for e in _compile_order(entries, planned) if e.candidate != rule
     ]
-    compiles = hits = fitting = failed = 0
+    compiles = hits = fitting = failed = implied = 0
     for candidate in to_compile:
         # Candidates that failed to compile don't count: the next ones are
-        # compiled in their place.
-        done = compiles - failed
+        # compiled in their place. One whose answer is implied counts as
+        # compiled, without the compile's time.
+        done = compiles - failed + implied
         if done > max_compiles and (fitting or done > 2 * max_compiles):
             break
         if failed >= 2 * (max_compiles + 1) and not done:
             break  # none compiles: the same failure each time
+        if _slower_twin_of_a_fit(candidate, entries):
+            implied += 1
+            continue
         layout = planned[candidate]
         compiles += 1
         try:
@@ -487,6 +492,17 @@ def _rule_candidate(
         context_parallel_strategy=context,
     )
     return Candidate(mesh, chosen_strategy, remat, batch_size or 0)
+
+
+def _slower_twin_of_a_fit(candidate: Candidate, entries: dict) -> bool:
+    """Whether `candidate` is a rematerialized layout whose twin without
+    remat (same mesh, strategy and batch) compiled and fits: remat only
+    adds recomputation, so the twin is the faster of the two and the
+    candidate can't be chosen; compiling it would change no answer."""
+    if candidate.remat is None:
+        return False
+    twin = entries.get(dataclasses.replace(candidate, remat=None))
+    return twin is not None and twin.stage == COMPILED and twin.fits
 
 
 def _compile_order(entries: dict, planned: dict) -> list:
