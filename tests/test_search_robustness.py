@@ -480,3 +480,19 @@ def test_a_remat_layout_whose_twin_without_remat_fits_is_not_compiled(
         )
     ]
     assert skipped and result.chosen.candidate.remat is None
+
+
+def test_from_preset_names_the_searched_axes_as_the_call_does(
+    tiny_presets_dir, tmp_path, monkeypatch, compiler
+):
+    from keras_hub_autodist.fitting import auto_search
+
+    monkeypatch.setattr(auto_search, "FROM_PRESET_SEQUENCE", 32)
+    monkeypatch.setenv(search_cache.COMPILE_CACHE_ENV, str(tmp_path))
+    v5e = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+    asked = PlanOptions(batch_axis="data", model_axis="tensor", context_axis="seq")
+    mesh, options, _ = auto_search.searched_layout(
+        tiny_presets_dir["gemma_mqa"], "auto", asked, [v5e] * 4
+    )
+    assert set(mesh) <= {"data", "tensor", "seq"} and "data" in mesh
+    assert (options.batch_axis, options.model_axis) == ("data", "tensor")
