@@ -514,13 +514,17 @@ def _use_virtual_devices_without_accelerator() -> None:
 
 
 def _use_virtual_devices_for(mesh) -> None:
-    """Without an accelerator, as many virtual CPU devices as the mesh has
-    (8 for `--mesh auto`), before JAX starts."""
+    """Before a step is compiled (`--compiled`, `--search`), without an
+    accelerator: JAX on the CPU, whose compile-only stand-ins of a named
+    device need no GPU or TPU backend of its own, with as many virtual CPU
+    devices as the mesh has (8 for `--mesh auto` or none); before JAX
+    starts."""
     from keras_hub_autodist.devices import has_accelerator
     from keras_hub_autodist.devices import use_virtual_cpu_devices
 
     if not has_accelerator():
-        use_virtual_cpu_devices(8 if mesh == "auto" else math.prod(mesh.values()))
+        sized = isinstance(mesh, dict)
+        use_virtual_cpu_devices(math.prod(mesh.values()) if sized else 8)
 
 
 def _run_demo(args) -> int:
@@ -576,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             cli_search.check_flags(args)
             _check_step_flags(args)
-            if args.compiled:
+            if args.compiled or args.search:
                 _use_virtual_devices_for(args.mesh)
             status = _run_plan(args)
         else:

@@ -32,7 +32,10 @@ def parse_batch(text: str) -> int | str:
 
 
 def check_flags(args) -> None:
-    """Refuse what the search can't take, naming the flag to add or drop."""
+    """Refuse what the search can't take, naming the flag to add or drop.
+    Every other flag is the search's: `--strategy` and `--remat` bound the
+    candidates, `--context-parallel-strategy` is that of those with a
+    context axis, `--dtype`, `--lora-rank` and `--optimizer` shape the step."""
     if not args.search:
         if args.mesh is None:
             raise PlanError(
@@ -67,6 +70,22 @@ def check_flags(args) -> None:
             f"--mesh and --compiled. Received: --mesh {args.mesh}"
             + (", --compiled" if args.compiled else "")
         )
+    named = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--batch-axis", args.batch_axis),
+            ("--model-axis", args.model_axis),
+            ("--context-axis", args.context_axis),
+        )
+        if value is not None
+    ]
+    if named:
+        raise PlanError(
+            "--search names the axes of the meshes it builds itself (batch, "
+            "model, context): drop "
+            + ", ".join(n.split()[0] for n in named)
+            + f". Received: {', '.join(named)}"
+        )
 
 
 def answer(args) -> dict:
@@ -87,6 +106,7 @@ def answer(args) -> dict:
         optimizer=args.optimizer,
         strategies=STRATEGIES if args.strategy == "auto" else (args.strategy,),
         remats=(None, "full") if args.remat is None else (args.remat,),
+        context_parallel_strategy=args.context_parallel_strategy,
     )
     return {"text": table(result), "json": to_json(result)}
 

@@ -110,3 +110,37 @@ def read_switch(name: str, environ: Mapping[str, str] | None = None) -> bool | N
     if not text.strip():
         return None
     return parse_switch(name, text)
+
+
+def read_folder_switch(
+    name: str, environ: Mapping[str, str] | None = None
+) -> tuple[bool | None, str]:
+    """A variable that is either an on/off switch or names a folder, read
+    the one way every such variable of the package is read.
+
+    Args:
+        name: the environment variable.
+        environ: where to read it (default: `os.environ`).
+
+    Returns:
+        `(None, "")` when unset or blank; `(False, "")` for an off spelling;
+        `(True, "")` for an on spelling (the default folder); `(True, text)`
+        for anything else, the folder named.
+
+    Example:
+    >>> read_folder_switch("X", {"X": " On "})
+    (True, '')
+    >>> read_folder_switch("X", {"X": "/tmp/cache"})
+    (True, '/tmp/cache')
+    >>> read_folder_switch("X", {"X": "0"})
+    (False, '')
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(name, "").strip()
+    if not text:
+        return None, ""
+    if is_off(text):
+        return False, ""
+    if is_on(text):
+        return True, ""
+    return True, text

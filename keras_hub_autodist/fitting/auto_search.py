@@ -10,8 +10,10 @@ prints). Elsewhere (CPU, an unknown device) and with
 
 `from_preset` knows no batch: the search is for one sequence per device of
 `FROM_PRESET_SEQUENCE` tokens (at most the model's own limit), full
-fine-tuning with Adam, the strategy and remat as the call asks (remat is
-never switched on behind the user's back).
+fine-tuning with Adam, the strategy, remat and context-parallel strategy
+as the call asks: every candidate has them (remat is never switched on
+behind the user's back), and what is loaded is the layout compiled, its
+axes named as the call names them (`batch_axis=`...).
 """
 
 from __future__ import annotations
@@ -79,10 +81,31 @@ def searched_layout(preset, device_mesh, options, devices):
         dtype=options.dtype,
         strategies=STRATEGIES if options.strategy == "auto" else (options.strategy,),
         remats=(options.remat,),
+        context_parallel_strategy=options.context_parallel_strategy,
     )
     chosen = result.chosen.candidate
-    options = dataclasses.replace(options, strategy=chosen.strategy)
-    return dict(chosen.mesh), options, chosen_reason(result)
+    # What is loaded is the layout compiled: its mesh, strategy and remat
+    # (the remat asked for, the only one searched).
+    options = dataclasses.replace(options, strategy=chosen.strategy, remat=chosen.remat)
+    return _named_axes(chosen.mesh, options), options, chosen_reason(result)
+
+
+def _named_axes(mesh, options) -> dict[str, int]:
+    """The searched mesh with its axes under the names the call gives them
+    (`batch_axis=`, `model_axis=`, `context_axis=`): the same layout, the
+    axes the options name.
+
+    Example:
+    >>> from keras_hub_autodist.planning.options import PlanOptions
+    >>> _named_axes({"batch": 2, "model": 4}, PlanOptions(batch_axis="data"))
+    {'data': 2, 'model': 4}
+    """
+    names = {
+        "batch": options.batch_axis,
+        "model": options.model_axis,
+        "context": options.context_axis,
+    }
+    return {names.get(axis) or axis: size for axis, size in mesh.items()}
 
 
 __all__ = ["FROM_PRESET_SEQUENCE", "SEARCH_ENV", "local_device_name", "searched_layout"]

@@ -178,8 +178,17 @@ def _local_devices_of(spec: TargetSpec, count: int):
     return tuple(devices[:count])
 
 
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported (a dotted name whose parent package
+    is absent is not installed either)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
 def _require(module: str, extra: str, platform: str) -> None:
-    if importlib.util.find_spec(module) is None:
+    if not _installed(module):
         raise CompilerMissingError(
             f"Compiling for a {platform.upper()} on this machine needs the "
             f"{platform.upper()} compiler, which is not installed: "
@@ -256,18 +265,52 @@ def gpu_target_config(name: str) -> str:
     return (folder / f"{name}.txtpb").read_text()
 
 
+_CUDA_PLUGIN = "jax_plugins.xla_cuda12"
+# The CUDA plugin checks this machine's CUDA libraries when JAX starts it,
+# unless told not to; on a machine without a GPU that check fails and JAX
+# leaves the plugin, and with it the GPU compiler, unregistered.
+_SKIP_CUDA_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+
 @functools.cache
 def _gpu_devices(name: str, count: int) -> tuple:
-    _require("jax_plugins.xla_cuda12", GPU_EXTRA, "gpu")
+    _require(_CUDA_PLUGIN, GPU_EXTRA, "gpu")
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(
-        name,
-        "cuda",
-        target_config=gpu_target_config(name),
-        topology=f"1x1x{count}",
-    )
-    return tuple(topology.devices)
+    def topology():
+        return topologies.get_topology_desc(
+            name,
+            "cuda",
+            target_config=gpu_target_config(name),
+            topology=f"1x1x{count}",
+        )
+
+    try:
+        return tuple(topology().devices)
+    except NotImplementedError:
+        # JAX started without the plugin (its CUDA check failed: no GPU
+        # here): register it for compiling only, and ask again.
+        _register_cuda_compiler()
+        return tuple(topology().devices)
+
+
+def _register_cuda_compiler() -> None:
+    """Register the CUDA plugin with JAX without its check of this machine's
+    CUDA libraries, which compiling doesn't need; the environment is left
+    as it was."""
+    import importlib
+
+    plugin = importlib.import_module(_CUDA_PLUGIN)
+    saved = os.environ.get(_SKIP_CUDA_CHECK)
+    os.environ[_SKIP_CUDA_CHECK] = "1"
+    try:
+        with native_stderr_filtered():
+            plugin.initialize()
+    finally:
+        if saved is None:
+            del os.environ[_SKIP_CUDA_CHECK]
+        else:
+            os.environ[_SKIP_CUDA_CHECK] = saved
 
 
 __all__ = [

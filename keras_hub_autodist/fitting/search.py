@@ -10,12 +10,20 @@ device, chosen by the step compiled for it.
    the device) drops the candidates that can't fit; the rest are ranked by
    the closed form's step time (`step_cost.closed_form_cost`) and the
    fastest `max_compiles` of them, with the memory rule's choice
-   (`device_mesh="auto"` today), are compiled for the device
-   (`compiled_step.compiled_memory`, cached on disk: `search_cache`).
+   (`device_mesh="auto"` today, under the strategy and remat asked for),
+   are compiled for the device (`compiled_step.compiled_memory`, cached on
+   disk: `search_cache`). A candidate the compiler refuses for a reason
+   other than its size is a `FAILED` row with the compiler's words, and
+   the next one is compiled in its place; one with remat whose twin
+   without remat fits by its compile is not compiled (it can't be faster).
 3. Ranking: the compiled ones that fit by their compile, by the modelled
    time per token of the compiled program (`step_cost.compiled_cost`); the
    rule's choice is among them, so the chosen one is never slower in the
    model than it. `search_report` explains each loser in one line.
+
+Every candidate, the rule's included, has one of the strategies and remats
+asked for: the chosen layout is what was compiled, and what a load with
+those options runs.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import os
 import time
 from collections.abc import Mapping
 
-from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.errors import CompilerMissingError
+from keras_hub_autodist.errors import TargetCompileError
 from keras_hub_autodist.fitting import search_cache
 from keras_hub_autodist.fitting import step_cost
 from keras_hub_autodist.fitting.compiled_answer import compiled_fits
@@ -35,7 +44,15 @@ from keras_hub_autodist.fitting.compiled_step import compiled_memory
 from keras_hub_autodist.fitting.device_profiles import device_profile
 from keras_hub_autodist.fitting.device_profiles import device_speed
 from keras_hub_autodist.fitting.planner import plan
+from keras_hub_autodist.fitting.search_candidates import REMATS
+from keras_hub_autodist.fitting.search_candidates import STRATEGIES
+from keras_hub_autodist.fitting.search_candidates import Candidate
+from keras_hub_autodist.fitting.search_candidates import candidates
+from keras_hub_autodist.fitting.search_candidates import meshes
+from keras_hub_autodist.fitting.search_candidates import remat_key
+from keras_hub_autodist.fitting.search_inputs import check_search_inputs
 from keras_hub_autodist.fitting.search_report import COMPILED
+from keras_hub_autodist.fitting.search_report import FAILED
 from keras_hub_autodist.fitting.search_report import NOT_COMPILED
 from keras_hub_autodist.fitting.search_report import PRUNED
 from keras_hub_autodist.fitting.search_report import explain
@@ -51,37 +68,6 @@ PRUNE_MARGIN = 1.2
 MAX_COMPILES = 4
 # With `batch_size="auto"`: batches tried, up to this many sequences.
 MAX_AUTO_BATCH = 1024
-STRATEGIES = ("tp", "fsdp")
-REMATS = (None, "full")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Candidate:
-    """One layout of the step: a mesh, a strategy, remat and a batch (equal
-    to another of the same `key()`)."""
-
-    mesh: Mapping[str, int]
-    strategy: str
-    remat: str | None
-    batch_size: int
-
-    def label(self) -> str:
-        """E.g. `batch=2,model=4 tp remat=full`."""
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
-        remat = f" remat={self.remat}" if self.remat else ""
-        return f"{mesh} {self.strategy}{remat}"
-
-    def key(self) -> tuple:
-        """What tells layouts apart: the mesh's axes of more than one
-        device, the strategy, remat and the batch."""
-        mesh = tuple(sorted((k, v) for k, v in self.mesh.items() if v > 1))
-        return (mesh, self.strategy, self.remat, self.batch_size)
-
-    def __eq__(self, other):
-        return isinstance(other, Candidate) and self.key() == other.key()
-
-    def __hash__(self):
-        return hash(self.key())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +76,7 @@ class Entry:
 
     Args:
         candidate: the layout.
-        stage: `PRUNED`, `NOT_COMPILED` or `COMPILED`.
+        stage: `PRUNED`, `NOT_COMPILED`, `COMPILED` or `FAILED`.
         estimate_bytes: the closed form's bytes per device.
         closed_form: its `StepCost` by the closed form.
         compiled: the compiled step, when compiled.
@@ -98,6 +84,7 @@ class Entry:
         fits: by the compile where compiled, else by the closed form.
         rule: whether the memory rule (`device_mesh="auto"`) picks it.
         why: one line on why it won or lost (`search_report`).
+        error: why its compile failed (`FAILED`), in the compiler's words.
     """
 
     candidate: Candidate
@@ -121,6 +108,7 @@ class Entry:
         return self.modelled.seconds / tokens if tokens else math.inf
 
     sequence_length: int = 0
+    error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,79 +135,7 @@ class SearchResult:
         return table(self)
 
 
-def divisors(n: int) -> list[int]:
-    """The divisors of `n`, ascending.
-
-    Example:
-    >>> divisors(8)
-    [1, 2, 4, 8]
-    """
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def meshes(
-    devices: int,
-    batch_size: int | None,
-    sequence_length: int,
-    experts: bool = False,
-) -> list[dict[str, int]]:
-    """The meshes of `devices` over `batch`, `model` and `context` (with
-    `experts`, also `expert` in the model axis' place): a batch axis that
-    divides `batch_size` (any with `None`), a context axis that divides the
-    sequence. The largest batch axis first.
-
-    Example:
-    >>> meshes(4, 4, 8)[:2]
-    [{'batch': 4, 'model': 1}, {'batch': 2, 'model': 2}]
-    >>> meshes(4, 4, 8)[2]
-    {'batch': 2, 'model': 1, 'context': 2}
-    """
-    found = []
-    for batch in reversed(divisors(devices)):
-        if batch_size is not None and batch_size % batch:
-            continue
-        rest = devices // batch
-        for context in divisors(rest):
-            if sequence_length % context:
-                continue
-            model = rest // context
-            names = ("model",) + (("expert",) if experts and model > 1 else ())
-            for name in names:
-                mesh = {"batch": batch, name: model}
-                if context > 1:
-                    mesh["context"] = context
-                found.append(mesh)
-    return found
-
-
-def candidates(
-    devices: int,
-    batch_size: int | None,
-    sequence_length: int,
-    *,
-    strategies=STRATEGIES,
-    remats=REMATS,
-    experts: bool = False,
-) -> list[Candidate]:
-    """Every layout searched (`meshes` x strategies x remat); `"fsdp"`
-    only where a batch axis has more than one device (else it is `"tp"`).
-    `batch_size` `None`: a batch is chosen per layout later (0 here).
-
-    Example:
-    >>> len(candidates(2, 2, 16))  # 3 meshes x 2 remats; fsdp on batch=2 only
-    8
-    """
-    found = []
-    for mesh in meshes(devices, batch_size, sequence_length, experts):
-        for strategy in strategies:
-            if strategy == "fsdp" and mesh["batch"] == 1:
-                continue
-            for remat in remats:
-                found.append(Candidate(mesh, strategy, remat, batch_size or 0))
-    return found
-
-
-def _planned(preset, candidate, device, lora_rank, dtype):
+def _planned(preset, candidate, device, lora_rank, dtype, context="all_gather"):
     return plan(
         preset,
         dict(candidate.mesh),
@@ -228,14 +144,23 @@ def _planned(preset, candidate, device, lora_rank, dtype):
         lora_rank=lora_rank,
         remat=candidate.remat,
         dtype=dtype,
+        context_parallel_strategy=context,
     )
 
 
 def _closed_form(
-    preset, candidate, device, lora_rank, dtype, sequence_length, optimizer, speed
+    preset,
+    candidate,
+    device,
+    lora_rank,
+    dtype,
+    sequence_length,
+    optimizer,
+    speed,
+    context,
 ):
     """The candidate's plan, closed-form bytes and closed-form cost."""
-    layout = _planned(preset, candidate, device, lora_rank, dtype)
+    layout = _planned(preset, candidate, device, lora_rank, dtype, context)
     estimate = step_estimate(
         layout, candidate.batch_size, sequence_length, optimizer, platform=device
     )
@@ -245,11 +170,13 @@ def _closed_form(
     return layout, estimate.total_bytes, cost
 
 
-def _largest_batch(preset, candidate, device, lora_rank, dtype, seq, optimizer):
+def _largest_batch(
+    preset, candidate, device, lora_rank, dtype, seq, optimizer, context
+):
     """With `batch_size="auto"`: the largest batch (the batch axis times a
     power of two, up to `MAX_AUTO_BATCH`) whose closed form fits; the batch
     axis' size when none does."""
-    layout = _planned(preset, candidate, device, lora_rank, dtype)
+    layout = _planned(preset, candidate, device, lora_rank, dtype, context)
     rows = candidate.mesh["batch"]
     best = rows
     while rows <= MAX_AUTO_BATCH:
@@ -261,18 +188,30 @@ def _largest_batch(preset, candidate, device, lora_rank, dtype, seq, optimizer):
 
 
 def rule_choice(
-    preset, device, devices, batch_size, lora_rank, dtype
+    preset,
+    device,
+    devices,
+    batch_size,
+    lora_rank,
+    dtype,
+    strategy: str = "auto",
+    remat=None,
+    context_parallel_strategy: str = "all_gather",
 ) -> tuple[dict[str, int], str]:
-    """What `device_mesh="auto"` and `strategy="auto"` pick by the memory
-    rule (`planner.resolve_mesh`), as a mesh and a strategy."""
+    """What `device_mesh="auto"` picks by the memory rule
+    (`planner.resolve_mesh`) with the strategy (`"auto"`: the rule's too)
+    and remat asked for, as a mesh and a strategy."""
     chosen = plan(
         preset,
         "auto",
+        strategy=strategy,
         num_devices=devices,
         batch_size=batch_size,
         device_memory=device,
         lora_rank=lora_rank,
         dtype=dtype,
+        remat=remat,
+        context_parallel_strategy=context_parallel_strategy,
     )
     axes = chosen.mesh_axes
     return dict(zip(axes.axis_names, axes.shape)), chosen.strategy
@@ -312,6 +251,7 @@ def search(
     remats=REMATS,
     max_compiles: int = MAX_COMPILES,
     cache_dir: str | os.PathLike | None = None,
+    context_parallel_strategy: str = "all_gather",
 ) -> SearchResult:
     """The fastest layout of a training step that fits `devices` of
     `device`, by the step compiled for that device; every candidate ranked
@@ -328,15 +268,25 @@ def search(
         lora_rank: search for a LoRA fine-tune of this rank.
         dtype: the dtype the model is loaded with; defaults to the preset's.
         optimizer: the optimizer's name (`trained_state.OPTIMIZERS`).
-        strategies: the strategies searched.
-        remats: the rematerializations searched (`None`: off).
+        strategies: the strategies searched; every candidate, the memory
+            rule's choice included, has one of them.
+        remats: the rematerializations searched (`None`: off); every
+            candidate has one of them.
         max_compiles: how many candidates beside the memory rule's choice
-            are compiled (more when none of them fits).
+            are compiled (more when none of them fits, or one fails to
+            compile).
         cache_dir: where compiled steps are kept
             (`search_cache.compile_cache_folder`).
+        context_parallel_strategy: how the candidates with a context axis
+            pass keys and values (`"all_gather"` or `"ring"`).
 
     Returns:
         A `SearchResult`; `str()` of it is the ranked table.
+
+    Raises:
+        PlanError: for an argument of the wrong kind, naming it.
+        TargetCompileError: when no candidate compiles at all.
+        CompilerMissingError: when the device's compiler isn't installed.
 
     Example:
     ```python
@@ -346,21 +296,39 @@ def search(
     ```
     """
     started = time.perf_counter()
+    strategies, remats = check_search_inputs(
+        preset=preset,
+        device=device,
+        devices=devices,
+        batch_size=batch_size,
+        sequence_length=sequence_length,
+        lora_rank=lora_rank,
+        dtype=dtype,
+        optimizer=optimizer,
+        strategies=strategies,
+        remats=remats,
+        max_compiles=max_compiles,
+        cache_dir=cache_dir,
+        context_parallel_strategy=context_parallel_strategy,
+    )
+    context = context_parallel_strategy
     auto = batch_size == "auto"
-    if not auto and (not isinstance(batch_size, int) or batch_size < 1):
-        raise PlanError(
-            "search() takes a positive batch size, or 'auto' for the largest "
-            f"that fits. Received: batch_size={batch_size!r}"
-        )
     profile = device_profile(device)
     speed = device_speed(device)
     info = read_config(preset)
     config = dict(info.config)
-    folder = search_cache.compile_cache_folder(cache_dir)
+    folder = search_cache.usable_cache_folder(
+        search_cache.compile_cache_folder(cache_dir)
+    )
     experts = any(
         "expert" in w.logical_axes
         for w in _planned(
-            preset, Candidate({"batch": 1}, "tp", None, 1), device, lora_rank, dtype
+            preset,
+            Candidate({"batch": 1}, strategies[0], remats[0], 1),
+            device,
+            lora_rank,
+            dtype,
+            context,
         ).rows
     )
     found = candidates(
@@ -371,16 +339,23 @@ def search(
         remats=remats,
         experts=experts,
     )
-    rule_mesh, rule_strategy = rule_choice(
-        preset, device, devices, None if auto else batch_size, lora_rank, dtype
+    rule = _rule_candidate(
+        preset,
+        device,
+        devices,
+        None if auto else batch_size,
+        lora_rank,
+        dtype,
+        strategies,
+        remats,
+        context,
     )
-    rule = Candidate(rule_mesh, rule_strategy, None, 0 if auto else batch_size)
     if all(c.key()[:3] != rule.key()[:3] for c in found):
         found.append(rule)
     if auto:
         found = [
             _largest_batch(
-                preset, c, device, lora_rank, dtype, sequence_length, optimizer
+                preset, c, device, lora_rank, dtype, sequence_length, optimizer, context
             )
             for c in found
         ]
@@ -398,6 +373,7 @@ def search(
             sequence_length,
             optimizer,
             speed,
+            context,
         )
         planned[candidate] = layout
         fits = estimate <= layout.device_memory_bytes
@@ -412,46 +388,44 @@ def search(
             rule=candidate == rule,
             sequence_length=sequence_length,
         )
-    # The fastest by the closed form, and the rule's choice, compiled.
-    # Those that fit by the closed form first, the fastest first; but the
-    # fastest that fits with the closed form's margin to spare comes
-    # second, so that one likely to fit is among the first compiled.
-    order = sorted(
-        (e for e in entries.values() if e.stage != PRUNED),
-        key=lambda e: (not e.fits, e.seconds_per_token),
-    )
-    safe = [
-        e
-        for e in order[1:]
-        if e.estimate_bytes * PRUNE_MARGIN <= planned[e.candidate].device_memory_bytes
+    to_compile = [rule] + [
+        e.candidate for e in _compile_order(entries, planned) if e.candidate != rule
     ]
-    if safe:
-        order.remove(safe[0])
-        order.insert(min(1, len(order)), safe[0])
-    # When none of those fits, the pruned ones follow, the smallest first.
-    pruned = sorted(
-        (e for e in entries.values() if e.stage == PRUNED),
-        key=lambda e: e.estimate_bytes,
-    )
-    to_compile = [rule] + [e.candidate for e in order + pruned if e.candidate != rule]
-    compiles = hits = fitting = 0
-    for index, candidate in enumerate(to_compile):
-        enough = index > max_compiles and (fitting or index > 2 * max_compiles)
-        if enough:
+    compiles = hits = fitting = failed = implied = 0
+    for candidate in to_compile:
+        # Candidates that failed to compile don't count: the next ones are
+        # compiled in their place. One whose answer is implied counts as
+        # compiled, without the compile's time.
+        done = compiles - failed + implied
+        if done > max_compiles and (fitting or done > 2 * max_compiles):
             break
+        if failed >= 2 * (max_compiles + 1) and not done:
+            break  # none compiles: the same failure each time
+        if _slower_twin_of_a_fit(candidate, entries):
+            implied += 1
+            continue
         layout = planned[candidate]
-        memory, hit = _compile(
-            layout,
-            candidate.batch_size,
-            sequence_length,
-            optimizer,
-            device,
-            lora_rank,
-            folder,
-            config,
-            preset,
-        )
         compiles += 1
+        try:
+            memory, hit = _compile(
+                layout,
+                candidate.batch_size,
+                sequence_length,
+                optimizer,
+                device,
+                lora_rank,
+                folder,
+                config,
+                preset,
+            )
+        except CompilerMissingError:
+            raise  # no candidate can compile: the extra is missing
+        except Exception as error:  # any other failure is this candidate's
+            failed += 1
+            entries[candidate] = dataclasses.replace(
+                entries[candidate], stage=FAILED, fits=False, error=_words(error)
+            )
+            continue
         hits += hit
         fits = compiled_fits(memory, layout.device_memory_bytes)
         fitting += fits
@@ -472,6 +446,8 @@ def search(
                 speed,
             ),
         )
+    if compiles and compiles == failed:
+        _none_compiled(entries, device, devices)
     ranked = sorted(entries.values(), key=_rank)
     chosen = ranked[0]
     entries_out = tuple(explain(ranked, chosen, profile, speed))
@@ -490,21 +466,104 @@ def search(
         chosen=chosen,
         rule_choice=rule_entry,
         seconds=time.perf_counter() - started,
-        compiles=compiles,
+        compiles=compiles - failed,
         cache_hits=hits,
     )
 
 
+def _rule_candidate(
+    preset, device, devices, batch_size, lora_rank, dtype, strategies, remats, context
+) -> Candidate:
+    """The memory rule's choice as a candidate of the strategies and remats
+    asked for: the rule chooses the strategy only when both are asked for;
+    its remat is off when off is asked for, else the first asked for."""
+    strategy = "auto" if set(strategies) >= set(STRATEGIES) else strategies[0]
+    keys = [remat_key(r) for r in remats]
+    remat = None if None in keys else remats[0]
+    mesh, chosen_strategy = rule_choice(
+        preset,
+        device,
+        devices,
+        batch_size,
+        lora_rank,
+        dtype,
+        strategy=strategy,
+        remat=remat,
+        context_parallel_strategy=context,
+    )
+    return Candidate(mesh, chosen_strategy, remat, batch_size or 0)
+
+
+def _slower_twin_of_a_fit(candidate: Candidate, entries: dict) -> bool:
+    """Whether `candidate` is a rematerialized layout whose twin without
+    remat (same mesh, strategy and batch) compiled and fits: remat only
+    adds recomputation, so the twin is the faster of the two and the
+    candidate can't be chosen; compiling it would change no answer."""
+    if candidate.remat is None:
+        return False
+    twin = entries.get(dataclasses.replace(candidate, remat=None))
+    return twin is not None and twin.stage == COMPILED and twin.fits
+
+
+def _compile_order(entries: dict, planned: dict) -> list:
+    """The entries in the order they are compiled: those that fit by the
+    closed form first, the fastest first, but the fastest that fits with
+    the closed form's margin to spare second, so that one likely to fit is
+    among the first compiled; then the pruned ones, the smallest first."""
+    order = sorted(
+        (e for e in entries.values() if e.stage != PRUNED),
+        key=lambda e: (not e.fits, e.seconds_per_token),
+    )
+    safe = [
+        e
+        for e in order[1:]
+        if e.estimate_bytes * PRUNE_MARGIN <= planned[e.candidate].device_memory_bytes
+    ]
+    if safe:
+        order.remove(safe[0])
+        order.insert(min(1, len(order)), safe[0])
+    pruned = sorted(
+        (e for e in entries.values() if e.stage == PRUNED),
+        key=lambda e: e.estimate_bytes,
+    )
+    return order + pruned
+
+
+def _words(error: BaseException) -> str:
+    """An error's first line, as a row of the table shows it."""
+    text = str(error).strip()
+    return (text.splitlines()[0][:300] if text else "") or type(error).__name__
+
+
+def _none_compiled(entries: dict, device: str, devices: int) -> None:
+    """Raise when every candidate compiled failed: no layout can be
+    chosen by its compile."""
+    failures = [e for e in entries.values() if e.stage == FAILED]
+    shown = "; ".join(f"{e.candidate.label()}: {e.error}" for e in failures[:3])
+    raise TargetCompileError(
+        f"No layout of the step compiles for {devices} x {device}: each of "
+        f"the {len(failures)} candidates compiled failed ({shown}). Fix what "
+        "the compiler names (the dtype, the sequence length, the model), or "
+        f"search another device. Received: device={device!r}, devices={devices}"
+    )
+
+
 # Ranked first: compiled and fitting; then not compiled but fitting by the
-# closed form; then compiled and not fitting; then pruned.
-_STAGE_RANK = {(COMPILED, True): 0, (NOT_COMPILED, True): 1, (COMPILED, False): 2}
+# closed form; then compiled and not fitting; then those that failed to
+# compile; then pruned.
+_STAGE_RANK = {
+    (COMPILED, True): 0,
+    (NOT_COMPILED, True): 1,
+    (COMPILED, False): 2,
+    (FAILED, False): 3,
+}
 
 
 def _rank(entry: Entry) -> tuple:
     """Stage first (`_STAGE_RANK`); then the modelled time per token, but
     the compiled peak among compiled steps that don't fit (the one closest
     to fitting first)."""
-    stage = _STAGE_RANK.get((entry.stage, entry.fits), 3)
+    stage = _STAGE_RANK.get((entry.stage, entry.fits), 4)
     if stage == 2:
         return (stage, entry.compiled.peak_bytes)
     return (stage, entry.seconds_per_token)
@@ -514,13 +573,17 @@ __all__ = [
     "COMPILED",
     "Candidate",
     "Entry",
+    "FAILED",
     "MAX_COMPILES",
     "NOT_COMPILED",
     "PRUNED",
     "PRUNE_MARGIN",
+    "REMATS",
+    "STRATEGIES",
     "SearchResult",
     "candidates",
     "meshes",
+    "remat_key",
     "rule_choice",
     "search",
 ]

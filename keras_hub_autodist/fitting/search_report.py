@@ -23,6 +23,9 @@ GIB = 1024**3
 PRUNED = "pruned"  # over the memory by the closed form: not compiled
 NOT_COMPILED = "not compiled"  # fits by the closed form, slower than those compiled
 COMPILED = "compiled"
+# The compiler refused it for a reason other than its size (its words are
+# the entry's `error`); the search went on without it.
+FAILED = "failed to compile"
 # How each link is named in a reason.
 LINK_NAMES = {"ici": "ICI", "nvlink": "NVLink", "pcie": "PCIe"}
 # What each term of the roofline is, in a reason.
@@ -82,6 +85,8 @@ def why(entry: Any, chosen: Any, capacity: int, speed: DeviceSpeed) -> str:
             f"chosen: the fastest modelled step that fits ({peak / gib:.2f} GiB "
             f"of {capacity / gib:.2f} GiB per device)"
         )
+    if entry.stage == FAILED:
+        return f"does not compile: {entry.error}"
     if entry.stage == PRUNED:
         return (
             f"pruned: the closed form needs {entry.estimate_bytes / gib:.2f} GiB "
@@ -148,6 +153,7 @@ def entry_json(entry: Any, result: Any) -> dict:
         "modelled_mfu": entry.mfu if entry.compiled else None,
         "roofline_seconds": entry.modelled.terms(),
         "rule_choice": entry.rule,
+        "compile_error": entry.error or None,
         "why": entry.why,
     }
 
@@ -191,6 +197,8 @@ def table(result: Any) -> str:
         peak = (
             f"{entry.compiled.peak_bytes / gib:.2f}"
             if entry.compiled
+            else "failed"
+            if entry.stage == FAILED
             else f"~{entry.estimate_bytes / gib:.2f}"
         )
         seconds = entry.modelled.seconds
@@ -267,6 +275,10 @@ def chosen_reason(result: Any) -> str:
 
 
 __all__ = [
+    "COMPILED",
+    "FAILED",
+    "NOT_COMPILED",
+    "PRUNED",
     "advice",
     "chosen_reason",
     "entry_json",

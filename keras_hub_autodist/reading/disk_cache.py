@@ -22,8 +22,7 @@ import pathlib
 import secrets
 from importlib import metadata
 
-from keras_hub_autodist.environment import is_off
-from keras_hub_autodist.environment import is_on
+from keras_hub_autodist.environment import read_folder_switch
 
 CACHE_ENV = "KERAS_HUB_AUTODIST_CACHE"
 
@@ -45,15 +44,26 @@ def cache_folder() -> pathlib.Path | None:
     True
     >>> del os.environ[CACHE_ENV]
     """
-    value = os.environ.get(CACHE_ENV, "").strip()
-    if is_off(value):
+    setting, named = read_folder_switch(CACHE_ENV)
+    if setting is False:
         return None
-    if value and not is_on(value):
-        return pathlib.Path(value).expanduser()
+    if named:
+        return pathlib.Path(named).expanduser()
+    return package_cache_root() / "abstract"
+
+
+def package_cache_root() -> pathlib.Path:
+    """The package's default cache folder: `keras_hub_autodist` under
+    `$XDG_CACHE_HOME` when it is an absolute path, else under `~/.cache`.
+
+    Example:
+    >>> package_cache_root().name
+    'keras_hub_autodist'
+    """
     base = os.environ.get("XDG_CACHE_HOME", "")
     if not os.path.isabs(base):
         base = os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "keras_hub_autodist" / "abstract"
+    return pathlib.Path(base) / "keras_hub_autodist"
 
 
 def _version(distribution: str) -> str:
