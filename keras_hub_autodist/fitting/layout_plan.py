@@ -51,6 +51,9 @@ class LayoutPlan(PlanRecord):
             `keras.RematScope` mode or a dict of its arguments).
         final_logit_soft_cap: the model's cap of its output logits (Gemma
             2), or `None`: the memory answers count its buffers.
+        mixed_policy: the mixed-precision policy the model computes with
+            (`"mixed_bfloat16"`, `"mixed_float16"`; `dtype` is then its
+            variables' float32), or `""`: the compiled check builds with it.
 
     Example:
     ```python
