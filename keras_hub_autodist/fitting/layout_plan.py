@@ -134,10 +134,12 @@ class LayoutPlan(PlanRecord):
         batch_size: int | None = None,
         sequence_length: int | None = None,
         optimizer: str = "adam",
-        platform: str = "gpu",
+        platform: str | None = None,
     ) -> list[str]:
-        """What would make a plan that does not fit fit on its devices, in
-        order of cost (`report.fit_advice`)."""
+        """The advice of the closed form's verdict (`report.fit_advice`):
+        none when the step fits, how to settle a maybe, and what would make
+        a step that does not fit fit, in order of cost. `platform` defaults
+        to the device the plan was made for, else a GPU's."""
         return report.fit_advice(self, batch_size, sequence_length, optimizer, platform)
 
     def summary(self) -> str:
