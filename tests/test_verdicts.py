@@ -100,12 +100,19 @@ def test_the_advice_is_the_verdicts():
             assert report.SETTLE_ADVICE in line
         else:
             assert advice[-1].startswith("check this estimate")
+            maybe = [a for a in advice if "may fit" in a]
+            for item in maybe:
+                proposed = int(item.split("batch of ")[1].split(" ")[0])
+                again = verdicts.step_verdict(plan, proposed, 1024)
+                assert again.answer == verdicts.MAYBE, item
             smaller = [a for a in advice if a.startswith("a smaller batch")]
             # What it proposes is a step whose own verdict is yes.
             for item in smaller:
                 proposed = int(item.split("batch: ")[1].split(" ")[0])
                 again = verdicts.step_verdict(plan, proposed, 1024)
                 assert again.answer == verdicts.YES, item
+    # A NO on a TPU names the largest batch that may fit, to be compiled.
+    assert any("may fit" in item for item in plan.fit_advice(16, 1024))
     assert {verdicts.step_verdict(plan, b, 1024).answer for b in (1, 8, 16)} == {
         verdicts.YES,
         verdicts.MAYBE,

@@ -120,8 +120,33 @@ def fit_advice(
     if verdict.answer == MAYBE:
         return [SETTLE_ADVICE]
     advice = shrink_advice(plan, batch_size, sequence_length, optimizer, platform)
+    if batch_size is not None and sequence_length is not None:
+        larger = _larger_batch_that_may_fit(
+            plan, batch_size, sequence_length, optimizer, platform
+        )
+        if larger:
+            advice.append(larger)
     advice.append(f"check this estimate against the compiled step: {COMPILED_CHECK}")
     return advice
+
+
+def _larger_batch_that_may_fit(
+    plan: PlanRecord, batch_size, sequence_length, optimizer, platform
+) -> str:
+    """Where the compiler rematerializes: the largest about-halving of the
+    batch whose verdict is maybe, larger than any the verdict says fits;
+    `""` when there is none (`step_shape.runnable_batches`)."""
+    for batch in step_shape.runnable_batches(plan.mesh_axes, batch_size):
+        answer = step_verdict(plan, batch, sequence_length, optimizer, platform).answer
+        if answer == YES:
+            return ""
+        if answer == MAYBE:
+            return (
+                f"a batch of {batch} sequences may fit, the compiler "
+                f"rematerializing ({option('batch_size', str(batch))}): settle "
+                f"it by compiling the step, {COMPILED_CHECK}"
+            )
+    return ""
 
 
 def shrink_advice(
