@@ -12,6 +12,8 @@ Example:
 keras-hub-autodist plan ./gemma_2b --mesh batch=2,model=4 --strategy fsdp
 keras-hub-autodist plan ./gemma_7b --mesh auto --devices 8 --device-memory 40
 keras-hub-autodist plan ./gemma_2b --mesh batch=2,model=4 --batch 8 --seq 512 --compiled
+keras-hub-autodist plan ./gemma_2b --mesh batch=1 --device v5e --batch 8 --seq 512 \
+    --closed-form
 keras-hub-autodist demo
 ```
 """
@@ -300,7 +302,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "with --batch and --seq: compile the training step for --device "
             "(its compiler: extras tpu-compile, gpu-compile), else for the "
-            "local devices; fits is its peak's; nothing is allocated"
+            "local devices; fits is its peak's; nothing is allocated. The "
+            "default for a TPU --device when the TPU compiler is installed"
+        ),
+    )
+    plan.add_argument(
+        "--closed-form",
+        action="store_true",
+        help=(
+            "answer with the closed form alone, even for a TPU --device whose "
+            "compiler is installed (its verdict may be maybe: the TPU "
+            "compiler rematerializes when memory is short)"
         ),
     )
     plan.add_argument(
@@ -363,6 +375,13 @@ def _check_step_flags(args) -> None:
             "--compiled needs them too), e.g. --batch 8 --seq 2048. "
             f"Received: --batch {args.batch}, --seq {args.seq}"
             + (", --compiled" if args.compiled else "")
+        )
+    if args.closed_form and (args.compiled or args.search):
+        raise PlanError(
+            "--closed-form answers without compiling; give either it or "
+            "--compiled (and --search, which compiles). Received: --closed-form"
+            + (", --compiled" if args.compiled else "")
+            + (", --search" if args.search else "")
         )
     if args.device and args.device_memory is not None:
         raise PlanError(
@@ -446,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             cli_search.check_flags(args)
             _check_step_flags(args)
-            if args.compiled:
+            if cli_answer.compiles(args):
                 _use_virtual_devices_for(args.mesh, args.devices)
             status = _run_plan(args)
         else:

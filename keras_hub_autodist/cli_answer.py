@@ -8,12 +8,45 @@ text prints that verdict once, and the advice is that verdict's.
 
 from __future__ import annotations
 
+import importlib.util
+
 from keras_hub_autodist import cli_search
 from keras_hub_autodist.cli_flags import as_flags
 from keras_hub_autodist.fitting.device_memory import GIB
 
 # How `--json` names each verdict (`fits` is true, false, or null for maybe).
 VERDICT_NAMES = {"yes": "yes", "maybe": "maybe", "NO": "no"}
+
+
+def compiles_by_default(args) -> bool:
+    """Whether the command compiles a step it was not asked to compile: a
+    TPU `--device` whose compiler (libtpu) is installed here, with
+    `--batch` and `--seq`, and not `--closed-form`. The TPU compiler
+    rematerializes when memory is short, which the closed form can only
+    bound (`fits: maybe`); its compile answers, as MaxText's
+    `train_compile` does.
+
+    Example:
+    ```python
+    compiles_by_default(build_parser().parse_args(["plan", "./p", ...]))
+    ```
+    """
+    from keras_hub_autodist.fitting.device_profiles import device_profile
+
+    return bool(
+        args.device
+        and args.batch is not None
+        and args.seq is not None
+        and not (args.compiled or args.closed_form or args.search)
+        and device_profile(args.device).platform == "tpu"
+        and importlib.util.find_spec("libtpu") is not None
+    )
+
+
+def compiles(args) -> bool:
+    """Whether the command compiles the step: `--compiled`, or by default
+    (`compiles_by_default`)."""
+    return bool(args.compiled) or compiles_by_default(args)
 
 
 def answer(args) -> dict:
@@ -51,7 +84,8 @@ def answer(args) -> dict:
         batch_size=args.batch if args.mesh == "auto" else None,
     )
     memory = None
-    if args.compiled:
+    by_default = compiles_by_default(args)
+    if args.compiled or by_default:
         from keras_hub_autodist.fitting.compiled_step import compiled_memory
 
         memory = compiled_memory(
@@ -83,6 +117,11 @@ def answer(args) -> dict:
         line = compiled.compiled_verdict(result, memory, assumption)
         if advice:
             line += "; to fit: " + "; or ".join(advice)
+        if by_default:
+            line += (
+                f" (compiled by default: the {args.device} compiler is installed "
+                "here; `--closed-form` answers without compiling)"
+            )
     else:
         fits, name = verdict.fits, VERDICT_NAMES[verdict.answer]
         advice = report.fit_advice(
@@ -133,6 +172,7 @@ def answer(args) -> dict:
         "device_memory_assumption": assumption,
         "platform": platform,
         "advice": [as_flags(item) for item in advice],
+        "compiled_by_default": by_default,
     }
     if memory is not None:
         json_answer.update(compiled.compiled_fields(memory, capacity))

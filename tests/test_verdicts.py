@@ -3,6 +3,7 @@ compiler rematerializes) maybe, checked against steps measured on a TPU
 v5e chip; its advice, the command's text and `--json` each say that one
 verdict, and with `--compiled` the compiled step's."""
 
+import importlib.util
 import json
 
 import pytest
@@ -177,8 +178,9 @@ def test_compiled_answers_say_the_compiled_verdict_and_its_advice(
 def test_json_says_maybe_with_its_range_and_the_command_that_settles_it(capfd):
     args = [str(REAL_PRESETS / "gemma_2b"), "--mesh", "batch=1,model=1"]
     args += ["--dtype", "bfloat16", "--device", "v5e", "--lora-rank", "8"]
-    args += ["--batch", "8", "--seq", "1024", "--json"]
+    args += ["--batch", "8", "--seq", "1024", "--closed-form", "--json"]
     answer = json.loads(_run(capfd, args))
+    assert not answer["compiled_by_default"] and "compiled_for" not in answer
     assert answer["fits"] is None and answer["verdict"] == "maybe"
     assert answer["estimate_verdict"] == "maybe"
     low = answer["estimate_least_bytes_per_device"]
@@ -187,3 +189,46 @@ def test_json_says_maybe_with_its_range_and_the_command_that_settles_it(capfd):
     assert "`--compiled`" in advice
     (line,) = _fit_lines(_run(capfd, args[:-1]))
     assert line.startswith("fits: maybe") and "`--compiled`" in line
+
+
+TPU_STEP = ["--device", "v5e", "--mesh", "batch=2,model=2", "--batch", "4"]
+TPU_STEP += ["--seq", "16", "--json"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="the TPU compiler is not installed",
+)
+def test_a_tpu_device_is_compiled_by_default_where_its_compiler_is(
+    capfd, tiny_presets_dir
+):
+    answer = json.loads(_run(capfd, [tiny_presets_dir["gemma_mqa"], *TPU_STEP]))
+    assert answer["compiled_by_default"]
+    assert answer["compiled_for"]["device_kind"] == "TPU v5 lite"
+    assert answer["fits"] == (
+        answer["compiled_peak_bytes_per_device"] <= answer["device_memory_bytes"]
+    )
+    text = _run(capfd, [tiny_presets_dir["gemma_mqa"], *TPU_STEP[:-1]])
+    (line,) = _fit_lines(text)
+    assert line.startswith("fits (compiled for") and "`--closed-form`" in line
+
+
+def test_without_the_tpu_compiler_the_closed_form_answers(
+    capfd, tiny_presets_dir, monkeypatch
+):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "libtpu" else found(name, *a),
+    )
+    answer = json.loads(_run(capfd, [tiny_presets_dir["gemma_mqa"], *TPU_STEP]))
+    assert not answer["compiled_by_default"] and "compiled_for" not in answer
+
+
+def test_closed_form_and_compiled_together_are_refused(capfd, tiny_presets_dir):
+    capfd.readouterr()
+    args = [tiny_presets_dir["gemma_mqa"], *TPU_STEP, "--closed-form", "--compiled"]
+    assert cli.main(["plan", *args]) == 2
+    error = capfd.readouterr().err
+    assert "--closed-form" in error and "Received: --closed-form, --compiled" in error
