@@ -12,6 +12,8 @@ Example:
 keras-hub-autodist plan ./gemma_2b --mesh batch=2,model=4 --strategy fsdp
 keras-hub-autodist plan ./gemma_7b --mesh auto --devices 8 --device-memory 40
 keras-hub-autodist plan ./gemma_2b --mesh batch=2,model=4 --batch 8 --seq 512 --compiled
+keras-hub-autodist plan ./gemma_2b --mesh batch=1 --device v5e --batch 8 --seq 512 \
+    --closed-form
 keras-hub-autodist demo
 ```
 """
@@ -26,6 +28,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from keras_hub_autodist import cli_answer
 from keras_hub_autodist import cli_search
 from keras_hub_autodist.cli_flags import as_flags
 from keras_hub_autodist.fitting.device_memory import GIB
@@ -299,7 +302,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "with --batch and --seq: compile the training step for --device "
             "(its compiler: extras tpu-compile, gpu-compile), else for the "
-            "local devices; fits is its peak's; nothing is allocated"
+            "local devices; fits is its peak's; nothing is allocated. The "
+            "default for a TPU --device when the TPU compiler is installed"
+        ),
+    )
+    plan.add_argument(
+        "--closed-form",
+        action="store_true",
+        help=(
+            "answer with the closed form alone, even for a TPU --device whose "
+            "compiler is installed (its verdict may be maybe: the TPU "
+            "compiler rematerializes when memory is short)"
         ),
     )
     plan.add_argument(
@@ -331,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_plan(args) -> int:
     if not args.json:
-        answer = _answer(args)
+        answer = cli_answer.answer(args)
         print(answer["text"])
         return 0
     # Everything but the answer goes to stderr, Python's prints and those
@@ -341,7 +354,7 @@ def _run_plan(args) -> int:
     try:
         os.dup2(2, 1)
         with contextlib.redirect_stdout(sys.stderr):
-            answer = _answer(args)
+            answer = cli_answer.answer(args)
         sys.stdout.flush()
     finally:
         os.dup2(saved, 1)
@@ -349,115 +362,6 @@ def _run_plan(args) -> int:
     print(json.dumps(answer["json"]))
     sys.stdout.flush()
     return 0
-
-
-def _answer(args) -> dict:
-    """The plan, its memory verdict and the compiled check, as text and as
-    the `--json` object (with `--search`, the layout search's)."""
-    if args.search:
-        return cli_search.answer(args)
-    from keras_hub_autodist.fitting import compiled_answer as compiled
-    from keras_hub_autodist.fitting.device_profiles import device_profile
-    from keras_hub_autodist.fitting.device_profiles import usable_memory
-    from keras_hub_autodist.fitting.planner import plan
-    from keras_hub_autodist.fitting.report import memory_verdict
-
-    result = plan(
-        args.preset,
-        args.mesh,
-        strategy=args.strategy,
-        batch_axis=args.batch_axis,
-        model_axis=args.model_axis,
-        context_axis=args.context_axis,
-        context_parallel_strategy=args.context_parallel_strategy,
-        dtype=args.dtype,
-        device_memory=args.device or args.device_memory,
-        lora_rank=args.lora_rank,
-        remat=args.remat,
-        num_devices=args.devices,
-        # `--mesh auto` chooses a batch axis that divides `--batch`.
-        batch_size=args.batch if args.mesh == "auto" else None,
-    )
-    memory = None
-    if args.compiled:
-        from keras_hub_autodist.fitting.compiled_step import compiled_memory
-
-        memory = compiled_memory(
-            result, args.batch, args.seq, args.optimizer, device=args.device
-        )
-    # The compiler whose buffers the estimate counts: the named device's
-    # (its platform's factors and its own arithmetic), else the one that
-    # compiled the check, else an accelerator's.
-    if args.device:
-        platform = device_profile(args.device).platform
-        calibration = args.device
-    elif memory is not None and memory.platform in ("cpu", "gpu", "tpu"):
-        platform = calibration = memory.platform
-    else:
-        platform = calibration = "gpu"
-    fits, estimate, verdict = memory_verdict(
-        result, args.batch, args.seq, args.optimizer, calibration
-    )
-    assumption = usable_memory(device_profile(args.device))[1] if args.device else None
-    # The advice names options as this command's flags.
-    lines = [as_flags(str(result))]
-    if args.batch is not None:
-        lines.append(_step_lines(result, args, estimate, calibration, memory))
-        lines.append(as_flags(verdict))
-    if memory is not None:
-        lines.append(compiled.compiled_verdict(result, memory, assumption))
-    answer = {
-        "fits": fits,  # with --compiled, the compiled step's (below)
-        "estimate_fits": fits,
-        "estimate_bytes_per_device": estimate.total_bytes,
-        "device_memory_bytes": result.device_memory_bytes,
-        "estimate_covers": (
-            "training step" if args.batch is not None else "weights and optimizer state"
-        ),
-        "estimate_parts": {
-            "weights": estimate.weights,
-            "optimizer_state": estimate.optimizer_state,
-            "gradients": estimate.gradients,
-            "gradients_at_peak": estimate.live_gradients,
-            "activations": estimate.activations,
-            "update_temporaries": estimate.update_temporaries,
-        },
-        "preset": result.preset,
-        "mesh": dict(zip(result.mesh_axes.axis_names, result.mesh_axes.shape)),
-        "strategy": result.strategy,
-        "dtype": result.dtype,
-        "optimizer": args.optimizer,
-        "batch_size": args.batch,
-        "padded_batch_size": _padded_batch(result, args),
-        "sequence_length": args.seq,
-        "lora_rank": result.lora_rank,
-        "remat": result.remat,
-        "device": result.device_name or None,
-        "device_memory_source": result.device_memory_source,
-        "device_memory_assumption": assumption,
-        "platform": platform,
-        "advice": []
-        if fits
-        else [
-            as_flags(line)
-            for line in result.fit_advice(
-                args.batch, args.seq, args.optimizer, calibration
-            )
-        ],
-    }
-    if memory is not None:
-        answer.update(compiled.compiled_fields(memory, result.device_memory_bytes))
-    return {"text": "\n".join(lines), "json": answer}
-
-
-def _padded_batch(result, args) -> int | None:
-    """The batch a bound model runs for `--batch`: padded up to a multiple
-    of the batch axis (None without a step)."""
-    from keras_hub_autodist.planning.step_shape import runnable_step
-
-    if args.batch is None:
-        return None
-    return runnable_step(result.mesh_axes, args.batch, args.seq).rows
 
 
 def _check_step_flags(args) -> None:
@@ -472,37 +376,19 @@ def _check_step_flags(args) -> None:
             f"Received: --batch {args.batch}, --seq {args.seq}"
             + (", --compiled" if args.compiled else "")
         )
+    if args.closed_form and (args.compiled or args.search):
+        raise PlanError(
+            "--closed-form answers without compiling; give either it or "
+            "--compiled (and --search, which compiles). Received: --closed-form"
+            + (", --compiled" if args.compiled else "")
+            + (", --search" if args.search else "")
+        )
     if args.device and args.device_memory is not None:
         raise PlanError(
             "--device names a device whose memory the plan takes; give "
             "either it or --device-memory. Received: --device "
             f"{args.device}, --device-memory {args.device_memory / GIB:g}"
         )
-
-
-def _step_lines(result, args, estimate, calibration, memory) -> str:
-    """The closed-form estimate of the step, and the compiled check."""
-    gib = GIB
-    padded = _padded_batch(result, args)
-    batch = f"{args.batch}" + (f" (padded to {padded})" if padded != args.batch else "")
-    lines = [
-        f"training step, batch {batch} x {args.seq} tokens, "
-        f"{args.optimizer}, estimated per device ({calibration}): "
-        f"{estimate.total_bytes / gib:.2f} GiB (weights "
-        f"{estimate.weights / gib:.2f}, optimizer state "
-        f"{estimate.optimizer_state / gib:.2f}, then the larger of the "
-        f"backward pass's activations {estimate.activations / gib:.2f} and "
-        f"gradients {estimate.live_gradients / gib:.2f} and the update's "
-        f"gradients {estimate.gradients / gib:.2f} and temporaries "
-        f"{estimate.update_temporaries / gib:.2f}) of "
-        f"{result.device_memory_bytes / gib:.1f} GiB"
-    ]
-    if memory is not None:
-        lines.append(str(memory))
-        lines.append(
-            f"estimate / compiled peak: {estimate.total_bytes / memory.peak_bytes:.2f}"
-        )
-    return "\n".join(lines)
 
 
 def _use_virtual_devices_without_accelerator() -> None:
@@ -513,18 +399,20 @@ def _use_virtual_devices_without_accelerator() -> None:
         use_virtual_cpu_devices(8)
 
 
-def _use_virtual_devices_for(mesh) -> None:
+def _use_virtual_devices_for(mesh, devices: int | None) -> None:
     """Before a step is compiled (`--compiled`, `--search`), without an
     accelerator: JAX on the CPU, whose compile-only stand-ins of a named
     device need no GPU or TPU backend of its own, with as many virtual CPU
-    devices as the mesh has (8 for `--mesh auto` or none); before JAX
-    starts."""
+    devices as the mesh has (for `--mesh auto` or none, `--devices`, else
+    8); before JAX starts."""
     from keras_hub_autodist.devices import has_accelerator
     from keras_hub_autodist.devices import use_virtual_cpu_devices
 
     if not has_accelerator():
-        sized = isinstance(mesh, dict)
-        use_virtual_cpu_devices(math.prod(mesh.values()) if sized else 8)
+        if isinstance(mesh, dict):
+            use_virtual_cpu_devices(math.prod(mesh.values()))
+        else:  # --mesh auto, or no mesh (--search)
+            use_virtual_cpu_devices(devices or 8)
 
 
 def _run_demo(args) -> int:
@@ -580,8 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             cli_search.check_flags(args)
             _check_step_flags(args)
-            if args.compiled or args.search:
-                _use_virtual_devices_for(args.mesh)
+            if cli_answer.compiles(args) or args.search:
+                _use_virtual_devices_for(args.mesh, args.devices)
             status = _run_plan(args)
         else:
             _use_virtual_devices_without_accelerator()

@@ -20,6 +20,7 @@ FLAGS = {
     "strategy": "--strategy",
     "dtype": "--dtype",
     "device_memory": "--device-memory",
+    "device": "--device",
     "lora_rank": "--lora-rank",
     "remat": "--remat",
     "devices": "--devices",

@@ -212,13 +212,15 @@ def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(real_configs
     sequence. 4 blocks of it would fit (attention per device holds one block
     of keys' scores), but a context axis of 4 leaves a batch axis of 2 for
     one sequence, one device of 2 computing padding: the advice splits the
-    sequence over all 8, where no device holds padding."""
+    sequence over all 8, where no device holds padding. Counted with a GPU
+    compiler's buffers, whose verdict is yes or NO (a TPU's compiler
+    rematerializes, and the closed form would answer maybe)."""
     gemma = next(path for path in real_configs if path.name == "gemma_2b")
     plan = keras_hub_autodist.plan(
         gemma, {"batch": 8, "model": 1}, device_memory="v3-8", lora_rank=4
     )
-    assert not memory_verdict(plan, 1, 4096)[0]
-    advice = plan.fit_advice(1, 4096)
+    assert memory_verdict(plan, 1, 4096, platform="gpu")[0] is False
+    advice = plan.fit_advice(1, 4096, platform="gpu")
     assert advice[0].startswith(
         "split each sequence over a context axis: "
         "`device_mesh={'batch': 1, 'model': 1, 'context': 8}`"
@@ -229,10 +231,10 @@ def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(real_configs
         ({"batch": 4, "model": 1, "context": 2}, False),
     ):
         split = keras_hub_autodist.plan(gemma, sizes, device_memory="v3-8", lora_rank=4)
-        assert memory_verdict(split, 1, 4096)[0] is fits, sizes
+        assert memory_verdict(split, 1, 4096, platform="gpu")[0] is fits, sizes
     # With two sequences, the batch axis of 2 holds no padding: the
     # smallest context axis that fits is proposed.
-    assert plan.fit_advice(2, 4096)[0].startswith(
+    assert plan.fit_advice(2, 4096, platform="gpu")[0].startswith(
         "split each sequence over a context axis: "
         "`device_mesh={'batch': 2, 'model': 1, 'context': 4}`"
     )

@@ -163,6 +163,89 @@ def compile_target(name: str, count: int) -> CompileTarget:
     return CompileTarget(key, spec.platform, devices[0].device_kind, devices, True)
 
 
+def compile_mesh(plan, device_mesh=None, device: str | None = None):
+    """The mesh a plan's step is compiled for, and what its devices are.
+
+    - `device_mesh` alone: that mesh, as it is.
+    - `device` (with or without `device_mesh`): a mesh of `device_mesh`'s
+      shape and axis names (else the plan's) over as many of the named
+      accelerator's devices (`compile_target`: this machine's when it has
+      them, else the compiler's compile-only ones). A `device_mesh` already
+      made of such devices of this machine is kept as it is.
+    - neither: the plan's shape over the device the plan was made for
+      (`plan(..., device_memory="v5e")`), else this machine's first devices.
+
+    Args:
+        plan: a `LayoutPlan`.
+        device_mesh: a `keras.distribution.DeviceMesh`, or `None`.
+        device: a name of `TARGETS`, or `None`.
+
+    Example:
+    ```python
+    mesh, target = compile_mesh(plan, cpu_mesh, "v5e")
+    target.device_kind  # 'TPU v5 lite', the mesh's shape
+    ```
+    """
+    import numpy as np
+
+    from keras_hub_autodist.planning.mesh import build_device_mesh
+    from keras_hub_autodist.planning.mesh import require_device_mesh
+
+    if device_mesh is not None:
+        device_mesh = require_device_mesh(
+            device_mesh,
+            "The compiled memory check compiles for real devices: pass a "
+            "`keras.distribution.DeviceMesh` as device_mesh=, or none to use "
+            "all devices in the planned shape.",
+        )
+        devices = tuple(np.ravel(device_mesh.backend_mesh.devices))
+        shape = dict(zip(device_mesh.axis_names, device_mesh.shape))
+        local = devices[0] in set(_all_devices())
+        mesh_target = CompileTarget(
+            "", devices[0].platform, devices[0].device_kind, devices, not local
+        )
+        if not device:
+            return device_mesh, mesh_target
+        target = compile_target(device, len(devices))
+        if (
+            local
+            and not target.compile_only
+            and target.device_kind == (mesh_target.device_kind)
+        ):
+            return device_mesh, dataclasses.replace(mesh_target, name=target.name)
+        return build_device_mesh(shape, list(target.devices)), target
+    axes = plan.mesh_axes
+    device = device or getattr(plan, "device_name", "") or ""
+    if device:
+        target = compile_target(device, axes.num_devices)
+    else:
+        _require_local_devices(axes)
+        target = local_target(axes.num_devices)
+    shape = dict(zip(axes.axis_names, axes.shape))
+    return build_device_mesh(shape, list(target.devices)), target
+
+
+def _require_local_devices(axes) -> None:
+    """Refuse, naming the plan's device count, a compile for this machine's
+    devices when it has fewer than the plan's mesh."""
+    devices = _all_devices()
+    if len(devices) < axes.num_devices:
+        raise PlanError(
+            f"The compiled check compiles for the plan's {axes.num_devices} "
+            f"devices ({axes.describe()}), and this machine has "
+            f"{len(devices)} {devices[0].platform} devices. Compile for a "
+            "named accelerator instead (`device='v5e'`), or plan for at most "
+            f"{len(devices)} devices. Received: a plan for {axes.num_devices} "
+            f"devices ({axes.describe()})"
+        )
+
+
+def _all_devices():
+    import jax
+
+    return jax.devices()
+
+
 def _local_devices_of(spec: TargetSpec, count: int):
     """This machine's devices when they are `count` or more of the target's
     kind; None otherwise (JAX is not asked about accelerators it can't see:

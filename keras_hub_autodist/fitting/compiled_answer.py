@@ -65,6 +65,41 @@ def compiled_fields(memory: CompiledMemory, capacity: int) -> dict:
     return fields
 
 
+def compiled_advice(
+    plan: PlanRecord,
+    memory: CompiledMemory,
+    estimate,
+    batch_size: int,
+    sequence_length: int,
+    optimizer: str = "adam",
+    platform: str | None = None,
+) -> list[str]:
+    """The advice of the compiled verdict: none when the compiled step
+    fits; otherwise what would make it fit (`report.shrink_advice`), with
+    every estimate scaled by the compiled peak over the closed-form
+    `estimate` of the same step, so that the advice starts from the
+    compiler's figure, not from the closed form's.
+
+    Example:
+    ```python
+    compiled_advice(plan, memory, step_estimate(plan, 8, 2048), 8, 2048)
+    ```
+    """
+    from keras_hub_autodist.fitting.report import shrink_advice
+
+    if compiled_fits(memory, plan.device_memory_bytes):
+        return []
+    calibration = memory.peak_bytes / max(1, estimate.total_bytes)
+    return shrink_advice(
+        plan,
+        batch_size,
+        sequence_length,
+        optimizer,
+        platform,
+        calibration=calibration,
+    )
+
+
 def compiled_verdict(
     plan: PlanRecord, memory: CompiledMemory, assumption: str | None
 ) -> str:
@@ -93,4 +128,4 @@ def compiled_verdict(
     )
 
 
-__all__ = ["compiled_fields", "compiled_fits", "compiled_verdict"]
+__all__ = ["compiled_advice", "compiled_fields", "compiled_fits", "compiled_verdict"]

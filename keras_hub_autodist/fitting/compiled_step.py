@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from keras_hub_autodist.compat.devices import answering_for
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.fitting.compile_targets import compile_mesh
 from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 from keras_hub_autodist.fitting.compiled_analysis import collectives
 from keras_hub_autodist.fitting.compiled_analysis import not_compiled
@@ -206,50 +207,9 @@ def _optimizer(optimizer):
     )
 
 
-def _mesh_of(plan, device_mesh, device):
-    """The mesh to compile for and what its devices are: `device_mesh`; or
-    one of the planned shape over `device`'s devices (a named accelerator's,
-    compile-only unless this machine has them); or over this machine's
-    first devices (all of them for a plan that spans them, as `from_preset`
-    builds one)."""
-    import numpy as np
-
-    from keras_hub_autodist.fitting.compile_targets import CompileTarget
-    from keras_hub_autodist.fitting.compile_targets import compile_target
-    from keras_hub_autodist.fitting.compile_targets import local_target
-    from keras_hub_autodist.planning.mesh import build_device_mesh
-    from keras_hub_autodist.planning.mesh import require_device_mesh
-
-    if device_mesh is not None:
-        mesh = require_device_mesh(
-            device_mesh,
-            "The compiled memory check compiles for real devices: pass a "
-            "`keras.distribution.DeviceMesh` as device_mesh=, or none to use "
-            "all devices in the planned shape.",
-        )
-        devices = tuple(np.ravel(mesh.backend_mesh.devices))
-        first = devices[0]
-        local = first in _local_devices()
-        return mesh, CompileTarget(
-            "", first.platform, first.device_kind, devices, not local
-        )
-    axes = plan.mesh_axes
-    if device:
-        target = compile_target(device, axes.num_devices)
-    else:
-        target = local_target(axes.num_devices)
-    shape = dict(zip(axes.axis_names, axes.shape))
-    return build_device_mesh(shape, list(target.devices)), target
-
-
-def _local_devices():
-    import jax
-
-    return set(jax.devices())
-
-
 def _backbone_config(plan, preset):
     from keras_hub_autodist.planning.shapes import backbone_class_named
+    from keras_hub_autodist.reading.dtypes import mixed_policy
     from keras_hub_autodist.reading.dtypes import variable_dtype
     from keras_hub_autodist.reading.presets import read_config
 
@@ -263,8 +223,13 @@ def _backbone_config(plan, preset):
     info = read_config(source)
     backbone_cls = info.backbone_cls or backbone_class_named(info.backbone_class)
     config = dict(info.config)
-    if variable_dtype(config) != plan.dtype:
-        config["dtype"] = plan.dtype  # the plan was made with dtype=
+    # The policy the plan was made with (`dtype=`): a mixed one computes in
+    # 16 bits on float32 variables, so the variables' dtype alone won't do.
+    mixed = getattr(plan, "mixed_policy", "")
+    if mixed:
+        config["dtype"] = mixed
+    elif variable_dtype(config) != plan.dtype or mixed_policy(config):
+        config["dtype"] = plan.dtype
     return backbone_cls, config
 
 
@@ -386,13 +351,16 @@ def compiled_memory(
             read again (a config dict or a model instance).
         device_mesh: the `keras.distribution.DeviceMesh` to compile for;
             defaults to one of the planned shape over the first devices.
+            With `device=`, its shape and axis names over that device's
+            devices (`compile_targets.compile_mesh`).
         lora_rank: compile a LoRA fine-tune of this rank (`enable_lora`):
             only the LoRA kernels are trained; defaults to the plan's.
         device: a named accelerator to compile for, on any machine
             (`"t4"`, `"v3-8"`, `"v5e"`, `"h100"`, ... of
             `compile_targets.TARGETS`), as many of them as the plan's mesh
             has; defaults to the device the plan was made for
-            (`plan(..., device_memory="t4")`), else this machine's devices.
+            (`plan(..., device_memory="t4")`) when no `device_mesh` is
+            given, else this machine's devices.
             Needs the target's compiler (`keras-hub-autodist[tpu-compile]`
             or `[gpu-compile]`) unless this machine has such devices.
 
@@ -410,7 +378,7 @@ def compiled_memory(
     import jax
     import numpy as np
 
-    mesh, target = _mesh_of(plan, device_mesh, _device_of(plan, device))
+    mesh, target = compile_mesh(plan, device_mesh, device)
     # The step a bound `fit` runs: the batch padded to the batch axis, a
     # sequence the context axis doesn't divide refused.
     runs = runnable_step(
@@ -459,14 +427,6 @@ def compiled_memory(
                 arguments = _argument_bytes((state, (x, placed, None)))
                 return _refused(error, refusal, arguments, fields)
     return memory_of(compiled, **fields, **program_facts(compiled))
-
-
-def _device_of(plan, device):
-    """The device to compile for: `device=`, else the one the plan was made
-    for (`plan(..., device_memory="t4")`), else none (this machine's)."""
-    if device is not None:
-        return device
-    return getattr(plan, "device_name", "") or ""
 
 
 def _argument_bytes(tree) -> int:

@@ -51,6 +51,9 @@ class LayoutPlan(PlanRecord):
             `keras.RematScope` mode or a dict of its arguments).
         final_logit_soft_cap: the model's cap of its output logits (Gemma
             2), or `None`: the memory answers count its buffers.
+        mixed_policy: the mixed-precision policy the model computes with
+            (`"mixed_bfloat16"`, `"mixed_float16"`; `dtype` is then its
+            variables' float32), or `""`: the compiled check builds with it.
 
     Example:
     ```python
@@ -131,10 +134,12 @@ class LayoutPlan(PlanRecord):
         batch_size: int | None = None,
         sequence_length: int | None = None,
         optimizer: str = "adam",
-        platform: str = "gpu",
+        platform: str | None = None,
     ) -> list[str]:
-        """What would make a plan that does not fit fit on its devices, in
-        order of cost (`report.fit_advice`)."""
+        """The advice of the closed form's verdict (`report.fit_advice`):
+        none when the step fits, how to settle a maybe, and what would make
+        a step that does not fit fit, in order of cost. `platform` defaults
+        to the device the plan was made for, else a GPU's."""
         return report.fit_advice(self, batch_size, sequence_length, optimizer, platform)
 
     def summary(self) -> str:

@@ -397,6 +397,7 @@ def plan_model(
         remat=options.remat,
         device_name=device_name(options.device_memory),
         final_logit_soft_cap=model.final_logit_soft_cap,
+        mixed_policy=model.mixed_policy,
     )
 
 

@@ -19,7 +19,12 @@ from keras_hub_autodist.fitting.device_memory import MEMORY_ENV
 from keras_hub_autodist.fitting.device_memory import MEMORY_REPORTED
 from keras_hub_autodist.fitting.device_profiles import device_profile
 from keras_hub_autodist.fitting.device_profiles import usable_memory
+from keras_hub_autodist.fitting.memory_factors import ESTIMATE_MARGIN
 from keras_hub_autodist.fitting.policy import AUTO_TP_MEMORY_SHARE
+from keras_hub_autodist.fitting.verdicts import MAYBE
+from keras_hub_autodist.fitting.verdicts import YES
+from keras_hub_autodist.fitting.verdicts import platform_of
+from keras_hub_autodist.fitting.verdicts import step_verdict
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning import step_shape
 from keras_hub_autodist.planning.remat_arguments import remat_mode
@@ -71,24 +76,103 @@ COMPILED_CHECK = (
 ADVISED_LORA_RANK = 4
 
 
+# The advice of a step that may fit: the compile settles it.
+SETTLE_ADVICE = (
+    "settle it by compiling the step for the device, which rematerializes "
+    f"as the chip's compiler does: {COMPILED_CHECK}"
+)
+
+
 def fit_advice(
     plan: PlanRecord,
     batch_size: int | None = None,
     sequence_length: int | None = None,
     optimizer: str = "adam",
-    platform: str = "gpu",
+    platform: str | None = None,
 ) -> list[str]:
-    """What would make a plan that does not fit fit on its devices, in order
-    of cost: LoRA, rematerialization, `fsdp`, a smaller batch or sequence,
-    bfloat16 weights; each one named only when the estimate says it alone
-    makes the run fit (`step_memory.step_estimate`). When none does, how
-    many more devices the model axis needs. Last, how to check the estimate
-    by compiling.
+    """The advice of the closed form's verdict (`verdicts.step_verdict`):
+    none when the step fits; for a step that may fit (a TPU's compiler
+    rematerializes), how to settle it by compiling; for one that does not,
+    what would make it fit (`shrink_advice`), then how to check the
+    estimate by compiling.
+
+    Args:
+        plan: the plan.
+        batch_size: the step's global batch, or None for the state alone.
+        sequence_length: the step's tokens per sequence.
+        optimizer: a name of `trained_state.OPTIMIZERS`.
+        platform: whose compiler's buffers to count (`step_memory.
+            calibration_of`); defaults to the plan's named device, else a
+            GPU's (`platform_of`).
+
+    Example:
+    ```python
+    plan.fit_advice(8, 1024)  # [] when it fits
+    ```
     """
     if batch_size is not None or sequence_length is not None:
         # A step the mesh refuses has no advice but the refusal.
         step_shape.runnable_step(plan.mesh_axes, batch_size, sequence_length)
+    platform = platform_of(plan, platform)
+    verdict = step_verdict(plan, batch_size, sequence_length, optimizer, platform)
+    if verdict.answer == YES:
+        return []
+    if verdict.answer == MAYBE:
+        return [SETTLE_ADVICE]
+    advice = shrink_advice(plan, batch_size, sequence_length, optimizer, platform)
+    if batch_size is not None and sequence_length is not None:
+        larger = _larger_batch_that_may_fit(
+            plan, batch_size, sequence_length, optimizer, platform
+        )
+        if larger:
+            advice.append(larger)
+    advice.append(f"check this estimate against the compiled step: {COMPILED_CHECK}")
+    return advice
+
+
+def _larger_batch_that_may_fit(
+    plan: PlanRecord, batch_size, sequence_length, optimizer, platform
+) -> str:
+    """Where the compiler rematerializes: the largest about-halving of the
+    batch whose verdict is maybe, larger than any the verdict says fits;
+    `""` when there is none (`step_shape.runnable_batches`)."""
+    for batch in step_shape.runnable_batches(plan.mesh_axes, batch_size):
+        answer = step_verdict(plan, batch, sequence_length, optimizer, platform).answer
+        if answer == YES:
+            return ""
+        if answer == MAYBE:
+            return (
+                f"a batch of {batch} sequences may fit, the compiler "
+                f"rematerializing ({option('batch_size', str(batch))}): settle "
+                f"it by compiling the step, {COMPILED_CHECK}"
+            )
+    return ""
+
+
+def shrink_advice(
+    plan: PlanRecord,
+    batch_size: int | None = None,
+    sequence_length: int | None = None,
+    optimizer: str = "adam",
+    platform: str | None = None,
+    *,
+    calibration: float = 1.0,
+) -> list[str]:
+    """What would make a step that does not fit fit on its devices, in order
+    of cost: LoRA, rematerialization, `fsdp`, a smaller batch or sequence,
+    bfloat16 weights; each one named only when the estimate says it alone
+    makes the run fit for certain (its verdict would be yes:
+    `step_memory.step_estimate` plus the platform's `ESTIMATE_MARGIN`).
+    When none does, how many more devices the model axis needs.
+
+    Args:
+        calibration: a factor on every estimate: the compiled peak over the
+            estimate, when a compile said the step doesn't fit (1: the
+            closed form's own figures).
+    """
+    platform = platform_of(plan, platform)
     capacity = plan.device_memory_bytes
+    margin = 1 + ESTIMATE_MARGIN[step_memory.calibration_of(platform)[0]]
 
     def need(**changes):
         options = dict(
@@ -107,7 +191,7 @@ def fit_advice(
             platform=platform,
             lora_rank=options["lora_rank"] or plan.lora_rank,
         )
-        return scale * estimate.with_state_split(shard)
+        return calibration * margin * scale * estimate.with_state_split(shard)
 
     advice = []
     if plan.lora_rank is None and need(lora_rank=ADVISED_LORA_RANK) <= capacity:
@@ -154,7 +238,6 @@ def fit_advice(
             f"if your devices have more than "
             f"{format_bytes(capacity)}, say so with {option('device_memory')}"
         )
-    advice.append(f"check this estimate against the compiled step: {COMPILED_CHECK}")
     return advice
 
 
@@ -222,10 +305,16 @@ def memory_verdict(
     batch_size: int | None = None,
     sequence_length: int | None = None,
     optimizer: str = "adam",
-    platform: str = "gpu",
-) -> tuple[bool, step_memory.StepEstimate, str]:
-    """The one fit verdict: `fits` is `estimate.total_bytes <=
-    plan.device_memory_bytes`, with the estimate and the verdict as a line.
+    platform: str | None = None,
+) -> tuple[bool | None, step_memory.StepEstimate, str]:
+    """The one fit verdict of the closed form (`verdicts.step_verdict`),
+    with the estimate and the verdict as a line.
+
+    `fits` is `True` (yes: the estimate fits `plan.device_memory_bytes`),
+    `False` (NO) or, on a compiler that rematerializes activations when
+    memory is short (a TPU's), `None` (maybe: the step's least need fits
+    and its estimate without rematerialization doesn't; the line gives the
+    range and how to settle it).
 
     Without `batch_size` and `sequence_length` the estimate counts weights,
     gradients and optimizer state alone, and the line says so. With them it
@@ -233,16 +322,19 @@ def memory_verdict(
     the batch axis doesn't divide counts padded, and the line says so; a
     sequence the context axis doesn't divide raises `SequenceLengthError`.
 
+    Args:
+        platform: whose compiler's buffers to count; defaults to the plan's
+            named device, else a GPU's (`platform_of`).
+
     Example:
     ```python
     fits, estimate, line = memory_verdict(plan, 1, 256)
     ```
     """
-    estimate = step_memory.step_estimate(
-        plan, batch_size, sequence_length, optimizer, platform=platform
-    )
+    platform = platform_of(plan, platform)
+    verdict = step_verdict(plan, batch_size, sequence_length, optimizer, platform)
+    estimate = verdict.estimate
     capacity = plan.device_memory_bytes
-    fits = estimate.total_bytes <= capacity
     training = f"LoRA rank {plan.lora_rank} fine-tune" if plan.lora_rank else "training"
     what = (
         f"{training} step of {_step_text(plan, batch_size, sequence_length)} "
@@ -253,10 +345,20 @@ def memory_verdict(
     )
     share = estimate.total_bytes / max(1, capacity)
     device = f" {plan.device_name}" if plan.device_name else ""
-    if fits:
+    if verdict.answer == YES:
         line = (
             f"fits: yes, {what} takes {format_bytes(estimate.total_bytes)}, "
             f"{share:.0%} of each{device} device's {format_bytes(capacity)}"
+        )
+    elif verdict.answer == MAYBE:
+        line = (
+            f"fits: maybe, {what} needs between "
+            f"{format_bytes(verdict.least_bytes)} (every block's activations "
+            f"rematerialized) and {format_bytes(estimate.total_bytes)} (none, "
+            f"the estimate, which may be {verdict.margin:.0%} under) per "
+            f"device, of each{device} device's {format_bytes(capacity)}: the "
+            "TPU compiler rematerializes activations when memory is short, "
+            f"and only it can say how far; {SETTLE_ADVICE}"
         )
     else:
         where = (
@@ -264,15 +366,21 @@ def memory_verdict(
             if plan.max_device_bytes > capacity
             else ""
         )
+        least = (
+            f" (at least {format_bytes(verdict.least_bytes)} however much the "
+            "compiler rematerializes)"
+            if verdict.least_bytes < estimate.total_bytes
+            else ""
+        )
         line = (
             f"fits: NO, {what} needs {format_bytes(estimate.total_bytes)} per "
-            f"device, {share:.1f}x the {format_bytes(capacity)} of each{device} "
-            f"device; {where}to fit: "
+            f"device{least}, {share:.1f}x the {format_bytes(capacity)} of "
+            f"each{device} device; {where}to fit: "
             + "; or ".join(
                 fit_advice(plan, batch_size, sequence_length, optimizer, platform)
             )
         )
-    return fits, estimate, line
+    return verdict.fits, estimate, line
 
 
 def _step_text(plan: PlanRecord, batch_size: int, sequence_length: int) -> str:
@@ -290,6 +398,18 @@ def _step_text(plan: PlanRecord, batch_size: int, sequence_length: int) -> str:
 
 def summary(plan: PlanRecord) -> str:
     """Per-device totals, one line each, and whether the plan fits."""
+    lines = summary_lines(plan)
+    share = memory.training_bytes_per_device(plan) / max(1, plan.device_memory_bytes)
+    _, _, verdict = memory_verdict(plan)
+    if share > AUTO_TP_MEMORY_SHARE and memory.fits(plan):
+        verdict += ", which leaves little room for activations"
+    return "\n".join([*lines, verdict])
+
+
+def summary_lines(plan: PlanRecord) -> list[str]:
+    """The summary's lines before its verdict: the mesh, the strategy and
+    the per-device totals (an answer about a step gives its own verdict
+    after them)."""
     size = format_bytes
     axes = plan.mesh_axes
     mesh_reason = f"; {plan.mesh_reason}" if plan.mesh_reason else ""
@@ -316,12 +436,7 @@ def summary(plan: PlanRecord) -> str:
         f"({memory_note(plan)})",
         fallback_line(plan),
     ]
-    share = training / max(1, plan.device_memory_bytes)
-    _, _, verdict = memory_verdict(plan)
-    if share > AUTO_TP_MEMORY_SHARE and memory.fits(plan):
-        verdict += ", which leaves little room for activations"
-    lines.append(verdict)
-    return "\n".join(lines)
+    return lines
 
 
 # How attention reaches the other blocks' keys and values, by

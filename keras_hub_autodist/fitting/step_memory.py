@@ -203,7 +203,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
             f"architecture={plan.architecture!r}"
         )
     output = vocab[-1]
-    layers = _num_blocks(plan)
+    layers = num_blocks(plan)
     # Each device of the batch axis holds its share of the padded batch.
     b = step.rows // axes.size(axes.batch_axis)
     # With a context axis each device holds its block of every sequence;
@@ -402,7 +402,8 @@ def _width(row, head_dim: int) -> int:
     return width * head_dim if "head_dim" in row.logical_axes else width
 
 
-def _num_blocks(plan) -> int:
+def num_blocks(plan) -> int:
+    """The decoder blocks of a plan: the rows of its query's pattern."""
     query = next((r for r in plan.rows if _gives_head_shape(r)), None)
     return sum(1 for r in plan.rows if r.pattern == query.pattern) if query else 1
 
@@ -487,5 +488,5 @@ def activation_bytes(
     if remat_mode(getattr(plan, "remat", None)) == "full":
         # Each block's input: one residual-stream buffer.
         inputs = terms["stream"] * sizes["stream"]
-        return int(_rematerialized(weighted, _num_blocks(plan), inputs))
+        return int(_rematerialized(weighted, num_blocks(plan), inputs))
     return int(sum(weighted.values()))

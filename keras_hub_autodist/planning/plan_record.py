@@ -72,6 +72,7 @@ class PlanRecord:
     device_name: str = ""
     remat: Any = dataclasses.field(default=None, hash=False)
     final_logit_soft_cap: float | None = None
+    mixed_policy: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "rows", tuple(self.rows))

@@ -27,6 +27,7 @@ from keras_hub_autodist.reading.configs import CONFIG_DICT
 from keras_hub_autodist.reading.configs import HF_CONFIG_DICT
 from keras_hub_autodist.reading.configs import PresetConfig
 from keras_hub_autodist.reading.dtypes import loaded_policy
+from keras_hub_autodist.reading.dtypes import mixed_policy
 from keras_hub_autodist.reading.dtypes import variable_dtype
 
 
@@ -46,6 +47,8 @@ class ModelWeights:
             variable, in the model's order.
         final_logit_soft_cap: the config's cap of the output logits
             (`cap · tanh(logits / cap)`, Gemma 2), or `None`.
+        mixed_policy: the mixed-precision policy the model computes with
+            (`"mixed_bfloat16"`: float32 variables), or `""`.
     """
 
     preset: str
@@ -56,6 +59,7 @@ class ModelWeights:
     dtype: str
     weights: tuple[Weight, ...]
     final_logit_soft_cap: float | None = None
+    mixed_policy: str = ""
 
 
 def architecture_of(preset_config: PresetConfig) -> Architecture:
@@ -125,6 +129,9 @@ def model_weights(preset_config: PresetConfig, options: PlanOptions) -> ModelWei
         ),
         weights=tuple(weights),
         final_logit_soft_cap=preset_config.config.get("final_logit_soft_cap"),
+        mixed_policy=mixed_policy(
+            preset_config.config, built_policy(preset_config, options)
+        ),
     )
 
 

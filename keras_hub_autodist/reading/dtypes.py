@@ -179,6 +179,23 @@ def _policy_name(policy):
     return None
 
 
+def mixed_policy(config: Mapping, dtype=None) -> str:
+    """The mixed-precision policy the backbone computes with
+    (`"mixed_bfloat16"`, `"mixed_float16"`: float32 variables, a 16-bit
+    compute dtype), read as `variable_dtype` reads the variables' dtype;
+    `""` for a plain float dtype.
+
+    Example:
+    >>> mixed_policy({}, "mixed_bfloat16"), mixed_policy({"dtype": "bfloat16"})
+    ('mixed_bfloat16', '')
+    """
+    policy = dtype if dtype is not None else config.get("dtype")
+    name = _policy_name(policy)
+    if name is None and hasattr(policy, "name"):
+        name = _accepted_policy_name(policy)
+    return name if name in _MIXED_POLICIES else ""
+
+
 def variable_dtype(config: Mapping, dtype=None) -> str:
     """The dtype the backbone's variables will have.
 
