@@ -34,7 +34,8 @@ quiet.quiet_orbax_merge_notice()
 
 from keras_hub_autodist import moved_modules  # noqa: E402
 
-# The memory answers' former module names (`keras_hub_autodist.planning.*`).
+# The memory answers' former module names (`keras_hub_autodist.step_memory`,
+# `keras_hub_autodist.planning.*`), served as modules and as attributes.
 moved_modules.install()
 
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402
@@ -148,8 +149,6 @@ __all__ = [
 
 # Former names, kept for one release.
 _DEPRECATED = {"PlanRow": "Weight"}
-# Documented modules that moved into a stage's folder, kept for one release.
-_MOVED_MODULES = {"step_memory": "keras_hub_autodist.fitting.step_memory"}
 
 
 def __getattr__(name):
@@ -162,14 +161,6 @@ def __getattr__(name):
             DeprecationWarning,
         )
         return globals()[_DEPRECATED[name]]
-    if name in _MOVED_MODULES:
-        from keras_hub_autodist.errors import warn
-
-        warn(
-            f"`keras_hub_autodist.{name}` is deprecated; use `{_MOVED_MODULES[name]}`.",
-            DeprecationWarning,
-        )
-        return importlib.import_module(_MOVED_MODULES[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
