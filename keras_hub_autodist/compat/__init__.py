@@ -1,8 +1,8 @@
 """Every private Keras and keras-hub touchpoint of the package: here
 (loading, saving, building, patching), `steps` (the trainer's), `state` (a
-layer's RNG state), `attention` (keras-hub's attention layers). Nothing
-else in `keras_hub_autodist` imports `keras.src` or `keras_hub.src` or
-reads a private attribute of a Keras or keras-hub object.
+layer's RNG state), `attention` (keras-hub's attention layers), `upstream`
+(fixes of keras-hub bugs). Nothing else in `keras_hub_autodist` imports
+`keras.src` or `keras_hub.src` or reads a private attribute of Keras' objects.
 `tests/test_compat.py` checks each of `TOUCHPOINTS` against the installed
 Keras and keras-hub, so an upgrade shows exactly what broke. Every
 attribute of Keras or keras-hub that the package replaces is registered in
@@ -28,8 +28,9 @@ import threading
 
 from keras_hub_autodist.compat import state as compat_state
 from keras_hub_autodist.compat import steps as compat_steps
+from keras_hub_autodist.compat import upstream as compat_upstream
 
-# keras-hub's constants naming the files of its preset format.
+# keras-hub's names of its preset files (touchpoints: `preset_format_names`).
 PRESET_FORMAT_NAMES = tuple(
     "CONFIG_FILE TOKENIZER_CONFIG_FILE AUDIO_CONVERTER_CONFIG_FILE "
     "IMAGE_CONVERTER_CONFIG_FILE VIDEO_CONVERTER_CONFIG_FILE TASK_CONFIG_FILE "
@@ -58,13 +59,13 @@ TOUCHPOINTS = (
     ("keras.src.saving.saving_lib", "H5IOStore.make"),
     # ... and the optimizer's writer, which fetches each value itself.
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"),
-    # The names of a preset's files (`preset_format_names`).
     *(("keras_hub.src.utils.preset_utils", name) for name in PRESET_FORMAT_NAMES),
     # Checking a weights file against a model: the walk Keras' writers make.
     ("keras.src.saving.saving_lib", "_save_state"),
     ("keras.src.layers.layer", "Layer._flatten_layers"),
     ("keras.src.backend.jax.nn", "_can_use_flash_attention"),
     *compat_state.TOUCHPOINTS,
+    *compat_upstream.TOUCHPOINTS,
 ) + compat_steps.TOUCHPOINTS
 
 
@@ -441,7 +442,7 @@ PATCHES = (
     ),
     Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch("skipped_batches", None, "train_function", _RESUMABLE, WHILE_SKIPPING),
-) + tuple(Patch(*fields) for fields in compat_steps.PATCH_FIELDS)
+) + tuple(Patch(*f) for f in compat_steps.PATCH_FIELDS + compat_upstream.PATCH_FIELDS)
 _PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
 _MISSING = object()
 # Process-wide patches in place: name -> [contexts holding it, previous value].
