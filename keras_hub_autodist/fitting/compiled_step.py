@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.fitting.compile_arguments import check_argument_kinds
+from keras_hub_autodist.fitting.compile_arguments import check_model_class
 from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 from keras_hub_autodist.fitting.compiled_analysis import collectives
 from keras_hub_autodist.fitting.compiled_analysis import not_compiled
@@ -272,7 +274,6 @@ def _backbone_config(plan, preset):
 def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_rank):
     """The task model and its optimizer, built with deferred variables that
     carry their layouts, and the distribution they were laid out with."""
-    import keras
 
     from keras_hub_autodist import compat
     from keras_hub_autodist.planning.context_attention import (
@@ -285,11 +286,6 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_ran
 
     backbone_cls, config = _backbone_config(plan, preset)
     task_cls = model_class or default_task_class(backbone_cls)
-    if not (isinstance(task_cls, type) and issubclass(task_cls, keras.Model)):
-        raise ModelClassError(
-            "model_class is the keras-hub task class to train, e.g. "
-            f"keras_hub.models.GemmaCausalLM. Received: model_class={task_cls!r}"
-        )
     distribution = plan_distribution(plan, mesh)
     with distribution.scope():
         with compat.deferred_variables(), remat_scope(plan.remat):
@@ -411,6 +407,8 @@ def compiled_memory(
     import jax
     import numpy as np
 
+    check_argument_kinds(plan=plan, device=device, model_class=model_class)
+    check_model_class(model_class, plan)
     mesh, target = _mesh_of(plan, device_mesh, _device_of(plan, device))
     # The step a bound `fit` runs: the batch padded to the batch axis, a
     # sequence the context axis doesn't divide refused.
