@@ -178,8 +178,17 @@ def _local_devices_of(spec: TargetSpec, count: int):
     return tuple(devices[:count])
 
 
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported; a dotted name whose parent package
+    is missing is not (where `find_spec` raises instead of saying None)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _require(module: str, extra: str, platform: str) -> None:
-    if importlib.util.find_spec(module) is None:
+    if not _installed(module):
         raise CompilerMissingError(
             f"Compiling for a {platform.upper()} on this machine needs the "
             f"{platform.upper()} compiler, which is not installed: "
