@@ -49,6 +49,7 @@ from keras_hub_autodist.errors import ConfigError  # noqa: E402
 from keras_hub_autodist.errors import DemoError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
 from keras_hub_autodist.errors import DTypeError  # noqa: E402
+from keras_hub_autodist.errors import ExtraMissingError  # noqa: E402
 from keras_hub_autodist.errors import LayoutMismatchError  # noqa: E402
 from keras_hub_autodist.errors import MeshError  # noqa: E402
 from keras_hub_autodist.errors import ModelClassError  # noqa: E402
@@ -110,6 +111,7 @@ __all__ = [
     "DeviceMeshTypeError",
     "distribution_of",
     "DTypeError",
+    "ExtraMissingError",
     "from_preset",
     "get_layout_map",
     "LayoutMismatchError",
