@@ -145,11 +145,17 @@ def partly_right(preset, count, seed):
     return x, np.where(wrong, (y + 1) % lm.backbone.vocabulary_size, y)
 
 
-def test_every_metric_of_a_padded_evaluate_counts_real_rows(preset):
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_every_metric_of_a_padded_evaluate_counts_real_rows(preset, weighted):
+    """With the caller's sample weights too: unweighted metrics ignore them,
+    as on one device, and still drop the padded rows."""
     x, y = partly_right(preset, 5, seed=3)
+    weights = None
+    if weighted:
+        weights = np.random.default_rng(3).uniform(size=y.shape).astype("float32")
     one, bound = (
         every_metric_lm(preset, **mesh).evaluate(
-            x, y, batch_size=3, verbose=0, return_dict=True
+            x, y, batch_size=3, sample_weight=weights, verbose=0, return_dict=True
         )
         for mesh in ({}, {"device_mesh": UNEVEN_MESH})
     )
