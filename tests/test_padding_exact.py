@@ -165,12 +165,20 @@ def test_every_metric_of_a_padded_evaluate_counts_real_rows(preset, weighted):
 
 def test_every_logged_value_of_a_padded_fit_counts_real_rows(preset):
     x, y = partly_right(preset, 5, seed=4)
+    validation = partly_right(preset, 5, seed=6)
+    fit = {
+        "batch_size": 3,
+        "epochs": 2,
+        "shuffle": False,
+        "validation_data": validation,
+        "validation_batch_size": 3,
+        "verbose": 0,
+    }
     one, bound = (
-        every_metric_lm(preset, **mesh)
-        .fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0)
-        .history
+        every_metric_lm(preset, **mesh).fit(x, y, **fit).history
         for mesh in ({}, {"device_mesh": UNEVEN_MESH})
     )
+    assert "val_accuracy" in one
     assert_same_values(
         {name: np.asarray(values) for name, values in bound.items()},
         {name: np.asarray(values) for name, values in one.items()},
