@@ -32,6 +32,7 @@ WRONG_COMPILE_ARGUMENTS = [
     ("model_class", "Llama3CausalLM", ModelClassError),
     ("model_class", object(), ModelClassError),
     ("model_class", keras_hub.models.Llama3Backbone, ModelClassError),
+    ("model_class", keras_hub.models.GemmaBackbone, ModelClassError),
     ("model_class", keras_hub.models.Backbone, ModelClassError),
     ("model_class", keras.layers.Dense, ModelClassError),
     ("model_class", keras_hub.models.GemmaCausalLM, ModelClassError),
@@ -59,6 +60,13 @@ def test_compiled_memory_names_an_argument_of_the_wrong_kind(
     message = str(raised.value)
     assert isinstance(raised.value, AutodistError)
     assert f"`{name}`" in message and f"Received: {name}=" in message, message
+
+
+def test_a_backbone_class_as_model_class_names_its_task(llama_plan):
+    with pytest.raises(ModelClassError, match=r"pass keras_hub.models.Llama3CausalLM"):
+        keras_hub_autodist.compiled_memory(
+            llama_plan, 2, 8, model_class=keras_hub.models.Llama3Backbone
+        )
 
 
 def test_a_task_class_of_the_plans_backbone_is_taken(llama_plan):

@@ -75,6 +75,33 @@ def check_argument_kinds(**arguments) -> None:
             )
 
 
+def default_task_class(backbone_cls: type) -> type:
+    """The keras-hub `CausalLM` whose `backbone_cls` is `backbone_cls`.
+
+    Example:
+    ```python
+    default_task_class(keras_hub.models.GemmaBackbone)  # GemmaCausalLM
+    ```
+    """
+    import keras_hub
+
+    found = []
+    pending = [keras_hub.models.CausalLM]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if getattr(cls, "backbone_cls", None) is backbone_cls:
+            found.append(cls)
+    if not found:
+        raise ModelClassError(
+            f"keras-hub has no CausalLM for {backbone_cls.__name__}; pass the "
+            "task class to compile, e.g. model_class=keras_hub.models."
+            f"GemmaCausalLM. Received: backbone class {backbone_cls.__name__}"
+        )
+    # The most general one: a subclass of a CausalLM (a variant) comes last.
+    return min(found, key=lambda cls: len(cls.__mro__))
+
+
 def check_model_class(model_class: type | None, plan: PlanRecord) -> None:
     """Raise `ModelClassError` unless `model_class` is None or a keras-hub
     task class whose backbone is the plan's.
@@ -90,10 +117,14 @@ def check_model_class(model_class: type | None, plan: PlanRecord) -> None:
     from keras_hub_autodist.planning.shapes import backbone_class_named
 
     if issubclass(model_class, keras_hub.models.Backbone):
+        try:
+            task = f"keras_hub.models.{default_task_class(model_class).__name__}"
+        except ModelClassError:
+            task = "its task class"
         raise ModelClassError(
             "`model_class` is the task class to train (the model around a "
-            f"backbone), not a backbone class: pass e.g. the "
-            f"{model_class.__name__}'s CausalLM, or None for it. Received: "
+            f"backbone), not a backbone class: pass {task}, or None for the "
+            "plan's CausalLM. Received: "
             f"model_class={model_class.__name__} (a Backbone)"
         )
     if not issubclass(model_class, keras_hub.models.Task):

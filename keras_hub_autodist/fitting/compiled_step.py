@@ -26,6 +26,7 @@ from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.compile_arguments import check_argument_kinds
 from keras_hub_autodist.fitting.compile_arguments import check_model_class
+from keras_hub_autodist.fitting.compile_arguments import default_task_class
 from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 from keras_hub_autodist.fitting.compiled_analysis import collectives
 from keras_hub_autodist.fitting.compiled_analysis import not_compiled
@@ -160,33 +161,6 @@ class CompiledMemory:
 
     def __str__(self):
         return self.summary()
-
-
-def default_task_class(backbone_cls: type) -> type:
-    """The keras-hub `CausalLM` whose `backbone_cls` is `backbone_cls`.
-
-    Example:
-    ```python
-    default_task_class(keras_hub.models.GemmaBackbone)  # GemmaCausalLM
-    ```
-    """
-    import keras_hub
-
-    found = []
-    pending = [keras_hub.models.CausalLM]
-    while pending:
-        cls = pending.pop()
-        pending.extend(cls.__subclasses__())
-        if getattr(cls, "backbone_cls", None) is backbone_cls:
-            found.append(cls)
-    if not found:
-        raise ModelClassError(
-            f"keras-hub has no CausalLM for {backbone_cls.__name__}; pass the "
-            "task class to compile, e.g. model_class=keras_hub.models."
-            f"GemmaCausalLM. Received: backbone class {backbone_cls.__name__}"
-        )
-    # The most general one: a subclass of a CausalLM (a variant) comes last.
-    return min(found, key=lambda cls: len(cls.__mro__))
 
 
 def _optimizer(optimizer):
