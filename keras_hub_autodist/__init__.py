@@ -34,7 +34,8 @@ quiet.quiet_orbax_merge_notice()
 
 from keras_hub_autodist import moved_modules  # noqa: E402
 
-# The memory answers' former module names (`keras_hub_autodist.planning.*`).
+# The memory answers' former module names (`keras_hub_autodist.step_memory`,
+# `keras_hub_autodist.planning.*`), served as modules and as attributes.
 moved_modules.install()
 
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402
@@ -48,6 +49,7 @@ from keras_hub_autodist.errors import ConfigError  # noqa: E402
 from keras_hub_autodist.errors import DemoError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
 from keras_hub_autodist.errors import DTypeError  # noqa: E402
+from keras_hub_autodist.errors import ExtraMissingError  # noqa: E402
 from keras_hub_autodist.errors import LayoutMismatchError  # noqa: E402
 from keras_hub_autodist.errors import MeshError  # noqa: E402
 from keras_hub_autodist.errors import ModelClassError  # noqa: E402
@@ -109,6 +111,7 @@ __all__ = [
     "DeviceMeshTypeError",
     "distribution_of",
     "DTypeError",
+    "ExtraMissingError",
     "from_preset",
     "get_layout_map",
     "LayoutMismatchError",
@@ -148,8 +151,6 @@ __all__ = [
 
 # Former names, kept for one release.
 _DEPRECATED = {"PlanRow": "Weight"}
-# Documented modules that moved into a stage's folder, kept for one release.
-_MOVED_MODULES = {"step_memory": "keras_hub_autodist.fitting.step_memory"}
 
 
 def __getattr__(name):
@@ -162,14 +163,6 @@ def __getattr__(name):
             DeprecationWarning,
         )
         return globals()[_DEPRECATED[name]]
-    if name in _MOVED_MODULES:
-        from keras_hub_autodist.errors import warn
-
-        warn(
-            f"`keras_hub_autodist.{name}` is deprecated; use `{_MOVED_MODULES[name]}`.",
-            DeprecationWarning,
-        )
-        return importlib.import_module(_MOVED_MODULES[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -241,7 +241,13 @@ class TargetCompileError(PlanError, RuntimeError):
     attention on a T4, which has no bfloat16 matrix arithmetic)."""
 
 
-class CompilerMissingError(PlanError, ImportError):
+class ExtraMissingError(AutodistError, ImportError):
+    """A feature needs an optional extra of the package that is not
+    installed (e.g. `ResumableCheckpoint`: `keras-hub-autodist[checkpoints]`);
+    the message names the extra."""
+
+
+class CompilerMissingError(PlanError, ExtraMissingError):
     """The compiler of a named accelerator is not installed: the memory
     check can't compile for it on this machine without its extra
     (`keras-hub-autodist[tpu-compile]` or `[gpu-compile]`)."""

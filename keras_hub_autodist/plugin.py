@@ -3,9 +3,11 @@
 `activate()` wraps `keras_hub.models.Backbone.from_preset` and
 `keras_hub.models.Task.from_preset` (so every subclass, and calls on base
 classes such as `CausalLM.from_preset`). Without `device_mesh` the original
-runs unchanged. It is idempotent. The startup hook installed with the package
-calls it when `keras_hub` is first imported, unless `KERAS_HUB_AUTODIST` is
-switched off (then the hook installs a guard that rejects `device_mesh=`);
+runs unchanged, but for the keras-hub bugs the plugin fixes while active
+(`compat.upstream`: tied Llama presets save and load). It is idempotent.
+The startup hook installed with the package calls it when `keras_hub` is
+first imported, unless `KERAS_HUB_AUTODIST` is switched off (then the hook
+installs a guard that rejects `device_mesh=`);
 importing the package itself calls it whatever the environment says.
 """
 
@@ -18,6 +20,7 @@ import textwrap
 
 from keras_hub_autodist import compat
 from keras_hub_autodist import errors
+from keras_hub_autodist.compat import upstream
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.pipeline import ORIGINAL_ATTR
@@ -126,13 +129,18 @@ def activate() -> bool:
         original = getattr(func, ORIGINAL_ATTR, None)
         if original is None or getattr(func, GUARD_ATTR, False):
             compat.set_patch(patch, classmethod(_with_device_mesh(original or func)))
+    for patch, fixed in upstream.fixes_to_install().items():
+        compat.set_patch(patch, fixed)  # the keras-hub bugs the plugin fixes
     return True
 
 
 def deactivate() -> None:
-    """Restore keras-hub's original `from_preset` methods."""
+    """Restore keras-hub's original `from_preset` methods, and remove the
+    fixes of its bugs (`compat.upstream`)."""
     import keras_hub
 
+    for patch, original in upstream.originals_to_restore().items():
+        compat.set_patch(patch, original)
     for patch, base in _PATCHED_BASES.items():
         func = getattr(keras_hub.models, base).__dict__["from_preset"].__func__
         original = getattr(func, ORIGINAL_ATTR, None)

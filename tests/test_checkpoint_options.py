@@ -9,6 +9,7 @@ integration/test_checkpoint_refusals.py.
 
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -204,3 +205,20 @@ def test_a_directory_that_cant_hold_checkpoints_is_refused(tmp_path):
         assert "directory=" in str(raised.value)
     assert a_file.read_text() == "mine"
     ResumableCheckpoint(pathlib.Path(tmp_path / "new" / "ckpt"))  # made at save
+
+
+def test_without_orbax_the_error_names_the_checkpoints_extra(tmp_path, monkeypatch):
+    # As if orbax-checkpoint were not installed: `orbax` can't be imported.
+    monkeypatch.setitem(sys.modules, "orbax", None)
+    for name in [name for name in sys.modules if name.startswith("orbax.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(keras_hub_autodist.ExtraMissingError) as raised:
+        ResumableCheckpoint(str(tmp_path / "checkpoints"), save_freq=1)
+    assert "keras-hub-autodist[checkpoints]" in str(raised.value)
+    assert isinstance(raised.value, ImportError)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_missing_compiler_is_a_missing_extra():
+    assert issubclass(errors.CompilerMissingError, keras_hub_autodist.ExtraMissingError)
+    assert issubclass(errors.CompilerMissingError, errors.PlanError)

@@ -7,6 +7,7 @@ attention and out-of-memory refusals."""
 
 import importlib.util
 import json
+import sys
 
 import jax
 import pytest
@@ -189,6 +190,26 @@ def test_without_the_compiler_the_error_names_the_extra(monkeypatch, tiny_preset
         compiled_memory(plan, BATCH, SEQ)
     with pytest.raises(CompilerMissingError, match=r"\[gpu-compile\].*Received"):
         compiled_memory(plan, BATCH, SEQ, device="h100")
+
+
+@pytest.mark.parametrize(
+    "package, device, extra",
+    [("jax_plugins", "h100", "gpu-compile"), ("libtpu", "v5e", "tpu-compile")],
+)
+def test_without_the_compilers_package_the_error_names_the_extra(
+    monkeypatch, tiny_presets_dir, package, device, extra
+):
+    """The compiler's whole package missing (a GPU compiler's `jax_plugins`
+    too, whose submodule can't even be looked for) names the extra."""
+    # As if not installed: the package unimportable, none of it imported.
+    monkeypatch.setitem(sys.modules, package, None)
+    for name in [name for name in sys.modules if name.startswith(f"{package}.")]:
+        monkeypatch.delitem(sys.modules, name)
+    plan = keras_hub_autodist.plan(
+        tiny_presets_dir["gemma_mqa"], {"batch": 2, "model": 2}, device_memory=device
+    )
+    with pytest.raises(CompilerMissingError, match=rf"\[{extra}\].*Received"):
+        compiled_memory(plan, BATCH, SEQ)
 
 
 def test_local_devices_of_the_target_kind_are_compiled_for(monkeypatch):

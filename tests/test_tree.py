@@ -4,8 +4,14 @@ modules import each other in a loop. Imports inside functions and under
 `TYPE_CHECKING` count too. tests/README.md names every module."""
 
 import ast
+import functools
+import importlib
 import pathlib
 import re
+import sys
+import warnings
+
+import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_hub_autodist"
 TESTS_README = pathlib.Path(__file__).resolve().parent / "README.md"
@@ -121,23 +127,63 @@ def test_the_tests_map_names_every_module():
     assert sorted(t for t in tests if not (root / t).exists()) == []
 
 
-def test_the_moved_modules_import_by_their_former_names_with_a_warning():
-    import importlib
-    import warnings
-
+def _moved_modules():
     from keras_hub_autodist import moved_modules
-    from keras_hub_autodist.fitting import compile_targets
-    from keras_hub_autodist.fitting import step_memory
 
+    return sorted(moved_modules.MOVED_MODULES.items())
+
+
+def _import_statement(former):
+    """`import a.b.c`, which warns by itself; then the module it bound."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        former = importlib.import_module("keras_hub_autodist.planning.step_memory")
-        from keras_hub_autodist.planning import compile_targets as former_targets
-    assert former is step_memory and former_targets is compile_targets
-    assert any(
-        "keras_hub_autodist.fitting.step_memory" in str(w.message)
-        and w.category is DeprecationWarning
-        for w in caught
+        found = {}
+        exec(f"import {former}", {}, found)
+    assert [w.category for w in caught] == [DeprecationWarning], former
+    warnings.warn(caught[0].message, stacklevel=2)
+    top, *names = former.split(".")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return functools.reduce(getattr, names, found[top])
+
+
+def _from_import(former):
+    package, _, name = former.rpartition(".")
+    found = {}
+    exec(f"from {package} import {name} as found", {}, found)
+    return found["found"]
+
+
+def _attribute(former):
+    package, _, name = former.rpartition(".")
+    return getattr(sys.modules[package], name)
+
+
+WAYS = {
+    "import a.b.c": _import_statement,
+    "from a.b import c": _from_import,
+    "a.b.c": _attribute,
+    "import_module": importlib.import_module,
+}
+
+
+@pytest.mark.parametrize("way", sorted(WAYS))
+@pytest.mark.parametrize("former, name", _moved_modules())
+def test_a_moved_module_imports_by_its_former_name_with_a_warning(former, name, way):
+    """Each way, each time (not only a process's first), warns and gives the
+    module itself, which keeps its own spec."""
+    module = importlib.import_module(name)
+    for _ in range(2):
+        with pytest.warns(DeprecationWarning, match=re.escape(f"use `{name}`")):
+            assert WAYS[way](former) is module
+    assert module.__spec__.name == name
+    assert former not in sys.modules
+
+
+def test_the_top_level_former_path_of_step_memory_is_listed():
+    from keras_hub_autodist import moved_modules
+
+    assert (
+        moved_modules.MOVED_MODULES["keras_hub_autodist.step_memory"]
+        == "keras_hub_autodist.fitting.step_memory"
     )
-    for former_name, name in moved_modules.MOVED_MODULES.items():
-        assert importlib.import_module(former_name) is importlib.import_module(name)

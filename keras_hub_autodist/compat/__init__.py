@@ -1,9 +1,9 @@
 """Every private Keras and keras-hub touchpoint of the package: here
 (loading, saving, building, patching), `steps` (the trainer's), `state` (a
 layer's RNG state), `attention` (keras-hub's attention layers), `devices`
-(keras-hub's device checks, answered for a compile target). Nothing
-else in `keras_hub_autodist` imports `keras.src` or `keras_hub.src` or
-reads a private attribute of a Keras or keras-hub object.
+(keras-hub's device checks, answered for a compile target), `upstream`
+(fixes of keras-hub bugs). Nothing else in `keras_hub_autodist` imports
+`keras.src` or `keras_hub.src` or reads a private attribute of Keras' objects.
 `tests/test_compat.py` checks each of `TOUCHPOINTS` against the installed
 Keras and keras-hub, so an upgrade shows exactly what broke. Every
 attribute of Keras or keras-hub that the package replaces is registered in
@@ -30,8 +30,9 @@ import threading
 from keras_hub_autodist.compat import devices as compat_devices
 from keras_hub_autodist.compat import state as compat_state
 from keras_hub_autodist.compat import steps as compat_steps
+from keras_hub_autodist.compat import upstream as compat_upstream
 
-# keras-hub's constants naming the files of its preset format.
+# keras-hub's names of its preset files (touchpoints: `preset_format_names`).
 PRESET_FORMAT_NAMES = tuple(
     "CONFIG_FILE TOKENIZER_CONFIG_FILE AUDIO_CONVERTER_CONFIG_FILE "
     "IMAGE_CONVERTER_CONFIG_FILE VIDEO_CONVERTER_CONFIG_FILE TASK_CONFIG_FILE "
@@ -60,7 +61,6 @@ TOUCHPOINTS = (
     ("keras.src.saving.saving_lib", "H5IOStore.make"),
     # ... and the optimizer's writer, which fetches each value itself.
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"),
-    # The names of a preset's files (`preset_format_names`).
     *(("keras_hub.src.utils.preset_utils", name) for name in PRESET_FORMAT_NAMES),
     # Checking a weights file against a model: the walk Keras' writers make.
     ("keras.src.saving.saving_lib", "_save_state"),
@@ -68,6 +68,7 @@ TOUCHPOINTS = (
     ("keras.src.backend.jax.nn", "_can_use_flash_attention"),
     *compat_state.TOUCHPOINTS,
     *compat_devices.TOUCHPOINTS,
+    *compat_upstream.TOUCHPOINTS,
 ) + compat_steps.TOUCHPOINTS
 
 
@@ -423,7 +424,9 @@ PATCHES = (
     Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch("skipped_batches", None, "train_function", _RESUMABLE, WHILE_SKIPPING),
 ) + tuple(
-    Patch(*fields) for fields in compat_steps.PATCH_FIELDS + compat_devices.PATCH_FIELDS
+    Patch(*fields)
+    for module in (compat_steps, compat_devices, compat_upstream)
+    for fields in module.PATCH_FIELDS
 )
 _PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
 _MISSING = object()

@@ -8,6 +8,10 @@ with its own).
   drawn and before it reaches a step.
 - A padded batch is counted by its real rows in the loss tracker Keras
   keeps (`Trainer._loss_tracker`), which weighs each batch by its rows.
+- Keras' compiled metrics (`Trainer._compile_metrics`, a `CompileMetrics`)
+  update the `metrics` of `compile` without any sample weight; on a padded
+  batch those metrics are updated here with a weight of 1 on each real row
+  and 0 on each padded one, which on an unpadded batch equals no weight.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ PATCH_FIELDS = (
     (
         "padded_steps",
         None,
-        "<train_step, test_step, compute_loss, compute_metrics, and the loss "
-        "tracker's update_state>",
+        "<train_step, test_step, compute_loss, compute_metrics, and the "
+        "update_state of the loss tracker and the compiled metrics>",
         "keras_hub_autodist.training.padded_steps",
         _MODEL_LIFETIME,
     ),
@@ -42,8 +46,9 @@ PATCH_FIELDS = (
     ),
 )
 
-# `_loss_tracker` (models): checked on live objects by
-# tests/test_padding_exact.py.
+# `_loss_tracker`, `_compile_metrics` (models) and `built`, `build`,
+# `_flatten_y`, `_flat_metrics`, `_flat_weighted_metrics` (`CompileMetrics`):
+# checked on live objects by tests/test_padding_exact.py.
 TOUCHPOINTS = ((_DATA_LIB, "distribute_data_input"),)
 
 
@@ -52,3 +57,36 @@ def loss_tracker(model):
     over batches, each batch weighed by its rows (`model._loss_tracker`);
     None before `compile`."""
     return getattr(model, "_loss_tracker", None)
+
+
+def compiled_metrics(model):
+    """The `CompileMetrics` in which Keras keeps a compiled model's `metrics`
+    and `weighted_metrics` (`model._compile_metrics`); None before `compile`
+    or when it was given neither."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def update_metrics_by_rows(compiled, y_true, y_pred, sample_weight, row_weights):
+    """`CompileMetrics.update_state`, except that the unweighted metrics
+    weigh each row by `row_weights` (1 for a real row, 0 for a padded one)
+    where Keras gives them no weight; the weighted metrics get
+    `sample_weight` as Keras gives it to them."""
+    if not compiled.built:
+        compiled.build(y_true, y_pred)
+    flat_true = compiled._flatten_y(y_true)
+    flat_pred = compiled._flatten_y(y_pred)
+    for metric, y_t, y_p in zip(compiled._flat_metrics, flat_true, flat_pred):
+        if metric:
+            metric.update_state(y_t, y_p, sample_weight=row_weights)
+    if sample_weight is not None:
+        weights = compiled._flatten_y(sample_weight)
+        # One sample weight for several outputs applies to each, as in Keras.
+        if len(weights) < len(flat_true):
+            weights = [weights[0]] * len(flat_true)
+    else:
+        weights = [None] * len(flat_true)
+    for metric, y_t, y_p, weight in zip(
+        compiled._flat_weighted_metrics, flat_true, flat_pred, weights
+    ):
+        if metric:
+            metric.update_state(y_t, y_p, weight)

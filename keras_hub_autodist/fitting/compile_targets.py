@@ -262,11 +262,11 @@ def _local_devices_of(spec: TargetSpec, count: int):
 
 
 def _installed(module: str) -> bool:
-    """Whether `module` can be imported (a dotted name whose parent package
-    is absent is not installed either)."""
+    """Whether `module` can be imported; a dotted name whose parent package
+    is missing is not (where `find_spec` raises instead of saying None)."""
     try:
         return importlib.util.find_spec(module) is not None
-    except ImportError:
+    except (ImportError, ValueError):
         return False
 
 

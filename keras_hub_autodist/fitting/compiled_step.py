@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 from keras_hub_autodist.compat.devices import answering_for
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.fitting.compile_arguments import check_argument_kinds
+from keras_hub_autodist.fitting.compile_arguments import check_model_class
+from keras_hub_autodist.fitting.compile_arguments import default_task_class
 from keras_hub_autodist.fitting.compile_targets import compile_mesh
 from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 from keras_hub_autodist.fitting.compiled_analysis import collectives
@@ -160,33 +163,6 @@ class CompiledMemory:
         return self.summary()
 
 
-def default_task_class(backbone_cls: type) -> type:
-    """The keras-hub `CausalLM` whose `backbone_cls` is `backbone_cls`.
-
-    Example:
-    ```python
-    default_task_class(keras_hub.models.GemmaBackbone)  # GemmaCausalLM
-    ```
-    """
-    import keras_hub
-
-    found = []
-    pending = [keras_hub.models.CausalLM]
-    while pending:
-        cls = pending.pop()
-        pending.extend(cls.__subclasses__())
-        if getattr(cls, "backbone_cls", None) is backbone_cls:
-            found.append(cls)
-    if not found:
-        raise ModelClassError(
-            f"keras-hub has no CausalLM for {backbone_cls.__name__}; pass the "
-            "task class to compile, e.g. model_class=keras_hub.models."
-            f"GemmaCausalLM. Received: backbone class {backbone_cls.__name__}"
-        )
-    # The most general one: a subclass of a CausalLM (a variant) comes last.
-    return min(found, key=lambda cls: len(cls.__mro__))
-
-
 def _optimizer(optimizer):
     import keras
 
@@ -236,7 +212,6 @@ def _backbone_config(plan, preset):
 def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_rank):
     """The task model and its optimizer, built with deferred variables that
     carry their layouts, and the distribution they were laid out with."""
-    import keras
 
     from keras_hub_autodist import compat
     from keras_hub_autodist.planning.context_attention import (
@@ -249,11 +224,6 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_ran
 
     backbone_cls, config = _backbone_config(plan, preset)
     task_cls = model_class or default_task_class(backbone_cls)
-    if not (isinstance(task_cls, type) and issubclass(task_cls, keras.Model)):
-        raise ModelClassError(
-            "model_class is the keras-hub task class to train, e.g. "
-            f"keras_hub.models.GemmaCausalLM. Received: model_class={task_cls!r}"
-        )
     distribution = plan_distribution(plan, mesh)
     with distribution.scope():
         with compat.deferred_variables(), remat_scope(plan.remat):
@@ -378,6 +348,8 @@ def compiled_memory(
     import jax
     import numpy as np
 
+    check_argument_kinds(plan=plan, device=device, model_class=model_class)
+    check_model_class(model_class, plan)
     mesh, target = compile_mesh(plan, device_mesh, device)
     # The step a bound `fit` runs: the batch padded to the batch axis, a
     # sequence the context axis doesn't divide refused.

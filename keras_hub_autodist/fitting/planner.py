@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import Any
 
+from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import option
 from keras_hub_autodist.fitting import policy
@@ -38,6 +39,7 @@ from keras_hub_autodist.planning.mesh import check_device_count
 from keras_hub_autodist.planning.mesh import read_device_mesh
 from keras_hub_autodist.planning.mesh import require_device_mesh
 from keras_hub_autodist.planning.mesh import resolve_mesh_axes
+from keras_hub_autodist.planning.options import PLANNING_KEYWORDS
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.shapes import ModelWeights
 from keras_hub_autodist.planning.shapes import model_weights
@@ -199,6 +201,13 @@ def get_layout_map(
         "`keras.distribution.DeviceMesh`; use `plan()` to plan for a mesh "
         "given by axis sizes.",
     )
+    unknown = sorted(set(options) - set(PLANNING_KEYWORDS))
+    if unknown:
+        raise ArgumentError(
+            f"`get_layout_map` takes the planning options of `plan()`: "
+            f"{list(PLANNING_KEYWORDS)}; pass those only. Received: "
+            f"{', '.join(f'{name}=' for name in unknown)}"
+        )
     return plan(preset, device_mesh, **options).layout_map(device_mesh)
 
 

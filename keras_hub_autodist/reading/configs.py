@@ -23,6 +23,8 @@ import json
 import os
 from collections.abc import Mapping
 
+from keras_hub_autodist.compat.tied_embeddings import local_weights_file
+from keras_hub_autodist.compat.tied_embeddings import with_tying
 from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import PresetError
@@ -82,6 +84,7 @@ def reject_vision_towers(raw: Mapping, preset) -> None:
 
 
 def keras_config(raw: Mapping, preset) -> dict:
+    """The backbone's arguments of a Keras preset's `config.json` `raw`."""
     config = raw.get("config")
     if not isinstance(config, Mapping):
         raise ConfigError(
@@ -90,7 +93,10 @@ def keras_config(raw: Mapping, preset) -> dict:
             f"`save_to_preset`. Received: config={config!r} in "
             f"preset={preset!r}"
         )
-    return dict(config)
+    # A local folder's weights say whether a config that leaves out tying
+    # is tied (`tied_embeddings`); keras-hub's load reads it the same way.
+    weights = local_weights_file(preset) if is_local_folder(preset) else None
+    return with_tying(raw, config, weights)
 
 
 def missing_hf_field(field, raw: Mapping, preset) -> ConfigError:

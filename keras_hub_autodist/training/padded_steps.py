@@ -6,8 +6,11 @@ sample weight becomes `{WEIGHTS_KEY: weights, REAL_ROWS_KEY: 0/1 per row}`,
 the weights zero on padded rows and the caller's (or ones) on real rows.
 The task's own steps take that mark apart:
 
-- metrics get the weights: a padded row weighs 0, a real row what it would
-  on one device, so every weighted metric is the one-device value;
+- weighted metrics get the weights: a padded row weighs 0, a real row what
+  it would on one device, so every weighted metric is the one-device value;
+- unweighted metrics (`compile(metrics=...)`), which Keras updates without
+  any weight, get the mark itself: 1 on each real row, 0 on each padded one,
+  which on an unpadded batch is the same as no weight;
 - the compiled loss, when it divides by the number of rows
   (`sum_over_batch_size`), is multiplied by padded/real rows, so the loss
   and its gradient are the unpadded batch's (losses added by layers are
@@ -36,7 +39,8 @@ REAL_ROWS_KEY = "keras_hub_autodist_real_rows"
 _PADDED_ATTR = "__keras_hub_autodist_padded__"
 # Loss reductions that divide by the number of values of the batch.
 _ROW_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "auto")
-# (real rows, rows) of the padded batch whose step is being traced.
+# (real rows, rows, the 0/1 mark per row) of the padded batch whose step is
+# being traced.
 _ROWS = contextvars.ContextVar("keras_hub_autodist_padded_rows", default=None)
 
 
@@ -69,7 +73,7 @@ def divides_by_rows(model) -> bool:
 def _counting(real_rows) -> Iterator[None]:
     rows = real_rows.shape[0]
     count = keras.ops.sum(keras.ops.cast(real_rows, "float32"))
-    token = _ROWS.set((count, rows))
+    token = _ROWS.set((count, rows, real_rows))
     try:
         yield
     finally:
@@ -99,7 +103,7 @@ def _compute_loss(compute_loss, model):
         counted = _ROWS.get()
         if counted is None or total is None or not divides_by_rows(model):
             return total
-        count, rows = counted
+        count, rows, _ = counted
         dtype = keras.backend.standardize_dtype(total.dtype)
         added = [keras.ops.sum(keras.ops.cast(loss, dtype)) for loss in model.losses]
         added = sum(added) if added else keras.ops.zeros((), dtype)
@@ -114,6 +118,22 @@ def _compute_metrics(compute_metrics):
     def call(x, y, y_pred, sample_weight=None):
         weights, _ = unmarked(sample_weight)
         return compute_metrics(x, y, y_pred, weights)
+
+    return call
+
+
+def _metrics_update(update_state, compiled):
+    """The compiled metrics' `update_state`: on a padded batch, its
+    unweighted metrics weigh each row by its mark."""
+
+    @functools.wraps(update_state)
+    def call(y_true, y_pred, sample_weight=None):
+        counted = _ROWS.get()
+        if counted is None:
+            return update_state(y_true, y_pred, sample_weight=sample_weight)
+        return compat_steps.update_metrics_by_rows(
+            compiled, y_true, y_pred, sample_weight, counted[2]
+        )
 
     return call
 
@@ -149,3 +169,8 @@ def count_real_rows(model) -> None:
     tracker = compat_steps.loss_tracker(model)
     if tracker is not None:
         _patch(tracker, "update_state", _tracker_update)
+    compiled = compat_steps.compiled_metrics(model)
+    if compiled is not None:
+        _patch(
+            compiled, "update_state", lambda method: _metrics_update(method, compiled)
+        )

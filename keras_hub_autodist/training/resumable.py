@@ -13,6 +13,7 @@ the model's fingerprint and the batches of the `fit` that took it.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import logging
 import os
@@ -22,6 +23,7 @@ import keras
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.errors import CheckpointOptionError
+from keras_hub_autodist.errors import ExtraMissingError
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.errors import RestoreError
 from keras_hub_autodist.errors import warn
@@ -180,6 +182,20 @@ def _model_distribution(model):
         return keras.distribution.distribution()
 
 
+def _require_orbax() -> None:
+    """Raise `ExtraMissingError`, naming the extra, without Orbax."""
+    try:
+        found = importlib.util.find_spec("orbax.checkpoint") is not None
+    except (ImportError, ValueError):  # `orbax` itself is missing
+        found = False
+    if not found:
+        raise ExtraMissingError(
+            "ResumableCheckpoint saves with Orbax, which is not installed: "
+            "`pip install keras-hub-autodist[checkpoints]` (it installs "
+            "orbax-checkpoint). Received: no module 'orbax.checkpoint'"
+        )
+
+
 class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
     """`keras.callbacks.OrbaxCheckpoint` that resumes where training stopped.
 
@@ -275,6 +291,7 @@ class ResumableCheckpoint(keras.callbacks.OrbaxCheckpoint):
         time_limit: float | None = None,
         stop_check_freq: int = 1,
     ):
+        _require_orbax()
         check_batch_count(
             "save_freq",
             save_freq,

@@ -1,0 +1,144 @@
+"""The arguments of `compiled_memory` checked before anything is read,
+built or compiled: the kind of each declared once (`ARGUMENT_KINDS`), and a
+task class checked against the plan's backbone (`check_model_class`).
+
+`batch_size`, `sequence_length` (`step_shape.runnable_step`), `optimizer`,
+`lora_rank`, `preset` and `device_mesh` are checked where they are read,
+also before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from keras_hub_autodist.errors import ArgumentError
+from keras_hub_autodist.errors import ModelClassError
+from keras_hub_autodist.planning.plan_record import PlanRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentKind:
+    """What one argument of `compiled_memory` accepts.
+
+    Args:
+        name: the argument.
+        accepts: whether a value is of an accepted kind.
+        what: what the argument is, for the error.
+        example: how to pass it, for the error.
+    """
+
+    name: str
+    accepts: Callable[[Any], bool]
+    what: str
+    example: str
+
+
+ARGUMENT_KINDS = (
+    ArgumentKind(
+        "plan",
+        lambda value: isinstance(value, PlanRecord),
+        "a plan made by `keras_hub_autodist.plan()`",
+        'plan = keras_hub_autodist.plan("./gemma_2b", {"batch": 2, "model": 4})',
+    ),
+    ArgumentKind(
+        "device",
+        lambda value: value is None or isinstance(value, str),
+        "the name of an accelerator to compile for, or None (this machine's)",
+        'device="v5e"',
+    ),
+    ArgumentKind(
+        "model_class",
+        lambda value: value is None or isinstance(value, type),
+        "the keras-hub task class to train, or None (the backbone's CausalLM)",
+        "model_class=keras_hub.models.GemmaCausalLM",
+    ),
+)
+
+
+def check_argument_kinds(**arguments) -> None:
+    """Raise `ArgumentError` for an argument of `compiled_memory` of a kind
+    it doesn't accept (`ARGUMENT_KINDS`), naming it, what it received and
+    how to pass it.
+
+    Example:
+    >>> check_argument_kinds(device="v5e")
+    """
+    for kind in ARGUMENT_KINDS:
+        if kind.name in arguments and not kind.accepts(arguments[kind.name]):
+            value = arguments[kind.name]
+            error = ModelClassError if kind.name == "model_class" else ArgumentError
+            raise error(
+                f"`{kind.name}` is {kind.what}, e.g. {kind.example}. Received: "
+                f"{kind.name}={value!r} ({type(value).__name__})"
+            )
+
+
+def default_task_class(backbone_cls: type) -> type:
+    """The keras-hub `CausalLM` whose `backbone_cls` is `backbone_cls`.
+
+    Example:
+    ```python
+    default_task_class(keras_hub.models.GemmaBackbone)  # GemmaCausalLM
+    ```
+    """
+    import keras_hub
+
+    found = []
+    pending = [keras_hub.models.CausalLM]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if getattr(cls, "backbone_cls", None) is backbone_cls:
+            found.append(cls)
+    if not found:
+        raise ModelClassError(
+            f"keras-hub has no CausalLM for {backbone_cls.__name__}; pass the "
+            "task class to compile, e.g. model_class=keras_hub.models."
+            f"GemmaCausalLM. Received: backbone class {backbone_cls.__name__}"
+        )
+    # The most general one: a subclass of a CausalLM (a variant) comes last.
+    return min(found, key=lambda cls: len(cls.__mro__))
+
+
+def check_model_class(model_class: type | None, plan: PlanRecord) -> None:
+    """Raise `ModelClassError` unless `model_class` is None or a keras-hub
+    task class whose backbone is the plan's.
+
+    Args:
+        model_class: the `model_class=` of `compiled_memory`.
+        plan: the plan it is compiled for.
+    """
+    if model_class is None:
+        return
+    import keras_hub
+
+    from keras_hub_autodist.planning.shapes import backbone_class_named
+
+    if issubclass(model_class, keras_hub.models.Backbone):
+        try:
+            task = f"keras_hub.models.{default_task_class(model_class).__name__}"
+        except ModelClassError:
+            task = "its task class"
+        raise ModelClassError(
+            "`model_class` is the task class to train (the model around a "
+            f"backbone), not a backbone class: pass {task}, or None for the "
+            "plan's CausalLM. Received: "
+            f"model_class={model_class.__name__} (a Backbone)"
+        )
+    if not issubclass(model_class, keras_hub.models.Task):
+        raise ModelClassError(
+            "`model_class` is a keras-hub task class, e.g. "
+            "keras_hub.models.GemmaCausalLM, or None (the backbone's "
+            f"CausalLM). Received: model_class={model_class!r}"
+        )
+    backbone_cls = backbone_class_named(plan.backbone_class)
+    expected = getattr(model_class, "backbone_cls", None)
+    if expected is not None and not issubclass(backbone_cls, expected):
+        raise ModelClassError(
+            f"`model_class` {model_class.__name__} trains a "
+            f"{expected.__name__}, but the plan is of a {backbone_cls.__name__}: "
+            "pass the task class of the plan's backbone, or None for its "
+            f"CausalLM. Received: model_class={model_class.__name__}"
+        )
