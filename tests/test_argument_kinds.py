@@ -52,7 +52,7 @@ def test_compiled_memory_names_an_argument_of_the_wrong_kind(
     def never(*args, **kwargs):
         raise AssertionError("the arguments are checked before the mesh")
 
-    monkeypatch.setattr(compiled_step, "_mesh_of", never)
+    monkeypatch.setattr(compiled_step, "compile_mesh", never)
     arguments = {"plan": llama_plan, "batch_size": 2, "sequence_length": 8}
     arguments[name] = value
     with pytest.raises(error) as raised:

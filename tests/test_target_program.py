@@ -20,6 +20,7 @@ from test_compile_targets import needs_gpu_compiler
 from test_compile_targets import needs_tpu_compiler
 
 import keras_hub_autodist
+from keras_hub_autodist import compat
 from keras_hub_autodist.compat import devices
 from keras_hub_autodist.fitting.compiled_step import compiled_memory
 
@@ -27,7 +28,7 @@ from keras_hub_autodist.fitting.compiled_step import compiled_memory
 def test_keras_hubs_device_checks_answer_for_the_target_in_this_thread_only():
     assert not gemma_attention.running_on_tpu()  # this machine: CPU
     seen_elsewhere = []
-    with devices.answering_for("tpu", "TPU v5 lite"):
+    with compat.answering_for("tpu", "TPU v5 lite"):
         assert gemma_attention.running_on_tpu()
         assert not gemma_attention.running_on_gpu()
         other = threading.Thread(
@@ -35,10 +36,10 @@ def test_keras_hubs_device_checks_answer_for_the_target_in_this_thread_only():
         )
         other.start()
         other.join()
-        with devices.answering_for("gpu", "Tesla T4"):
+        with compat.answering_for("gpu", "Tesla T4"):
             assert gemma_attention.running_on_gpu()
             assert not keras_utils.gpu_supports_fused_attention_op()  # T4 denied
-        with devices.answering_for("gpu", "NVIDIA H100 80GB HBM3"):
+        with compat.answering_for("gpu", "NVIDIA H100 80GB HBM3"):
             assert keras_utils.gpu_supports_fused_attention_op()
         assert gemma_attention.running_on_tpu()
     assert seen_elsewhere == [False]

@@ -543,6 +543,19 @@ def _restore(patch, previous):
         setattr(holder, patch.attribute, previous)
 
 
+@contextlib.contextmanager
+def answering_for(platform: str, device_kind: str = ""):
+    """keras-hub's checks of the devices (`devices.CHECKING_MODULES`) answer
+    for `platform` and `device_kind` in this context, and for this machine
+    everywhere else: `with answering_for("tpu", "TPU v5 lite"): jit(...).lower(...)`.
+    """
+    with (
+        patched(compat_devices.REPLACEMENTS),
+        compat_devices.answering(platform, device_kind),
+    ):
+        yield
+
+
 def installed_patches() -> dict[str, int]:
     """The process-wide patches in place, with how many contexts hold each.
 

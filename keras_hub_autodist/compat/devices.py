@@ -8,7 +8,7 @@ name is denied (a T4) or the logits are soft-capped, and their own einsum
 attention elsewhere. A step compiled on this machine for a named
 accelerator (`compiled_memory(..., device="v5e")`) must take the path that
 accelerator takes, or the compiler is handed another program than the one
-the accelerator will run. Inside `answering_for(platform, device_kind)`,
+the accelerator will run. Inside `compat.answering_for(platform, device_kind)`,
 these checks answer for that device in the calling thread (and its
 contexts), and defer to keras-hub everywhere else.
 
@@ -92,26 +92,22 @@ def _answering(check: str):
     return replace
 
 
+# Patch name -> the function of keras-hub's check that replaces it
+# (`compat.patched`, installed by `compat.answering_for`).
+REPLACEMENTS = {name: _answering(check) for name, _, check, *_ in PATCH_FIELDS}
+
+
 @contextlib.contextmanager
-def answering_for(platform: str, device_kind: str = "") -> Iterator[None]:
-    """keras-hub's device checks answer for `platform` in this context.
+def answering(platform: str, device_kind: str = "") -> Iterator[None]:
+    """The checks replaced by `REPLACEMENTS` answer for `platform` in this
+    context (`compat.answering_for` installs them around it).
 
     Args:
         platform: the platform of the devices a step is compiled for.
         device_kind: what JAX calls one of them.
-
-    Example:
-    ```python
-    with answering_for("tpu", "TPU v5 lite"):
-        lowered = jax.jit(model.train_step).lower(state, batch)
-    ```
     """
-    from keras_hub_autodist import compat
-
-    replacements = {name: _answering(check) for name, _, check, *_ in PATCH_FIELDS}
     token = _DEVICE.set(Device(platform, device_kind))
     try:
-        with compat.patched(replacements):
-            yield
+        yield
     finally:
         _DEVICE.reset(token)

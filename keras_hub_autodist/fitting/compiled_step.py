@@ -11,7 +11,7 @@ inputs of `(batch_size, sequence_length)` tokens, and returns XLA's
 `memory_analysis()` for one device. No weight is allocated; compiling
 needs the mesh's devices, not their memory. Where it and the closed form
 disagree, trust this check. Compiled for a named accelerator, the model is
-built and traced as on its devices (`compat.devices`).
+built and traced as on its devices (`compat.answering_for`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist.compat.devices import answering_for
+from keras_hub_autodist import compat
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.compile_arguments import check_argument_kinds
@@ -361,7 +361,7 @@ def compiled_memory(
     if lora_rank is None:
         lora_rank = plan.lora_rank
     check_lora_rank(lora_rank)
-    with answering_for(target.platform, target.device_kind):
+    with compat.answering_for(target.platform, target.device_kind):
         model, distribution = _abstract_model(
             plan, mesh, model_class, preset, keras_optimizer, tokens, lora_rank
         )
