@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one command the TPU machine runs (the `run` tool, carry [".whl"],
+# made by scripts/accelerator_kit.sh): install the kit into /tmp/site and
+# run `python -m bench --accelerator`, its results under $OUT
+# (accelerator.json after every measurement, accelerator.md and log.txt).
+#
+#   bash scripts/accelerator_run.sh [more bench arguments, e.g. --parts train]
+#
+# The bench keeps to its parts' times (bench/accelerator_choices.py: no
+# measurement starts after 480 s); `timeout` stops the whole at 9.5 minutes,
+# inside the machine's 10, with what was measured saved.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/bench-out}
+mkdir -p "$OUT"
+PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index \
+    --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:$PWD
+export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
+# A step's program is compiled again to read its memory: the cache answers.
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+timeout --signal=INT --kill-after=15 570 \
+    python3 -m bench --accelerator --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"
+status=${PIPESTATUS[0]}
+# A run stopped by `timeout` still has its results: render what was saved.
+if [ "$status" != 0 ] && [ -f "$OUT/accelerator.json" ]; then
+    python3 -m bench --accelerator --render "$OUT/accelerator.json" \
+        --out "$OUT" > /dev/null
+fi
+exit "$status"
