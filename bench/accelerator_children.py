@@ -133,8 +133,9 @@ def child_long(path, variant, seq, steps) -> dict:
     )
 
 
-def _attend(variant, queries, keys, heads, kv_heads, head_dim):
-    """The attention function of `variant` over `[1, tokens, heads, dim]`."""
+def attention_function(variant, queries, keys, heads, kv_heads, head_dim, interpret):
+    """The attention function of `variant` over `[1, tokens, heads, dim]`;
+    `interpret` runs the splash kernel in Pallas' interpreter (off a TPU)."""
     import jax
     import jax.numpy as jnp
 
@@ -160,11 +161,9 @@ def _attend(variant, queries, keys, heads, kv_heads, head_dim):
     if queries != keys:
         raise SystemExit(f"{variant} attends a whole sequence")
     if variant == "splash":
-        # Pallas' splash kernel on one device (a context axis of 1); off a
-        # TPU it runs in Pallas' interpreter.
+        # Pallas' splash kernel on one device (a context axis of 1).
         from keras_hub_autodist.planning import splash_attention as splash
 
-        interpret = jax.devices()[0].platform != "tpu"
         kernel = splash.splash_kernel(rule, keys, 1, False, groups, interpret)
 
         def attend(q, k, v):
@@ -203,7 +202,9 @@ def child_attention(variant, queries, keys, heads, kv_heads, head_dim, repeats):
     q = normal(1, queries, heads, head_dim)
     k = normal(1, keys, kv_heads, head_dim)
     v = normal(1, keys, kv_heads, head_dim)
-    attend = _attend(variant, queries, keys, heads, kv_heads, head_dim)
+    interpret = jax.devices()[0].platform != "tpu"
+    sizes = (queries, keys, heads, kv_heads, head_dim)
+    attend = attention_function(variant, *sizes, interpret)
 
     def loss(q, k, v):
         return jnp.sum(attend(q, k, v).astype(jnp.float32))

@@ -32,7 +32,7 @@ BUDGET_S = {
 }
 # family -> seconds after which no measurement starts (None: no limit): a
 # TPU command may run 10 minutes.
-TOTAL_S = {"gpu": None, "tpu": 480}
+TOTAL_S = {"gpu": None, "tpu": 450}
 # family -> the model whose loading is measured.
 LOAD_MODEL = {"gpu": "gemma_7b", "tpu": "gemma_2b"}
 # family -> sequences of one Gemma 2B LoRA sequence (`long`). On a TPU one

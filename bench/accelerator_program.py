@@ -47,9 +47,17 @@ class Recorded:
 def _abstract(leaf):
     import jax
 
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(leaf, jax.Array) and sharding is not None:
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    if isinstance(leaf, jax.Array):
+        # As the call compiled it: a sharding only where the array is
+        # committed to its devices (else none is in the program), and its
+        # weak type; so that the persistent cache has the program.
+        committed = getattr(leaf, "committed", getattr(leaf, "_committed", True))
+        return jax.ShapeDtypeStruct(
+            leaf.shape,
+            leaf.dtype,
+            sharding=leaf.sharding if committed else None,
+            weak_type=leaf.weak_type,
+        )
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     return leaf

@@ -44,6 +44,7 @@ GEMMA_2B = dict(
 GEMMA3_1B = dict(
     vocabulary_size=262144,
     image_size=None,
+    vision_encoder=None,
     num_layers=26,
     num_query_heads=4,
     num_key_value_heads=1,

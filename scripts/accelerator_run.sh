@@ -7,7 +7,7 @@
 #   bash scripts/accelerator_run.sh [more bench arguments, e.g. --parts train]
 #
 # The bench keeps to its parts' times (bench/accelerator_choices.py: no
-# measurement starts after 480 s); `timeout` stops the whole at 9.5 minutes,
+# measurement starts after 450 s); `timeout` stops the whole at 9 minutes,
 # inside the machine's 10, with what was measured saved.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
 # A step's program is compiled again to read its memory: the cache answers.
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-timeout --signal=INT --kill-after=15 570 \
+timeout --signal=INT --kill-after=15 540 \
     python3 -m bench --accelerator --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
 # A run stopped by `timeout` still has its results: render what was saved.
