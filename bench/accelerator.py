@@ -45,9 +45,10 @@ import sys
 from bench import accelerator_choices as choices
 from bench import accelerator_steps
 from bench.accelerator_render import insert
+from bench.accelerator_render import merge
 from bench.accelerator_render import render
 
-__all__ = ["insert", "main", "render"]
+__all__ = ["insert", "main", "merge", "render"]
 
 
 def main(argv=None) -> int:
@@ -75,6 +76,12 @@ def main(argv=None) -> int:
         "by default this machine's (v5e on a CPU)",
     )
     parser.add_argument(
+        "--models",
+        default=None,
+        help="comma-separated keys of accelerator_steps.MODELS: train their "
+        "steps alone (e.g. gemma3_1b,llama3.2_1b)",
+    )
+    parser.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -90,8 +97,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--render",
         default=None,
-        metavar="JSON",
-        help="render a saved accelerator.json instead of measuring",
+        metavar="JSON[,JSON...]",
+        help="render saved accelerator.json files (several runs on one "
+        "machine, merged) instead of measuring",
     )
     args = parser.parse_args(argv)
     if args.predict:
@@ -100,7 +108,8 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.render:
-        results = json.loads(pathlib.Path(args.render).read_text())
+        runs = [json.loads(pathlib.Path(p).read_text()) for p in args.render.split(",")]
+        results = runs[0] if len(runs) == 1 else merge(runs)
     else:
         from bench import accelerator_runner
 
@@ -118,6 +127,7 @@ def main(argv=None) -> int:
             parts=parts,
             scale=args.time_scale,
             probed=probe,
+            models=None if args.models is None else args.models.split(","),
         )
     target = results.get("target") or "h200"
     predictions = accelerator_steps.read_predictions(target, results["tiny"])

@@ -330,6 +330,46 @@ def render(results, predictions=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+MEASUREMENTS = ("loading", "training", "long_context", "attention")
+
+
+def merge(runs: list[dict]) -> dict:
+    """Several runs' results on one machine as one: their measurements in
+    order, what none of them measured as skipped, and each run's parts and
+    seconds (`runs`).
+
+    Example:
+    >>> a = dict(date="d", tiny=False, parts=["train"], elapsed_s=400.0,
+    ...          training=[{"step": "s"}], skipped=["load x"])
+    >>> b = dict(date="d", tiny=False, parts=["load"], elapsed_s=90.0,
+    ...          loading=[{"variant": "x"}], skipped=[])
+    >>> merged = merge([a, b])
+    >>> len(merged["training"]), len(merged["loading"]), merged["runs"][1]
+    (1, 1, {'parts': 'load', 'elapsed_s': 90.0})
+    """
+    merged = dict(runs[0])
+    for key in MEASUREMENTS:
+        merged[key] = [row for run in runs for row in run.get(key) or []]
+    # Skipped in one run but measured in another: not skipped.
+    later_parts = {p for run in runs for p in run.get("parts", [])}
+    merged["skipped"] = [
+        what
+        for i, run in enumerate(runs)
+        for what in run.get("skipped", [])
+        if not any(
+            what.split(" ")[0] in later.get("parts", [])
+            and what not in later.get("skipped", [])
+            for later in runs[i + 1 :]
+        )
+    ]
+    merged["parts"] = sorted(later_parts)
+    merged["runs"] = [
+        dict(parts=",".join(run.get("parts", [])), elapsed_s=run.get("elapsed_s", 0))
+        for run in runs
+    ]
+    return merged
+
+
 def insert(markdown: pathlib.Path, section: str) -> None:
     """Put `section` in `markdown`, replacing an earlier one of the same title."""
     text = markdown.read_text() if markdown.exists() else ""

@@ -199,19 +199,29 @@ def versions() -> dict:
 
 
 class Clock:
-    """Each part's time (`choices.BUDGET_S`, times `scale`) and the run's."""
+    """Each part's time and the run's: the family's times
+    (`choices.BUDGET_S`) of the parts run, stretched to fill the run's
+    (`choices.TOTAL_S`) where fewer parts run, all times `scale`."""
 
-    def __init__(self, family: str, scale: float, total_s: float | None):
-        self.budgets = choices.BUDGET_S[family]
-        self.scale = scale
+    def __init__(self, family: str, parts, scale: float):
+        budgets = choices.BUDGET_S[family]
+        total = choices.TOTAL_S[family]
+        asked = [budgets.get(p) for p in parts]
+        stretch = 1.0
+        if total is not None and None not in asked and sum(asked):
+            stretch = max(1.0, total / sum(asked))
+        self.budgets = {
+            p: None if budgets.get(p) is None else budgets[p] * stretch * scale
+            for p in parts
+        }
+        self.total_s = None if total is None else total * scale
         self.started = time.perf_counter()
-        self.total_s = total_s
         self.part_end = None
 
     def start_part(self, part: str) -> None:
         budget = self.budgets.get(part)
         now = time.perf_counter()
-        self.part_end = None if budget is None else now + budget * self.scale
+        self.part_end = None if budget is None else now + budget
 
     def left(self) -> float | None:
         """Seconds left to start a measurement in; None: no limit."""
@@ -295,17 +305,28 @@ def probe() -> dict:
     return row
 
 
-def run(target, tiny=False, root=None, out=None, parts=None, scale=1.0, probed=None):
+def run(
+    target,
+    tiny=False,
+    root=None,
+    out=None,
+    parts=None,
+    scale=1.0,
+    probed=None,
+    models=None,
+):
     """Make the presets and measure `parts` (the target family's by
     default) for `target`; the results are saved to `out/accelerator.json`
     after every measurement, so that a run cut short keeps what it
-    measured. `probed` is the machine's device where already read."""
+    measured. `probed` is the machine's device where already read;
+    `models` (keys of `accelerator_steps.MODELS`) keeps the training steps
+    of those models alone."""
     family = choices.family_of(target)
     parts = parts or choices.PARTS[family]
-    total = choices.TOTAL_S[family]
-    clock = Clock(family, scale, None if total is None else total * scale)
+    clock = Clock(family, parts, scale)
     load_model = choices.LOAD_MODEL[family]
     steps = accelerator_steps.steps_of(family, tiny) if "train" in parts else []
+    steps = [s for s in steps if models is None or s.model in models]
     results = dict(
         versions=versions(),
         date=datetime.date.today().isoformat(),
@@ -313,6 +334,7 @@ def run(target, tiny=False, root=None, out=None, parts=None, scale=1.0, probed=N
         target=target,
         family=family,
         parts=list(parts),
+        models=None if models is None else list(models),
         load_model=load_model,
         loading=[],
         training=[],

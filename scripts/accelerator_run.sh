@@ -6,6 +6,12 @@
 #
 #   bash scripts/accelerator_run.sh [more bench arguments, e.g. --parts train]
 #
+# Every number in two commands (docs/benchmarks.md):
+#
+#   bash scripts/accelerator_run.sh --parts train --models gemma_2b
+#   bash scripts/accelerator_run.sh --parts train,load,attention \
+#       --models gemma3_1b,llama3.2_1b
+#
 # The bench keeps to its parts' times (bench/accelerator_choices.py: no
 # measurement starts after 450 s); `timeout` stops the whole at 9 minutes,
 # inside the machine's 10, with what was measured saved.
