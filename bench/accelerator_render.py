@@ -64,10 +64,10 @@ def _load_lines(results) -> list[str]:
     rows = results.get("loading") or []
     if not rows:
         return []
-    model = results.get("load_model", "gemma_7b").replace("_", " ")
+    model = results.get("load_model", "gemma_7b")
     lines = [
         "",
-        f"### Loading (`Backbone.from_preset`, {model} shape)",
+        f"### Loading (`Backbone.from_preset`, the {model} shape)",
         "",
         "| variant | dtype= | s | device peak | final | peak / final |",
         "|---|---|---|---|---|---|",
@@ -104,7 +104,9 @@ def _training_lines(results) -> list[str]:
         "memory, temporaries + arguments + outputs - aliased from the "
         "compiled program's `memory_analysis()`, or for a refused step the "
         "bytes its `RESOURCE_EXHAUSTED` names plus the arguments; device "
-        "peak: `memory_stats()` (a TPU's leaves the temporaries out).",
+        "peak: `memory_stats()` (a TPU's leaves the temporaries out), the "
+        "process's so far: a model's batches run in one process, smallest "
+        "first.",
         "",
         "| step | variant | runs | program | s/step | tokens/s | TFLOP/s | "
         "first step s | device peak | generate tokens/s |",

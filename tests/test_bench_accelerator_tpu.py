@@ -215,3 +215,47 @@ def test_the_kit_brings_what_keras_hub_imports_for_python_3_11():
     # The run installs the same folder the kit fills, which git ignores.
     assert "WHEELS=${WHEELS:-.whl}" in script and ".whl/*.whl" in run
     assert ".whl/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_committed_v5e_predictions_name_every_step_the_chip_runs():
+    for tiny in (True, False):
+        predicted = accelerator_steps.read_predictions("v5e", tiny)
+        steps = accelerator_steps.steps_of("tpu", tiny)
+        # Every rung run there (and a rung more, where it was predicted).
+        assert {name for step in steps for name in step.names()} <= set(predicted)
+        for figures in predicted.values():
+            assert figures["compiled_for"]["device_kind"] == "TPU v5 lite"
+            assert figures["target_peak_bytes"] >= figures["target_argument_bytes"] > 0
+
+
+def test_fewer_parts_stretch_their_times_to_the_runs_and_no_further():
+    total = choices.TOTAL_S["tpu"]
+    alone = accelerator_runner.Clock("tpu", ["train"], 1.0)
+    assert alone.budgets == {"train": total}
+    every = accelerator_runner.Clock("tpu", choices.PARTS["tpu"], 1.0)
+    assert sum(every.budgets.values()) == total
+    assert every.budgets["train"] > every.budgets["load"] > every.budgets["attention"]
+
+
+def test_two_runs_merge_and_what_the_second_measured_is_not_skipped():
+    first = dict(
+        date="d",
+        tiny=False,
+        parts=["train"],
+        elapsed_s=440.0,
+        training=[{"step": "a"}],
+        skipped=["train gemma3_1b autodist"],
+    )
+    second = dict(
+        date="d",
+        tiny=False,
+        parts=["train", "load"],
+        elapsed_s=300.0,
+        training=[{"step": "b"}],
+        loading=[{"variant": "x"}],
+        skipped=["load autodist dtype=None"],
+    )
+    merged = accelerator_render.merge([first, second])
+    assert [r["step"] for r in merged["training"]] == ["a", "b"]
+    assert merged["skipped"] == ["load autodist dtype=None"]
+    assert [r["parts"] for r in merged["runs"]] == ["train", "train,load"]
