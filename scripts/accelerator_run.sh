@@ -18,14 +18,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/bench-out}
+SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT"
 PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index \
-    --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     .whl/*.whl || exit 1
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:$PWD
+# The checkout first: its package, not the kit's wheel of it, is measured
+# (the children put it first too); the kit after the machine's own paths.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:$SITE
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
-# A step's program is compiled again to read its memory: the cache answers.
-export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
+# A program compiled once is not compiled again by a later process.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 timeout --signal=INT --kill-after=15 540 \
     python3 -m bench --accelerator --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"
