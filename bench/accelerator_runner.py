@@ -348,14 +348,14 @@ def run(
         if out is not None:
             (out / "accelerator.json").write_text(json.dumps(results, indent=1))
 
-    models = [step.model for step in steps]
+    needed = [step.model for step in steps]
     if "load" in parts:
-        models.append(load_model)
+        needed.append(load_model)
     if "long" in parts:
-        models.append("gemma_2b")
+        needed.append("gemma_2b")
     with tempfile.TemporaryDirectory(dir=root) as folder:
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(folder, "xla"))
-        presets = Presets(folder, list(dict.fromkeys(models)), tiny)
+        presets = Presets(folder, list(dict.fromkeys(needed)), tiny)
         try:
             # Read while the presets are made, unless read already.
             probed = probed or probe()
@@ -391,7 +391,12 @@ def run(
 def _load(path, clock, results, save):
     for label, variant, dtype in LOAD_VARIANTS:
         what = f"load {label} dtype={dtype}"
-        if path is None or _skip(clock, results, what):
+        if path is None:
+            results["loading"].append(
+                dict(variant=label, dtype=dtype, error=["no preset"])
+            )
+            continue
+        if _skip(clock, results, what):
             continue
         print(what, flush=True)
         rows = run_child(
