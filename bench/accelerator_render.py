@@ -94,6 +94,8 @@ def _load_lines(results) -> list[str]:
 
 
 def _training_lines(results) -> list[str]:
+    if not results.get("training"):
+        return []
     lines = [
         "",
         "### Training (bfloat16, Adam, `train_on_batch`, one device)",

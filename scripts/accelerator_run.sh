@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command the TPU machine runs (the `run` tool, carry [".whl"],
 # made by scripts/accelerator_kit.sh): install the kit into /tmp/site and
-# run `python -m bench --accelerator`, its results under $OUT
+# run `python -m bench.accelerator` (`python -m bench --accelerator` without
+# the main bench's imports), its results under $OUT
 # (accelerator.json after every measurement, accelerator.md and log.txt).
 #
 #   bash scripts/accelerator_run.sh [more bench arguments, e.g. --parts train]
@@ -31,11 +32,11 @@ export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 timeout --signal=INT --kill-after=15 540 \
-    python3 -m bench --accelerator --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"
+    python3 -m bench.accelerator --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"
 status=${PIPESTATUS[0]}
 # A run stopped by `timeout` still has its results: render what was saved.
 if [ "$status" != 0 ] && [ -f "$OUT/accelerator.json" ]; then
-    python3 -m bench --accelerator --render "$OUT/accelerator.json" \
+    python3 -m bench.accelerator --render "$OUT/accelerator.json" \
         --out "$OUT" > /dev/null
 fi
 exit "$status"

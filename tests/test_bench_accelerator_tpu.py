@@ -179,6 +179,11 @@ def test_a_refused_rung_is_reported_with_its_program_and_ends_the_ladder():
     assert "| target compile's verdict = the device's | g lora8 8x1024 | 0.000" in text
 
 
+def test_a_child_past_its_time_is_stopped_and_reported():
+    rows = accelerator_runner.run_child("probe", timeout=1)
+    assert rows == [{"error": ["stopped at the time limit (1 s)"]}]
+
+
 def test_a_child_stopped_at_its_time_keeps_its_finished_rungs():
     rows = accelerator_runner.parse_child_output(
         'WARNING noise\n{"batch": 4, "step_s": 0.3}\n{"batch": 8, "step_s": 0.6}\n'
