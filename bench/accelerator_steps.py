@@ -1,12 +1,13 @@
-"""The training steps `python -m bench --accelerator` measures, and their
-predicted peaks.
+"""The models and training steps `python -m bench --accelerator` measures,
+and their predicted memory.
 
-The steps are data (`STEPS`): a Gemma shape, full or LoRA training, a batch
-and a sequence length, all in bfloat16 with Adam on one device. Before a run
-on an accelerator, `python -m bench.accelerator --predict h200` compiles each
-of them on this machine for that accelerator (the target compile, nothing
-allocated) and writes `bench/predictions/h200.json`, which is committed: the
-run on the device then reports its measured peak against these predictions,
+The steps are data (`STEPS`, per accelerator family): a model shape, full or
+LoRA training, a ladder of batch sizes at one sequence length, all in
+bfloat16 with Adam on one device. Before a run on an accelerator,
+`python -m bench --accelerator --predict v5e` compiles each rung of each
+step on this machine for that accelerator (the target compile, nothing
+allocated) and writes `bench/predictions/v5e.json`, which is committed: the
+run on the device then reports what it measured against these predictions,
 made before it.
 """
 
@@ -19,8 +20,8 @@ import pathlib
 
 PREDICTIONS = pathlib.Path(__file__).resolve().parent / "predictions"
 
-# The Gemma shapes the run builds (random bfloat16 weights), and tiny ones
-# for `--tiny`.
+# The model shapes the run builds (random bfloat16 weights): backbone class
+# and config.
 GEMMA_7B = dict(
     vocabulary_size=256000,
     num_layers=28,
@@ -39,6 +40,37 @@ GEMMA_2B = dict(
     intermediate_dim=32768,
     head_dim=256,
 )
+# Gemma 3 1B's text model (keras-hub's conversion of its Hugging Face config).
+GEMMA3_1B = dict(
+    vocabulary_size=262144,
+    image_size=None,
+    vision_encoder=None,
+    num_layers=26,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=1152,
+    intermediate_dim=6912,
+    head_dim=256,
+    use_post_ffw_norm=True,
+    use_post_attention_norm=True,
+    use_sliding_window_attention=True,
+    query_head_dim_normalize=True,
+    sliding_window_size=512,
+    use_query_key_norm=True,
+    layer_norm_epsilon=1e-6,
+)
+# Llama 3.2 1B's shape with its own output embedding (1.5B parameters):
+# keras-hub 0.32 saves a tied `Llama3Backbone` that it can't load back.
+LLAMA32_1B_UNTIED = dict(
+    vocabulary_size=128256,
+    num_layers=16,
+    num_query_heads=32,
+    num_key_value_heads=8,
+    hidden_dim=2048,
+    intermediate_dim=8192,
+    tie_word_embeddings=False,
+    rope_max_wavelength=500000.0,
+)
 TINY = dict(
     vocabulary_size=1024,
     num_layers=2,
@@ -48,30 +80,67 @@ TINY = dict(
     intermediate_dim=256,
     head_dim=16,
 )
+TINY_GEMMA3 = dict(
+    GEMMA3_1B,
+    vocabulary_size=1024,
+    num_layers=2,
+    hidden_dim=64,
+    intermediate_dim=128,
+    head_dim=16,
+    sliding_window_size=16,
+)
+TINY_LLAMA = dict(
+    LLAMA32_1B_UNTIED,
+    vocabulary_size=1024,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=64,
+    intermediate_dim=128,
+)
+# model -> (backbone class, full config, tiny config).
+MODELS = {
+    "gemma_7b": ("GemmaBackbone", GEMMA_7B, TINY),
+    "gemma_2b": ("GemmaBackbone", GEMMA_2B, TINY),
+    "gemma3_1b": ("Gemma3Backbone", GEMMA3_1B, TINY_GEMMA3),
+    "llama3.2_1b": ("Llama3Backbone", LLAMA32_1B_UNTIED, TINY_LLAMA),
+}
+
+
+def model_config(model: str, tiny: bool) -> tuple[str, dict]:
+    """`(backbone class name, config)` of `model` (a key of `MODELS`).
+
+    Example:
+    >>> model_config("gemma3_1b", tiny=True)[0]
+    'Gemma3Backbone'
+    """
+    class_name, full, small = MODELS[model]
+    return class_name, dict(small if tiny else full)
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One training step to measure on the device.
+    """One training step to measure on the device, at one or more batches.
 
     Attributes:
-        name: its label in the tables and the key of its prediction.
-        shape: "7b" or "2b" (the Gemma shapes of `bench.accelerator`).
+        label: the model's name in the tables ("gemma_2b", "tiny", ...).
+        model: a key of `MODELS`: the shape built.
         lora_rank: 0 trains every weight; otherwise `enable_lora(rank)`.
-        batch: sequences per step.
+        batches: the ladder of sequences per step, smallest first: each is
+            measured in turn, and the first the device refuses ends it.
         sequence: tokens per sequence.
-        steps: timed steps (the median is reported).
+        steps: timed steps per batch (the median is reported).
         warmup: steps before the timed ones (the first compiles).
         generate: new tokens for the `generate` timing; 0 skips it.
-        pair: also time plain keras-hub on the same step.
+        pair: also time plain keras-hub on the same ladder.
         local_check: also compile the step on the device with
             `compiled_memory` before training (the local compile).
     """
 
-    name: str
-    shape: str
+    label: str
+    model: str
     lora_rank: int
-    batch: int
+    batches: tuple[int, ...]
     sequence: int
     steps: int
     warmup: int
@@ -79,46 +148,79 @@ class Step:
     pair: bool = False
     local_check: bool = False
 
+    def name(self, batch: int) -> str:
+        """The rung's name in the tables and in the predictions.
 
-STEPS = [
-    Step("gemma_2b full 4x1024", "2b", 0, 4, 1024, 6, 2, 128, True, True),
-    Step("gemma_2b lora8 4x1024", "2b", 8, 4, 1024, 4, 1),
-    Step("gemma_7b full 2x1024", "7b", 0, 2, 1024, 3, 1, local_check=True),
-    Step("gemma_7b lora8 4x1024", "7b", 8, 4, 1024, 3, 1),
+        Example:
+        >>> Step("gemma_2b", "gemma_2b", 8, (4, 8), 1024, 3, 2).name(8)
+        'gemma_2b lora8 8x1024'
+        """
+        kind = f"lora{self.lora_rank}" if self.lora_rank else "full"
+        return f"{self.label} {kind} {batch}x{self.sequence}"
+
+    def names(self) -> list[str]:
+        return [self.name(batch) for batch in self.batches]
+
+
+# One H200 (143 GB): the Gemma 2B and 7B shapes, full and LoRA.
+GPU_STEPS = [
+    Step("gemma_2b", "gemma_2b", 0, (4,), 1024, 6, 2, 128, True, True),
+    Step("gemma_2b", "gemma_2b", 8, (4,), 1024, 4, 1),
+    Step("gemma_7b", "gemma_7b", 0, (2,), 1024, 3, 1, local_check=True),
+    Step("gemma_7b", "gemma_7b", 8, (4,), 1024, 3, 1),
 ]
-TINY_STEPS = [
-    Step("tiny full 2x32", "7b", 0, 2, 32, 3, 1, 16, True, True),
-    Step("tiny lora8 2x32", "2b", 8, 2, 32, 2, 1),
+GPU_TINY_STEPS = [
+    Step("tiny", "gemma_7b", 0, (2,), 32, 3, 1, 16, True, True),
+    Step("tiny", "gemma_2b", 8, (2,), 32, 2, 1),
 ]
+# One TPU v5e chip (15.75 GiB for a program): the steps measured there by
+# hand, keras-hub beside autodist, two warm-ups before three timed steps.
+# The Gemma 2B LoRA ladder finds the largest batch of 1024 tokens that runs
+# (4 and 8 ran, 12 was refused); the other two are the largest steps that
+# ran there (one rung more, refused there, would cost a compile each).
+TPU_STEPS = [
+    Step("gemma_2b", "gemma_2b", 8, (4, 8, 12, 16), 1024, 3, 2, pair=True),
+    Step("gemma3_1b", "gemma3_1b", 8, (1,), 4096, 3, 2, pair=True),
+    Step("llama3.2_1b untied", "llama3.2_1b", 0, (2,), 1024, 3, 2, pair=True),
+]
+TPU_TINY_STEPS = [
+    Step("tiny gemma", "gemma_2b", 8, (2, 4), 32, 2, 2, pair=True),
+    Step("tiny gemma3", "gemma3_1b", 8, (1,), 64, 2, 2, pair=True),
+    Step("tiny llama", "llama3.2_1b", 0, (2,), 32, 2, 2, pair=True),
+]
+STEPS = {"gpu": (GPU_STEPS, GPU_TINY_STEPS), "tpu": (TPU_STEPS, TPU_TINY_STEPS)}
 
 
-def steps_of(tiny: bool) -> list[Step]:
-    return TINY_STEPS if tiny else STEPS
+def steps_of(family: str, tiny: bool) -> list[Step]:
+    """The steps measured for an accelerator `family` ("gpu" or "tpu")."""
+    full, small = STEPS[family]
+    return small if tiny else full
 
 
 def predict(target: str, tiny: bool = False) -> dict:
-    """Compile every step for `target` on this machine; their figures.
+    """Compile every rung of every step for `target` on this machine.
 
     Args:
-        target: a device profile name (`"h200"`, `"h100"`, ...).
+        target: a device profile name (`"v5e"`, `"h200"`, ...).
         tiny: the tiny steps (`--tiny`).
 
     Returns:
         `{"target": ..., "date": ..., "steps": {name: figures}}`, where the
-        figures are the target compile's peak and argument bytes, what it was
-        compiled for, and the closed forms (the plan's, and the calibrated
+        figures are the target compile's peak and argument bytes, whether it
+        refused the step as too large, what it was compiled for, and the
+        closed forms (the plan's, and the calibrated
         `step_memory.step_estimate` for the target's platform).
     """
     import time
 
     import keras_hub_autodist
     from keras_hub_autodist.fitting import step_memory
+    from keras_hub_autodist.fitting.compile_targets import target_spec
 
-    shapes = {"7b": GEMMA_7B, "2b": GEMMA_2B}
     rows = {}
-    for step in steps_of(tiny):
-        config = TINY if tiny else shapes[step.shape]
-        preset = {"class_name": "GemmaBackbone", "config": dict(config)}
+    for step in steps_of(target_spec(target).platform, tiny):
+        class_name, config = model_config(step.model, tiny)
+        preset = {"class_name": class_name, "config": config}
         plan = keras_hub_autodist.plan(
             preset,
             {"batch": 1, "model": 1},
@@ -126,27 +228,33 @@ def predict(target: str, tiny: bool = False) -> dict:
             lora_rank=step.lora_rank or None,
             device_memory=target,
         )
-        start = time.perf_counter()
-        compiled = keras_hub_autodist.compiled_memory(
-            plan, step.batch, step.sequence, "adam", preset=preset, device=target
-        )
-        seconds = time.perf_counter() - start
-        closed = plan.training_bytes_per_device(
-            "adam"
-        ) + plan.activation_bytes_per_device(step.batch, step.sequence)
-        calibrated = step_memory.step_estimate(
-            plan, step.batch, step.sequence, "adam", platform=compiled.platform
-        ).total_bytes
-        rows[step.name] = dict(
-            target_peak_bytes=compiled.peak_bytes,
-            target_argument_bytes=compiled.argument_bytes,
-            compiled_for=compiled.compiled_for(),
-            attention=compiled.attention,
-            compile_s=seconds,
-            closed_form_bytes=closed,
-            calibrated_bytes=calibrated,
-        )
-        print(f"{step.name}: {compiled.peak_bytes / 1e9:.2f} GB", flush=True)
+        for batch in step.batches:
+            start = time.perf_counter()
+            compiled = keras_hub_autodist.compiled_memory(
+                plan, batch, step.sequence, "adam", preset=preset, device=target
+            )
+            seconds = time.perf_counter() - start
+            closed = plan.training_bytes_per_device(
+                "adam"
+            ) + plan.activation_bytes_per_device(batch, step.sequence)
+            calibrated = step_memory.step_estimate(
+                plan, batch, step.sequence, "adam", platform=compiled.platform
+            ).total_bytes
+            rows[step.name(batch)] = dict(
+                target_peak_bytes=compiled.peak_bytes,
+                target_argument_bytes=compiled.argument_bytes,
+                target_refused=bool(compiled.out_of_memory),
+                compiled_for=compiled.compiled_for(),
+                attention=compiled.attention,
+                compile_s=seconds,
+                closed_form_bytes=closed,
+                calibrated_bytes=calibrated,
+            )
+            print(
+                f"{step.name(batch)}: {compiled.peak_bytes / 1e9:.2f} GB"
+                f"{' (refused)' if compiled.out_of_memory else ''}",
+                flush=True,
+            )
     return dict(target=target, date=datetime.date.today().isoformat(), steps=rows)
 
 

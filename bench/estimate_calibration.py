@@ -25,7 +25,7 @@ import keras  # noqa: E402
 
 import keras_hub_autodist  # noqa: E402
 from bench import models  # noqa: E402
-from bench.accelerator import GEMMA_2B  # noqa: E402
+from bench.accelerator_steps import GEMMA_2B  # noqa: E402
 from keras_hub_autodist.fitting import step_memory  # noqa: E402
 
 # The tests' tiny presets (tests/tiny_presets.py) and the bench models.

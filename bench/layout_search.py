@@ -100,9 +100,8 @@ def run(name: str, cache: pathlib.Path, max_compiles: int) -> dict:
 
 def measured(cache: pathlib.Path) -> list[dict]:
     """The H200 run's training steps: modelled against measured."""
-    from bench.accelerator import GEMMA_2B
-    from bench.accelerator import GEMMA_7B
-    from bench.accelerator_steps import STEPS
+    from bench.accelerator_steps import GPU_STEPS
+    from bench.accelerator_steps import model_config
     from keras_hub_autodist.fitting import step_cost
     from keras_hub_autodist.fitting.device_profiles import device_speed
     from keras_hub_autodist.fitting.planner import plan
@@ -116,11 +115,13 @@ def measured(cache: pathlib.Path) -> list[dict]:
     }
     speed = device_speed("h200")
     rows = []
-    for step in STEPS:
-        if step.name not in times:
+    # Each step ran at one batch on the H200.
+    for step, batch in ((step, step.batches[0]) for step in GPU_STEPS):
+        name = step.name(batch)
+        if name not in times:
             continue
-        config = {"7b": GEMMA_7B, "2b": GEMMA_2B}[step.shape]
-        preset = {"class_name": "GemmaBackbone", "config": dict(config)}
+        class_name, config = model_config(step.model, tiny=False)
+        preset = {"class_name": class_name, "config": dict(config)}
         lora = step.lora_rank or None
         layout = plan(
             preset,
@@ -131,7 +132,7 @@ def measured(cache: pathlib.Path) -> list[dict]:
         )
         memory, _ = _compile(
             layout,
-            step.batch,
+            batch,
             step.sequence,
             "adam",
             "h200",
@@ -141,13 +142,13 @@ def measured(cache: pathlib.Path) -> list[dict]:
             preset,
         )
         cost = step_cost.compiled_cost(memory, speed)
-        flops = step_cost.model_flops(layout, step.batch, step.sequence, lora)
+        flops = step_cost.model_flops(layout, batch, step.sequence, lora)
         rows.append(
             {
-                "step": step.name,
-                "measured_step_seconds": times[step.name],
+                "step": name,
+                "measured_step_seconds": times[name],
                 "modelled_step_seconds": cost.seconds,
-                "modelled_over_measured": cost.seconds / times[step.name],
+                "modelled_over_measured": cost.seconds / times[name],
                 "roofline_seconds": cost.terms(),
                 "hlo_flops": cost.flops,
                 "model_flops": flops,

@@ -1,7 +1,7 @@
 """The accelerator bench's report: each measured peak against the answers
 given before the run, from a saved result (no run, no device)."""
 
-from bench import accelerator
+from bench import accelerator_render
 from bench import accelerator_steps
 
 
@@ -59,15 +59,16 @@ def _results():
 
 def test_each_answer_is_reported_as_a_ratio_of_the_measured_peak():
     predictions = {"gemma_2b full 4x1024": {"target_peak_bytes": 33.6e9}}
-    text = accelerator.render(_results(), predictions)
+    text = accelerator_render.render(_results(), predictions)
     row = next(
         line
         for line in text.splitlines()
-        if line.startswith("| gemma_2b full 4x1024 | 32.00 GB")
+        if line.startswith("| gemma_2b full 4x1024 | yes | 32.00 GB")
     )
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert cells[2:] == [
-        "33.60 GB (1.05)",  # the target compile, made before the run
+    assert cells[1] == "yes"  # it ran
+    assert cells[3:5] == ["33.60 GB (1.05)", ""]  # the target compile
+    assert cells[5:] == [
         "30.00 GB (0.94)",  # the local compile on the device
         "40.00 GB (1.25)",  # the plan's closed form
         "36.00 GB (1.12)",  # the calibrated closed form
@@ -75,18 +76,19 @@ def test_each_answer_is_reported_as_a_ratio_of_the_measured_peak():
 
 
 def test_failures_warnings_and_kernels_are_shown_not_dropped():
-    text = accelerator.render(_results(), {})
+    text = accelerator_render.render(_results(), {})
     # In a code span (the docs' build reads bare brackets as links), without
     # the bars that would split the table's cell.
     assert "fails: `RESOURCE_EXHAUSTED [executable_name='jit_train_step'] / x`" in text
-    assert "| gemma_7b full 2x1024 | autodist | fails: `OOM`" in text
+    assert "| gemma_7b full 2x1024 | autodist | | | fails: `OOM`" in text
     assert "`UserWarning: a sharding warning`" in text
     assert "`__cudnn$fmhaSoftmax`" in text
 
 
 def test_the_committed_h200_predictions_name_every_measured_step():
     predicted = accelerator_steps.read_predictions("h200")
-    assert set(predicted) == {step.name for step in accelerator_steps.STEPS}
+    steps = accelerator_steps.steps_of("gpu", tiny=False)
+    assert set(predicted) == {name for step in steps for name in step.names()}
     for figures in predicted.values():
         assert figures["compiled_for"]["device_kind"] == "NVIDIA H200"
         assert figures["target_peak_bytes"] > figures["target_argument_bytes"] > 0

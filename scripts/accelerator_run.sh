@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The one command the TPU machine runs (the `run` tool, carry [".whl"],
+# made by scripts/accelerator_kit.sh): install the kit into /tmp/site and
+# run `python -m bench.accelerator` (`python -m bench --accelerator` without
+# the main bench's imports), its results under $OUT
+# (accelerator.json after every measurement, accelerator.md and log.txt).
+#
+#   bash scripts/accelerator_run.sh [more bench arguments, e.g. --parts train]
+#
+# Every number in two commands (docs/benchmarks.md):
+#
+#   bash scripts/accelerator_run.sh --parts train --models gemma_2b
+#   bash scripts/accelerator_run.sh --parts train,load,attention \
+#       --models gemma3_1b,llama3.2_1b
+#
+# The bench keeps to its parts' times (bench/accelerator_choices.py: no
+# measurement starts after 450 s); `timeout` stops the whole at 9 minutes,
+# inside the machine's 10, with what was measured saved.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/bench-out}
+SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT"
+PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index \
+    --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .whl/*.whl || exit 1
+# The checkout first: its package, not the kit's wheel of it, is measured
+# (the children put it first too); the kit after the machine's own paths.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:$SITE
+export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
+# A program compiled once is not compiled again by a later process.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+timeout --signal=INT --kill-after=15 540 \
+    python3 -m bench.accelerator --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"
+status=${PIPESTATUS[0]}
+# A run stopped by `timeout` still has its results: render what was saved.
+if [ "$status" != 0 ] && [ -f "$OUT/accelerator.json" ]; then
+    python3 -m bench.accelerator --render "$OUT/accelerator.json" \
+        --out "$OUT" > /dev/null
+fi
+exit "$status"
