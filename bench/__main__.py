@@ -33,6 +33,8 @@ from bench import models  # noqa: E402
 from bench import planning  # noqa: E402
 from bench import remat  # noqa: E402
 from bench import report  # noqa: E402
+from bench import report_context  # noqa: E402
+from bench import report_loading  # noqa: E402
 from bench import seqpar  # noqa: E402
 from bench import steptime  # noqa: E402
 
@@ -41,22 +43,22 @@ DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 
 def _context_section(result) -> list[str]:
     (DOCS / "img").mkdir(exist_ok=True)
-    return report.context_section(result, DOCS / "img")
+    return report_context.context_section(result, DOCS / "img")
 
 
 # `python -m bench --only NAME`: one part alone, printed (the document and
 # its JSON are left as they are; the context plot goes to docs/img). Each
 # part: what it measures in a temporary folder, and how its section reads.
 ONLY = {
-    "loading": (loading.run, report.loading_section),
+    "loading": (loading.run, report_loading.loading_section),
     "context": (
         lambda root: context.run(models.save_presets(root)),
         _context_section,
     ),
-    "remat": (remat.run, report.remat_section),
+    "remat": (remat.run, report_context.remat_section),
     "long_context": (
         context.long_curve,
-        report.long_context_lines,
+        report_context.long_context_lines,
     ),
 }
 

@@ -1,7 +1,7 @@
 """The loading bench's steering check, computed from its rows: what the more
 layers add to the load, against what they add to each floor's read."""
 
-from bench import report
+from bench import report_loading
 from bench.loading import MARGINAL_FORMAT
 from bench.loading import MARGINAL_LAYERS
 from bench.loading import MARGINAL_VARIANTS
@@ -24,7 +24,7 @@ def verdicts(checks):
 
 def test_each_floor_divides_what_the_more_layers_add():
     """Ratios exactly at their bounds (binary fractions) are met."""
-    lines, checks = report._marginal(rows((2.0, 3.5), (0.5, 1.0), (0.5, 1.5)))
+    lines, checks = report_loading._marginal(rows((2.0, 3.5), (0.5, 1.0), (0.5, 1.5)))
     assert verdicts(checks) == [(True, "3.00x"), (True, "1.50x")]
     assert f"{MORE - FEWER} more layers <= 3 x their file read (" in checks[0][0]
     assert "<= 1.5 x their file read keeping every tensor (" in checks[1][0]
@@ -33,19 +33,19 @@ def test_each_floor_divides_what_the_more_layers_add():
 
 
 def test_a_load_above_a_bound_is_not_met():
-    _, checks = report._marginal(rows((2.0, 4.0), (0.5, 1.1), (0.9, 2.0)))
+    _, checks = report_loading._marginal(rows((2.0, 4.0), (0.5, 1.1), (0.9, 2.0)))
     assert verdicts(checks) == [(False, "3.33x"), (False, "1.82x")]
 
 
 def test_a_read_that_adds_nothing_is_not_met():
     """Noise can make the larger file read as fast as the smaller one: the
     check has no ratio and is not met, never a division error or a pass."""
-    _, checks = report._marginal(rows((2.0, 2.1), (0.6, 0.6), (0.9, 2.0)))
+    _, checks = report_loading._marginal(rows((2.0, 2.1), (0.6, 0.6), (0.9, 2.0)))
     assert verdicts(checks)[0] == (False, "their read took no time")
 
 
 def test_without_its_rows_the_section_has_no_steering_check():
-    assert report._marginal(rows((2.0, 3.8), (0.5, 1.1), (0.9, 2.1))[-1:]) == (
+    assert report_loading._marginal(rows((2.0, 3.8), (0.5, 1.1), (0.9, 2.1))[-1:]) == (
         [],
         [],
     )
