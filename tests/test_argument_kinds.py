@@ -39,10 +39,20 @@ WRONG_COMPILE_ARGUMENTS = [
 ]
 
 
+def _case_id(name, value) -> str:
+    """A case's id, the same in every process (pytest-xdist's workers
+    compare them): a class by its name, a bare object without its address."""
+    if isinstance(value, type):
+        return f"{name}={value.__name__}"
+    if type(value) is object:
+        return f"{name}=object()"
+    return f"{name}={value!r}"
+
+
 @pytest.mark.parametrize(
     "name, value, error",
     WRONG_COMPILE_ARGUMENTS,
-    ids=[f"{name}={value!r}"[:40] for name, value, _ in WRONG_COMPILE_ARGUMENTS],
+    ids=[_case_id(name, value) for name, value, _ in WRONG_COMPILE_ARGUMENTS],
 )
 def test_compiled_memory_names_an_argument_of_the_wrong_kind(
     llama_plan, name, value, error, monkeypatch
