@@ -272,7 +272,7 @@ def child_attention(variant, queries, keys, heads, kv_heads, head_dim, repeats):
     (the last of the sequence) against `keys`. `variant` "cudnn" and "xla"
     are `jax.nn.dot_product_attention`'s implementations; "blockwise" is the
     per-device attention of the context axis
-    (`planning.blockwise_attention`). Median seconds and device peak."""
+    (`attention.blockwise_attention`). Median seconds and device peak."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -287,7 +287,7 @@ def child_attention(variant, queries, keys, heads, kv_heads, head_dim, repeats):
     v = normal(1, keys, kv_heads, head_dim)
     scale = head_dim**-0.5
     if variant == "blockwise":
-        from keras_hub_autodist.planning import blockwise_attention as blockwise
+        from keras_hub_autodist.attention import blockwise_attention as blockwise
 
         rule = blockwise.AttentionRule(scale=scale)
         query_positions = jnp.arange(keys - queries, keys, dtype=jnp.int32)

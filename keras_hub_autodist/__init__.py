@@ -34,8 +34,9 @@ quiet.quiet_orbax_merge_notice()
 
 from keras_hub_autodist import moved_modules  # noqa: E402
 
-# The memory answers' former module names (`keras_hub_autodist.step_memory`,
-# `keras_hub_autodist.planning.*`), served as modules and as attributes.
+# The former names of modules that moved to another stage
+# (`keras_hub_autodist.step_memory`, `keras_hub_autodist.planning.*`), served
+# as modules and as attributes.
 moved_modules.install()
 
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402

@@ -27,6 +27,8 @@ from typing import Any
 
 import keras
 
+from keras_hub_autodist.attention.context_attention import install_per_device_attention
+from keras_hub_autodist.attention.xla_path import attention_through_xla
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import BackendError
@@ -40,8 +42,6 @@ from keras_hub_autodist.loading.progress import progress_enabled
 from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
 from keras_hub_autodist.loading.verify import verify_layouts
-from keras_hub_autodist.planning.context_attention import install_per_device_attention
-from keras_hub_autodist.planning.distribution import attention_through_xla
 from keras_hub_autodist.planning.distribution import plan_distribution
 from keras_hub_autodist.planning.options import PLAN_ONLY_KEYWORDS
 from keras_hub_autodist.planning.options import PlanOptions

@@ -32,6 +32,7 @@ STAGES = (
     ("reading",),
     ("architectures",),
     ("planning",),
+    ("attention",),
     ("fitting",),
     ("loading",),
     ("saving",),
