@@ -34,6 +34,7 @@ STAGES = (
     ("planning",),
     ("attention",),
     ("fitting",),
+    ("searching",),
     ("loading",),
     ("saving",),
     ("training",),
