@@ -142,7 +142,7 @@ def attention_function(variant, queries, keys, heads, kv_heads, head_dim, interp
     scale = head_dim**-0.5
     groups = heads // kv_heads
     if variant in ("blockwise", "splash"):
-        from keras_hub_autodist.planning import blockwise_attention as blockwise
+        from keras_hub_autodist.attention import blockwise_attention as blockwise
 
         rule = blockwise.AttentionRule(scale=scale)
         query_positions = jnp.arange(keys - queries, keys, dtype=jnp.int32)
@@ -162,7 +162,7 @@ def attention_function(variant, queries, keys, heads, kv_heads, head_dim, interp
         raise SystemExit(f"{variant} attends a whole sequence")
     if variant == "splash":
         # Pallas' splash kernel on one device (a context axis of 1).
-        from keras_hub_autodist.planning import splash_attention as splash
+        from keras_hub_autodist.attention import splash_attention as splash
 
         kernel = splash.splash_kernel(rule, keys, 1, False, groups, interpret)
 
@@ -185,8 +185,8 @@ def child_attention(variant, queries, keys, heads, kv_heads, head_dim, repeats):
     """Causal attention alone, forward and backward, in bfloat16: `queries`
     (the last of the sequence) against `keys`. `variant` "cudnn" and "xla"
     are `jax.nn.dot_product_attention`'s implementations, "splash" Pallas'
-    TPU kernel (`planning.splash_attention`) and "blockwise" the per-device
-    attention of the context axis (`planning.blockwise_attention`). Median
+    TPU kernel (`attention.splash_attention`) and "blockwise" the per-device
+    attention of the context axis (`attention.blockwise_attention`). Median
     seconds, device peak and the program's memory."""
     import jax
     import jax.numpy as jnp

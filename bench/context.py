@@ -90,7 +90,7 @@ def long_curve(root) -> dict:
     each `context_parallel_strategy`, with its growth per doubling: the
     bench's `MODEL` and `WIDE_KV`, saved under `root`."""
     import keras_hub_autodist
-    from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
+    from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES
 
     paths = {
         MODEL: models.save_presets(root)[MODEL],

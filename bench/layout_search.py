@@ -26,7 +26,7 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import tempfile  # noqa: E402
 
-from keras_hub_autodist.fitting import search_cache  # noqa: E402
+from keras_hub_autodist.searching import cache as search_cache  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 REAL_PRESETS = HERE.parent / "tests" / "data" / "presets"
@@ -74,9 +74,9 @@ CASES = {
 
 def run(name: str, cache: pathlib.Path, max_compiles: int) -> dict:
     """One case, cold then warm, as its JSON object with the timings."""
-    from keras_hub_autodist.fitting.search import search
-    from keras_hub_autodist.fitting.search_report import table
-    from keras_hub_autodist.fitting.search_report import to_json
+    from keras_hub_autodist.searching.report import table
+    from keras_hub_autodist.searching.report import to_json
+    from keras_hub_autodist.searching.search import search
 
     arguments = dict(CASES[name])
     preset = str(REAL_PRESETS / arguments.pop("preset"))
@@ -102,10 +102,10 @@ def measured(cache: pathlib.Path) -> list[dict]:
     """The H200 run's training steps: modelled against measured."""
     from bench.accelerator_steps import GPU_STEPS
     from bench.accelerator_steps import model_config
-    from keras_hub_autodist.fitting import step_cost
     from keras_hub_autodist.fitting.device_profiles import device_speed
     from keras_hub_autodist.fitting.planner import plan
-    from keras_hub_autodist.fitting.search import _compile
+    from keras_hub_autodist.searching import step_cost
+    from keras_hub_autodist.searching.search import _compile
 
     run = json.loads((HERE.parent / "docs/data/accelerator-h200.json").read_text())
     times = {

@@ -34,8 +34,9 @@ quiet.quiet_orbax_merge_notice()
 
 from keras_hub_autodist import moved_modules  # noqa: E402
 
-# The memory answers' former module names (`keras_hub_autodist.step_memory`,
-# `keras_hub_autodist.planning.*`), served as modules and as attributes.
+# The former names of modules that moved to another stage
+# (`keras_hub_autodist.step_memory`, `keras_hub_autodist.planning.*`,
+# `keras_hub_autodist.fitting.*`), served as modules and as attributes.
 moved_modules.install()
 
 from keras_hub_autodist.architectures.weight import Weight  # noqa: E402
@@ -91,8 +92,8 @@ _LAZY = {
     "compiled_memory": "keras_hub_autodist.fitting.compiled_step",
     "CompiledMemory": "keras_hub_autodist.fitting.compiled_step",
     "summary": "keras_hub_autodist.summary_line",
-    "search": "keras_hub_autodist.fitting.search",
-    "SearchResult": "keras_hub_autodist.fitting.search",
+    "search": "keras_hub_autodist.searching.search",
+    "SearchResult": "keras_hub_autodist.searching.search",
 }
 
 __all__ = [

@@ -34,7 +34,7 @@ from keras_hub_autodist.cli_flags import as_flags
 from keras_hub_autodist.fitting.device_memory import GIB
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
-from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
+from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES
 from keras_hub_autodist.planning.options import STRATEGY_CHOICES
 
 PROG = "keras-hub-autodist"

@@ -1,6 +1,6 @@
 """`keras-hub-autodist plan PRESET --search`: the layout search from the
-command line (`fitting.search.search`), as its ranked table or, with
-`--json`, as one object (`search_report.to_json`).
+command line (`searching.search.search`), as its ranked table or, with
+`--json`, as one object (`searching.report.to_json`).
 
     keras-hub-autodist plan ./llama3_8b --device v5e --devices 8 \\
         --batch 8 --seq 2048 --search [--json]
@@ -90,10 +90,10 @@ def check_flags(args) -> None:
 
 def answer(args) -> dict:
     """The search's table and its `--json` object."""
-    from keras_hub_autodist.fitting.search import STRATEGIES
-    from keras_hub_autodist.fitting.search import search
-    from keras_hub_autodist.fitting.search_report import table
-    from keras_hub_autodist.fitting.search_report import to_json
+    from keras_hub_autodist.searching.report import table
+    from keras_hub_autodist.searching.report import to_json
+    from keras_hub_autodist.searching.search import STRATEGIES
+    from keras_hub_autodist.searching.search import search
 
     result = search(
         args.preset,

@@ -2,7 +2,10 @@
 their former names for one release, with a `DeprecationWarning`.
 
 The memory answers moved from `keras_hub_autodist.planning` (and
-`keras_hub_autodist.step_memory`) to `keras_hub_autodist.fitting`. Each
+`keras_hub_autodist.step_memory`) to `keras_hub_autodist.fitting`, and the
+attention kernels from `keras_hub_autodist.planning` to
+`keras_hub_autodist.attention`, and the layout search from
+`keras_hub_autodist.fitting` to `keras_hub_autodist.searching`. Each
 former name (`MOVED_MODULES`) gives the module it now is (the same object),
 with a `DeprecationWarning` naming the new one, in every way a module is
 reached:
@@ -43,12 +46,40 @@ _MOVED_TO_FITTING = (
     "step_memory",
 )
 
+_MOVED_TO_ATTENTION = (
+    "attention_blocks",
+    "blockwise_attention",
+    "causal_balance",
+    "context_attention",
+    "ring_attention",
+    "splash_attention",
+)
+
+# The layout search's modules, by their names in `fitting` and now.
+_MOVED_TO_SEARCHING = {
+    "auto_search": "auto_mesh",
+    "search": "search",
+    "search_cache": "cache",
+    "search_candidates": "candidates",
+    "search_inputs": "inputs",
+    "search_report": "report",
+    "step_cost": "step_cost",
+}
+
 # Former module name -> the module's name now.
 MOVED_MODULES = {
     "keras_hub_autodist.step_memory": "keras_hub_autodist.fitting.step_memory",
     **{
         f"keras_hub_autodist.planning.{name}": f"keras_hub_autodist.fitting.{name}"
         for name in _MOVED_TO_FITTING
+    },
+    **{
+        f"keras_hub_autodist.planning.{name}": f"keras_hub_autodist.attention.{name}"
+        for name in _MOVED_TO_ATTENTION
+    },
+    **{
+        f"keras_hub_autodist.fitting.{name}": f"keras_hub_autodist.searching.{now}"
+        for name, now in _MOVED_TO_SEARCHING.items()
     },
 }
 

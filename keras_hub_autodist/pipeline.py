@@ -27,21 +27,20 @@ from typing import Any
 
 import keras
 
+from keras_hub_autodist.attention.context_attention import install_per_device_attention
+from keras_hub_autodist.attention.xla_path import attention_through_xla
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import BackendError
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import warn
-from keras_hub_autodist.fitting.auto_search import searched_layout
 from keras_hub_autodist.fitting.planner import plan_model
 from keras_hub_autodist.fitting.planner import resolve_mesh
 from keras_hub_autodist.loading.progress import progress_enabled
 from keras_hub_autodist.loading.session import attach_load_stats
 from keras_hub_autodist.loading.session import sharded_loading
 from keras_hub_autodist.loading.verify import verify_layouts
-from keras_hub_autodist.planning.context_attention import install_per_device_attention
-from keras_hub_autodist.planning.distribution import attention_through_xla
 from keras_hub_autodist.planning.distribution import plan_distribution
 from keras_hub_autodist.planning.options import PLAN_ONLY_KEYWORDS
 from keras_hub_autodist.planning.options import PlanOptions
@@ -54,6 +53,7 @@ from keras_hub_autodist.reading.dtypes import is_quantized
 from keras_hub_autodist.reading.presets import cached_kaggle_snapshot
 from keras_hub_autodist.reading.presets import is_network_error
 from keras_hub_autodist.reading.presets import read_preset_config
+from keras_hub_autodist.searching.auto_mesh import searched_layout
 from keras_hub_autodist.summary_line import print_summary
 from keras_hub_autodist.training.binding import bind
 

@@ -14,12 +14,12 @@ from equivalence import assert_same_training
 from equivalence import batch_for
 
 from keras_hub_autodist import compat
+from keras_hub_autodist.attention import causal_balance
+from keras_hub_autodist.attention import context_attention
+from keras_hub_autodist.attention.blockwise_attention import MASKED_SCORE
+from keras_hub_autodist.attention.blockwise_attention import AttentionRule
+from keras_hub_autodist.attention.blockwise_attention import blockwise_attention
 from keras_hub_autodist.compat import attention as compat_attention
-from keras_hub_autodist.planning import causal_balance
-from keras_hub_autodist.planning import context_attention
-from keras_hub_autodist.planning.blockwise_attention import MASKED_SCORE
-from keras_hub_autodist.planning.blockwise_attention import AttentionRule
-from keras_hub_autodist.planning.blockwise_attention import blockwise_attention
 
 RULES = [
     AttentionRule(0.5, key_block=8),

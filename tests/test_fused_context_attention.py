@@ -9,10 +9,10 @@ import pytest
 from jax.sharding import Mesh
 from test_context_attention import whole_matrix
 
-from keras_hub_autodist.planning import causal_balance
-from keras_hub_autodist.planning import context_attention
-from keras_hub_autodist.planning import splash_attention
-from keras_hub_autodist.planning.blockwise_attention import AttentionRule
+from keras_hub_autodist.attention import causal_balance
+from keras_hub_autodist.attention import context_attention
+from keras_hub_autodist.attention import splash_attention
+from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 
 RULES = {
     "causal": AttentionRule(0.25),

@@ -1,4 +1,4 @@
-"""The layout search (`fitting.search`): candidates, pruning, the step-time
+"""The layout search (`searching.search`): candidates, pruning, the step-time
 model, the compile cache, the report and its JSON, the CLI, and the stored
 reference points (bench/layout_searches/, made by `python -m
 bench.layout_search` on real configs; read here, not compiled again).
@@ -16,24 +16,24 @@ import pytest
 
 from keras_hub_autodist import cli
 from keras_hub_autodist.errors import PlanError
-from keras_hub_autodist.fitting import search_cache
-from keras_hub_autodist.fitting import step_cost
-from keras_hub_autodist.fitting.auto_search import local_device_name
-from keras_hub_autodist.fitting.auto_search import searched_layout
 from keras_hub_autodist.fitting.compiled_analysis import Collective
 from keras_hub_autodist.fitting.compiled_step import CompiledMemory
 from keras_hub_autodist.fitting.device_profiles import DeviceSpeed
 from keras_hub_autodist.fitting.hlo_cost import group_size
 from keras_hub_autodist.fitting.hlo_cost import hlo_cost
 from keras_hub_autodist.fitting.hlo_cost import link_bytes
-from keras_hub_autodist.fitting.search import COMPILED
-from keras_hub_autodist.fitting.search import PRUNED
-from keras_hub_autodist.fitting.search import Candidate
-from keras_hub_autodist.fitting.search import candidates
-from keras_hub_autodist.fitting.search import meshes
-from keras_hub_autodist.fitting.search import search
-from keras_hub_autodist.fitting.search_report import to_json
 from keras_hub_autodist.planning.options import PlanOptions
+from keras_hub_autodist.searching import cache as search_cache
+from keras_hub_autodist.searching import step_cost
+from keras_hub_autodist.searching.auto_mesh import local_device_name
+from keras_hub_autodist.searching.auto_mesh import searched_layout
+from keras_hub_autodist.searching.report import to_json
+from keras_hub_autodist.searching.search import COMPILED
+from keras_hub_autodist.searching.search import PRUNED
+from keras_hub_autodist.searching.search import Candidate
+from keras_hub_autodist.searching.search import candidates
+from keras_hub_autodist.searching.search import meshes
+from keras_hub_autodist.searching.search import search
 
 HAS_TPU_COMPILER = importlib.util.find_spec("libtpu") is not None
 HAS_GPU_COMPILER = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -345,8 +345,8 @@ def test_auto_on_a_known_accelerator_takes_the_winner_and_says_why(
 ):
     # Two TPU v5e chips as from_preset would list them; the search compiles
     # for the TPU compiler's stand-ins of them.
-    from keras_hub_autodist.fitting import auto_search
     from keras_hub_autodist.fitting.planner import plan
+    from keras_hub_autodist.searching import auto_mesh as auto_search
     from keras_hub_autodist.summary_line import summary_line
 
     monkeypatch.setattr(auto_search, "FROM_PRESET_SEQUENCE", 32)

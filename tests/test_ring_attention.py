@@ -18,10 +18,10 @@ from test_fused_context_attention import per_device
 from test_fused_context_attention import reference
 
 import keras_hub_autodist
+from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.fitting.compiled_analysis import collectives
 from keras_hub_autodist.fitting.report import context_parallel_note
-from keras_hub_autodist.planning.blockwise_attention import AttentionRule
 
 RULES = {
     "causal": AttentionRule(0.25, key_block=64),

@@ -25,15 +25,15 @@ from keras_hub_autodist.environment import read_folder_switch
 from keras_hub_autodist.errors import CompilerMissingError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import TargetCompileError
-from keras_hub_autodist.fitting import search as search_module
-from keras_hub_autodist.fitting import search_cache
 from keras_hub_autodist.fitting.compiled_analysis import Collective
 from keras_hub_autodist.fitting.compiled_step import CompiledMemory
-from keras_hub_autodist.fitting.search import COMPILED
-from keras_hub_autodist.fitting.search import FAILED
-from keras_hub_autodist.fitting.search import search
-from keras_hub_autodist.fitting.search_report import to_json
 from keras_hub_autodist.planning.options import PlanOptions
+from keras_hub_autodist.searching import cache as search_cache
+from keras_hub_autodist.searching import search as search_module
+from keras_hub_autodist.searching.report import to_json
+from keras_hub_autodist.searching.search import COMPILED
+from keras_hub_autodist.searching.search import FAILED
+from keras_hub_autodist.searching.search import search
 
 TINY_GEMMA = {
     "class_name": "GemmaBackbone",
@@ -186,7 +186,7 @@ def test_the_context_parallel_strategy_is_that_of_every_compile(tmp_path, compil
 def test_from_preset_loads_the_layout_compiled_with_the_options_asked(
     tiny_presets_dir, tmp_path, monkeypatch, compiler
 ):
-    from keras_hub_autodist.fitting import auto_search
+    from keras_hub_autodist.searching import auto_mesh as auto_search
 
     monkeypatch.setattr(auto_search, "FROM_PRESET_SEQUENCE", 32)
     monkeypatch.setenv(search_cache.COMPILE_CACHE_ENV, str(tmp_path))
@@ -321,7 +321,7 @@ def test_a_missing_gpu_compiler_names_its_extra(monkeypatch):
 def test_arguments_of_the_wrong_kind_are_named_up_front(
     tmp_path, monkeypatch, wrong, named
 ):
-    import keras_hub_autodist.fitting.search as module
+    import keras_hub_autodist.searching.search as module
 
     def never(*args, **kwargs):
         raise AssertionError("planned before the arguments were checked")
@@ -376,7 +376,7 @@ def test_a_bad_cache_entry_is_a_miss_and_is_rewritten(tmp_path, stored):
         compiled.append(args)
         return good
 
-    import keras_hub_autodist.fitting.search as module
+    import keras_hub_autodist.searching.search as module
 
     original = module.compiled_memory
     module.compiled_memory = compile_again
@@ -430,12 +430,12 @@ def test_the_compile_cache_switch_reads_as_the_package_switches(tmp_path, monkey
 
 def test_the_key_changes_with_the_packages_code(tmp_path, monkeypatch):
     package = tmp_path / "keras_hub_autodist"
-    (package / "fitting").mkdir(parents=True)
-    step = package / "planning" / "splash_attention.py"
+    (package / "searching").mkdir(parents=True)
+    step = package / "attention" / "splash_attention.py"
     step.parent.mkdir()
     step.write_text("KERNEL = 'xla'\n")
     monkeypatch.setattr(
-        search_cache, "__file__", str(package / "fitting" / "search_cache.py")
+        search_cache, "__file__", str(package / "searching" / "cache.py")
     )
     before = search_cache.code_digest.__wrapped__()
     step.write_text("KERNEL = 'splash'\n")
@@ -485,7 +485,7 @@ def test_a_remat_layout_whose_twin_without_remat_fits_is_not_compiled(
 def test_from_preset_names_the_searched_axes_as_the_call_does(
     tiny_presets_dir, tmp_path, monkeypatch, compiler
 ):
-    from keras_hub_autodist.fitting import auto_search
+    from keras_hub_autodist.searching import auto_mesh as auto_search
 
     monkeypatch.setattr(auto_search, "FROM_PRESET_SEQUENCE", 32)
     monkeypatch.setenv(search_cache.COMPILE_CACHE_ENV, str(tmp_path))

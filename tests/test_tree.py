@@ -32,7 +32,9 @@ STAGES = (
     ("reading",),
     ("architectures",),
     ("planning",),
+    ("attention",),
     ("fitting",),
+    ("searching",),
     ("loading",),
     ("saving",),
     ("training",),
@@ -187,3 +189,46 @@ def test_the_top_level_former_path_of_step_memory_is_listed():
         moved_modules.MOVED_MODULES["keras_hub_autodist.step_memory"]
         == "keras_hub_autodist.fitting.step_memory"
     )
+
+
+@pytest.mark.parametrize(
+    "former, name",
+    [
+        (
+            "keras_hub_autodist.planning.context_attention",
+            "keras_hub_autodist.attention.context_attention",
+        ),
+        (
+            "keras_hub_autodist.planning.attention_blocks",
+            "keras_hub_autodist.attention.attention_blocks",
+        ),
+        ("keras_hub_autodist.fitting.search", "keras_hub_autodist.searching.search"),
+        (
+            "keras_hub_autodist.fitting.search_cache",
+            "keras_hub_autodist.searching.cache",
+        ),
+        (
+            "keras_hub_autodist.fitting.auto_search",
+            "keras_hub_autodist.searching.auto_mesh",
+        ),
+    ],
+)
+def test_the_attention_and_search_modules_keep_their_former_paths(former, name):
+    """The former paths of the attention kernels (in `planning`) and of the
+    layout search (in `fitting`) are listed, each the module itself."""
+    from keras_hub_autodist import moved_modules
+
+    assert moved_modules.MOVED_MODULES[former] == name
+    with pytest.warns(DeprecationWarning):
+        module = importlib.import_module(former)
+    assert module is importlib.import_module(name)
+
+
+def test_the_former_attention_blocks_path_keeps_the_strategies():
+    with pytest.warns(DeprecationWarning):
+        from keras_hub_autodist.planning.attention_blocks import (
+            CONTEXT_PARALLEL_STRATEGIES,
+        )
+    from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES as now
+
+    assert CONTEXT_PARALLEL_STRATEGIES is now

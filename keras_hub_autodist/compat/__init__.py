@@ -394,7 +394,8 @@ _FUSED = "_use_fused_attention_op"  # keras-hub attention: a fused kernel?
 _JAX_NN, _FLASH = "keras.src.backend.jax.nn", "_can_use_flash_attention"
 _CONTEXT = "keras_hub_autodist.planning.distribution"
 _REMAT = "keras_hub_autodist.planning.remat"
-_PER_DEVICE = "keras_hub_autodist.planning.context_attention"
+_PER_DEVICE = "keras_hub_autodist.attention.context_attention"
+_XLA_PATH = "keras_hub_autodist.attention.xla_path"
 _RESUMABLE = "keras_hub_autodist.training.resumable"
 PATCHES = (
     Patch("variable_assign", _VARIABLE, "assign", _LOADING, WHILE_LOADING),
@@ -416,7 +417,7 @@ PATCHES = (
     Patch("backbone_from_preset", _BACKBONE, "from_preset", _PLUGIN, WHILE_ACTIVE),
     Patch("task_from_preset", _TASK, "from_preset", _PLUGIN, WHILE_ACTIVE),
     Patch("bound_model_methods", None, _BOUND_METHODS, _BINDING, MODEL_LIFETIME),
-    Patch("attention_through_xla", None, _FUSED, _CONTEXT, MODEL_LIFETIME),
+    Patch("attention_through_xla", None, _FUSED, _XLA_PATH, MODEL_LIFETIME),
     Patch("rematerialized_blocks", None, "call", _REMAT, MODEL_LIFETIME),
     Patch(
         "attention_per_device", None, "_compute_attention", _PER_DEVICE, MODEL_LIFETIME

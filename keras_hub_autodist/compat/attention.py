@@ -2,7 +2,7 @@
 `_compute_attention` computes, read from its private attributes.
 
 Part of the compat package (which holds every private touchpoint): the
-attention run per device on a context mesh (`planning.context_attention`)
+attention run per device on a context mesh (`attention.context_attention`)
 replaces a layer's `_compute_attention` through `compat.patch_instance`, and
 must compute what the layer would. `attention_reading(layer)` says how, for
 the layers whose rule is known; `None` for any other layer, which keeps
@@ -41,7 +41,7 @@ does with its mask, which the decoder block built as causal and key padding:
 
 Layers computed otherwise keep keras-hub's own path (`None`): attention
 both ways (Gemma's and Gemma 4's embedding models), and a model with a
-vision encoder (`planning.context_attention` leaves it whole).
+vision encoder (`attention.context_attention` leaves it whole).
 """
 
 from __future__ import annotations

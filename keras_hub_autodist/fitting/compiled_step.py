@@ -214,10 +214,10 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_ran
     carry their layouts, and the distribution they were laid out with."""
 
     from keras_hub_autodist import compat
-    from keras_hub_autodist.planning.context_attention import (
+    from keras_hub_autodist.attention.context_attention import (
         install_per_device_attention,
     )
-    from keras_hub_autodist.planning.distribution import attention_through_xla
+    from keras_hub_autodist.attention.xla_path import attention_through_xla
     from keras_hub_autodist.planning.distribution import plan_distribution
     from keras_hub_autodist.planning.remat import remat_scope
     from keras_hub_autodist.planning.remat import rematerialize_blocks

@@ -236,7 +236,7 @@ def device_profile(name: str) -> DeviceProfile:
 @dataclasses.dataclass(frozen=True)
 class DeviceSpeed:
     """How fast one device of a kind computes and moves bytes: the data of
-    the step-time roofline (`step_cost`).
+    the step-time roofline (`searching.step_cost`).
 
     Args:
         peak_flops: dense 16-bit matrix flops per second of one JAX device,

@@ -1,7 +1,7 @@
 """Flops and HBM bytes of a compiled program, counted from its HLO text.
 
 XLA's GPU compile-only client gives no `cost_analysis()`; the roofline of
-a step (`step_cost`) still needs its flops and the bytes it moves through
+a step (`searching.step_cost`) still needs its flops and the bytes it moves through
 memory. Both are read here from the optimized HLO text:
 
 - flops: `2 x` the output elements `x` the contracted elements of every

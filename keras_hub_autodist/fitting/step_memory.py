@@ -59,6 +59,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from keras_hub_autodist.attention.attention_blocks import KEY_BLOCK
+from keras_hub_autodist.attention.attention_blocks import PER_DEVICE_ARCHITECTURES
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.device_profiles import device_key
@@ -75,8 +77,6 @@ from keras_hub_autodist.fitting.memory_factors import WEIGHT_TERMS
 from keras_hub_autodist.fitting.trained_state import optimizer_spec
 from keras_hub_autodist.fitting.trained_state import trainable_bytes
 from keras_hub_autodist.planning import sharding
-from keras_hub_autodist.planning.attention_blocks import KEY_BLOCK
-from keras_hub_autodist.planning.attention_blocks import PER_DEVICE_ARCHITECTURES
 from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.remat_arguments import remat_mode
 from keras_hub_autodist.planning.step_shape import runnable_step
@@ -155,7 +155,7 @@ STATE_ONLY = "state only"
 
 def per_device_attention(plan) -> bool:
     """Whether `plan`'s attention runs per device, one block of keys at a
-    time, on a context mesh (`planning.context_attention`)."""
+    time, on a context mesh (`attention.context_attention`)."""
     return plan.architecture in PER_DEVICE_ARCHITECTURES
 
 

@@ -12,9 +12,9 @@ can't split cuDNN's flash attention or TPU's splash attention along the
 sequence (JAX's cuDNN partitioning refuses a query split on the sequence; a
 Pallas kernel is a custom call run on gathered inputs), while XLA's own
 attention splits like every other op. Keras' check for a fused kernel
-answers no inside a `ContextParallel` scope, and `attention_through_xla`
-turns keras-hub's own choice off on each attention layer of a model built
-for such a plan.
+answers no inside a `ContextParallel` scope: a property of the layout, not a
+choice of kernel. Which kernel each attention layer of a model runs, and its
+installation, is the attention stage's (`keras_hub_autodist.attention`).
 """
 
 from __future__ import annotations
@@ -140,43 +140,11 @@ def plan_distribution(plan, device_mesh) -> keras.distribution.ModelParallel:
         # Each process feeds its process-local batch (docs/multihost.md).
         auto_shard_dataset=False,
     )
-    if _context_parallel(plan):
+    if context_parallel(plan):
         return ContextParallel(context_dim_name=plan.context_axis, **arguments)
     return keras.distribution.ModelParallel(**arguments)
 
 
-def _context_parallel(plan) -> bool:
+def context_parallel(plan) -> bool:
+    """Whether `plan`'s mesh has a context axis of more than one device."""
     return plan.mesh_axes.size(plan.context_axis) > 1
-
-
-# keras-hub's attention layers ask this method whether to call a fused
-# kernel (cuDNN flash attention on GPU, Pallas splash attention on TPU).
-FUSED_ATTENTION_METHOD = "_use_fused_attention_op"
-
-
-def _never() -> bool:
-    return False
-
-
-def attention_through_xla(model, plan) -> int:
-    """On a context mesh, make every keras-hub attention layer of `model`
-    take XLA's attention path instead of a fused kernel; return how many
-    layers changed (0 without a context axis).
-
-    On CPU keras-hub takes that path already; on GPU and TPU its fused
-    kernels can't be split along the sequence (see the module's docstring).
-
-    Args:
-        model: a keras-hub Backbone or Task, built.
-        plan: its `LayoutPlan`.
-    """
-    if not _context_parallel(plan):
-        return 0
-    changed = 0
-    for layer in compat.sublayers(model):
-        if callable(getattr(layer, FUSED_ATTENTION_METHOD, None)):
-            compat.patch_instance(
-                "attention_through_xla", layer, FUSED_ATTENTION_METHOD, _never
-            )
-            changed += 1
-    return changed

@@ -17,12 +17,18 @@ from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.errors import option
-from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
 from keras_hub_autodist.planning.remat_arguments import check_remat
 from keras_hub_autodist.planning.sharding import STRATEGIES
 from keras_hub_autodist.reading.dtypes import check_dtype
 
 STRATEGY_CHOICES = ("auto",) + STRATEGIES
+
+# How keys and values reach each device's queries on a context mesh:
+# gathered whole over the context axis before attending (the default: one
+# collective per layer), or passed around it block by block (a device holds
+# its own block and the one arriving, not the whole sequence's). The
+# attention stage (`keras_hub_autodist.attention`) runs each.
+CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ring")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,9 +37,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from keras_hub_autodist.planning.blockwise_attention import AttentionRule
-from keras_hub_autodist.planning.blockwise_attention import rows_with_a_key
-from keras_hub_autodist.planning.causal_balance import query_order
+from keras_hub_autodist.attention.blockwise_attention import AttentionRule
+from keras_hub_autodist.attention.blockwise_attention import rows_with_a_key
+from keras_hub_autodist.attention.causal_balance import query_order
 
 # The kernel's head dimension is laid out in lanes of 128 values.
 HEAD_DIM_MULTIPLE = 128

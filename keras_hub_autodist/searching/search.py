@@ -12,14 +12,14 @@ device, chosen by the step compiled for it.
    fastest `max_compiles` of them, with the memory rule's choice
    (`device_mesh="auto"` today, under the strategy and remat asked for),
    are compiled for the device (`compiled_step.compiled_memory`, cached on
-   disk: `search_cache`). A candidate the compiler refuses for a reason
+   disk: `cache`). A candidate the compiler refuses for a reason
    other than its size is a `FAILED` row with the compiler's words, and
    the next one is compiled in its place; one with remat whose twin
    without remat fits by its compile is not compiled (it can't be faster).
 3. Ranking: the compiled ones that fit by their compile, by the modelled
    time per token of the compiled program (`step_cost.compiled_cost`); the
    rule's choice is among them, so the chosen one is never slower in the
-   model than it. `search_report` explains each loser in one line.
+   model than it. `report` explains each loser in one line.
 
 Every candidate, the rule's included, has one of the strategies and remats
 asked for: the chosen layout is what was compiled, and what a load with
@@ -36,29 +36,29 @@ from collections.abc import Mapping
 
 from keras_hub_autodist.errors import CompilerMissingError
 from keras_hub_autodist.errors import TargetCompileError
-from keras_hub_autodist.fitting import search_cache
-from keras_hub_autodist.fitting import step_cost
 from keras_hub_autodist.fitting.compiled_answer import compiled_fits
 from keras_hub_autodist.fitting.compiled_step import CompiledMemory
 from keras_hub_autodist.fitting.compiled_step import compiled_memory
 from keras_hub_autodist.fitting.device_profiles import device_profile
 from keras_hub_autodist.fitting.device_profiles import device_speed
 from keras_hub_autodist.fitting.planner import plan
-from keras_hub_autodist.fitting.search_candidates import REMATS
-from keras_hub_autodist.fitting.search_candidates import STRATEGIES
-from keras_hub_autodist.fitting.search_candidates import Candidate
-from keras_hub_autodist.fitting.search_candidates import candidates
-from keras_hub_autodist.fitting.search_candidates import meshes
-from keras_hub_autodist.fitting.search_candidates import remat_key
-from keras_hub_autodist.fitting.search_inputs import check_search_inputs
-from keras_hub_autodist.fitting.search_report import COMPILED
-from keras_hub_autodist.fitting.search_report import FAILED
-from keras_hub_autodist.fitting.search_report import NOT_COMPILED
-from keras_hub_autodist.fitting.search_report import PRUNED
-from keras_hub_autodist.fitting.search_report import explain
-from keras_hub_autodist.fitting.search_report import table
 from keras_hub_autodist.fitting.step_memory import step_estimate
 from keras_hub_autodist.reading.presets import read_config
+from keras_hub_autodist.searching import cache
+from keras_hub_autodist.searching import step_cost
+from keras_hub_autodist.searching.candidates import REMATS
+from keras_hub_autodist.searching.candidates import STRATEGIES
+from keras_hub_autodist.searching.candidates import Candidate
+from keras_hub_autodist.searching.candidates import candidates
+from keras_hub_autodist.searching.candidates import meshes
+from keras_hub_autodist.searching.candidates import remat_key
+from keras_hub_autodist.searching.inputs import check_search_inputs
+from keras_hub_autodist.searching.report import COMPILED
+from keras_hub_autodist.searching.report import FAILED
+from keras_hub_autodist.searching.report import NOT_COMPILED
+from keras_hub_autodist.searching.report import PRUNED
+from keras_hub_autodist.searching.report import explain
+from keras_hub_autodist.searching.report import table
 
 # A candidate whose closed-form estimate exceeds the device's memory by
 # more than this factor is not compiled: the calibrated closed form is
@@ -83,7 +83,7 @@ class Entry:
         cost: its `StepCost` from the compiled program, when compiled.
         fits: by the compile where compiled, else by the closed form.
         rule: whether the memory rule (`device_mesh="auto"`) picks it.
-        why: one line on why it won or lost (`search_report`).
+        why: one line on why it won or lost (`report`).
         error: why its compile failed (`FAILED`), in the compiler's words.
     """
 
@@ -114,7 +114,7 @@ class Entry:
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
     """The search's answer: every candidate ranked, the chosen one and the
-    memory rule's choice (see `search_report` for its table and JSON)."""
+    memory rule's choice (see `report` for its table and JSON)."""
 
     preset: str
     device: str
@@ -220,8 +220,8 @@ def rule_choice(
 def _compile(layout, batch, seq, optimizer, device, lora_rank, folder, config, preset):
     """The compiled step, from the disk cache when there; and whether it
     was."""
-    key = search_cache.compile_key(layout, config, batch, seq, optimizer, device)
-    stored = search_cache.read_compile(folder, key)
+    key = cache.compile_key(layout, config, batch, seq, optimizer, device)
+    stored = cache.read_compile(folder, key)
     if stored is not None:
         return stored, True
     memory = compiled_memory(
@@ -233,7 +233,7 @@ def _compile(layout, batch, seq, optimizer, device, lora_rank, folder, config, p
         lora_rank=lora_rank,
         preset=preset,
     )
-    search_cache.store_compile(folder, key, memory)
+    cache.store_compile(folder, key, memory)
     return memory, False
 
 
@@ -276,7 +276,7 @@ def search(
             are compiled (more when none of them fits, or one fails to
             compile).
         cache_dir: where compiled steps are kept
-            (`search_cache.compile_cache_folder`).
+            (`cache.compile_cache_folder`).
         context_parallel_strategy: how the candidates with a context axis
             pass keys and values (`"all_gather"` or `"ring"`).
 
@@ -317,9 +317,7 @@ def search(
     speed = device_speed(device)
     info = read_config(preset)
     config = dict(info.config)
-    folder = search_cache.usable_cache_folder(
-        search_cache.compile_cache_folder(cache_dir)
-    )
+    folder = cache.usable_cache_folder(cache.compile_cache_folder(cache_dir))
     experts = any(
         "expert" in w.logical_axes
         for w in _planned(

@@ -2,16 +2,13 @@
 estimate reads it without importing JAX (`blockwise_attention` computes
 with it)."""
 
+# The context axis' strategies are an option of the plan, declared with the
+# options; the kernels of each are this stage's.
+from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES  # noqa: F401
+
 # Keys per block: the scores held at once are `[batch, heads, queries,
 # KEY_BLOCK]` in float32.
 KEY_BLOCK = 512
-
-# How keys and values reach each device's queries on a context mesh:
-# gathered whole over the context axis before attending (the default: one
-# collective per layer, and on a TPU the fused splash kernel per device), or
-# passed around it block by block (`ring_attention`: a device holds its own
-# block and the one arriving, not the whole sequence's).
-CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ring")
 
 # The planner's architectures whose attention layers run per device on a
 # context mesh (`compat.attention` reads their layers).

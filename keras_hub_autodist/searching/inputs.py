@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
-from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
+from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES
 from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.remat_arguments import check_remat
 from keras_hub_autodist.planning.sharding import STRATEGIES

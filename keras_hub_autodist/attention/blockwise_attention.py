@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from keras_hub_autodist.planning.attention_blocks import KEY_BLOCK
+from keras_hub_autodist.attention.attention_blocks import KEY_BLOCK
 
 # keras' `Softmax` puts this in place of each masked score (float32).
 MASKED_SCORE = -1e9

@@ -11,8 +11,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 from typing import Any
 
-from keras_hub_autodist.fitting import step_cost
 from keras_hub_autodist.fitting.device_profiles import FLOAT32_FOR_BFLOAT16
+from keras_hub_autodist.searching import step_cost
 
 if TYPE_CHECKING:
     from keras_hub_autodist.fitting.device_profiles import DeviceProfile

@@ -36,14 +36,14 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from keras_hub_autodist import compat
+from keras_hub_autodist.attention import splash_attention
+from keras_hub_autodist.attention.blockwise_attention import AttentionRule
+from keras_hub_autodist.attention.blockwise_attention import blockwise_attention
+from keras_hub_autodist.attention.causal_balance import owner
+from keras_hub_autodist.attention.ring_attention import ring_attention
 from keras_hub_autodist.compat import attention as compat_attention
 from keras_hub_autodist.planning import distribution as distribution_lib
-from keras_hub_autodist.planning import splash_attention
-from keras_hub_autodist.planning.attention_blocks import CONTEXT_PARALLEL_STRATEGIES
-from keras_hub_autodist.planning.blockwise_attention import AttentionRule
-from keras_hub_autodist.planning.blockwise_attention import blockwise_attention
-from keras_hub_autodist.planning.causal_balance import owner
-from keras_hub_autodist.planning.ring_attention import ring_attention
+from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES
 
 STRATEGIES = CONTEXT_PARALLEL_STRATEGIES
 

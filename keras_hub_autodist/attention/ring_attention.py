@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from keras_hub_autodist.planning import blockwise_attention as online
+from keras_hub_autodist.attention import blockwise_attention as online
 
 
 def _pass_on(arrays, axis: str, contexts: int):

@@ -68,9 +68,9 @@ def searched_layout(preset, device_mesh, options, devices):
     name = local_device_name(devices)
     if name is None:
         return device_mesh, options, ""
-    from keras_hub_autodist.fitting.search import STRATEGIES
-    from keras_hub_autodist.fitting.search import search
-    from keras_hub_autodist.fitting.search_report import chosen_reason
+    from keras_hub_autodist.searching.report import chosen_reason
+    from keras_hub_autodist.searching.search import STRATEGIES
+    from keras_hub_autodist.searching.search import search
 
     result = search(
         preset,
