@@ -11,6 +11,7 @@ Most tests replace the compiler (`search.compiled_memory`) by a stand-in
 that answers from the layout: what is under test is the search's
 bookkeeping, not XLA."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -496,3 +497,27 @@ def test_from_preset_names_the_searched_axes_as_the_call_does(
     )
     assert set(mesh) <= {"data", "tensor", "seq"} and "data" in mesh
     assert (options.batch_axis, options.model_axis) == ("data", "tensor")
+
+
+def test_the_chosen_layout_is_one_its_compile_shows_to_fit(
+    tmp_path, compiler, monkeypatch
+):
+    # The first compiles (the rule's choice and the fastest by the closed
+    # form) don't fit; later ones would. The search stops its first pass
+    # at 2 x max_compiles without a fit, then compiles the layout ranked
+    # first on the closed form alone before choosing it.
+    first_pass = []
+    compiled_memory = search_module.compiled_memory
+
+    def too_large_at_first(layout, batch_size, *args, **kwargs):
+        memory = compiled_memory(layout, batch_size, *args, **kwargs)
+        first_pass.append(layout)
+        if len(first_pass) <= 3:
+            return dataclasses.replace(memory, peak_bytes=10**15)
+        return memory
+
+    monkeypatch.setattr(search_module, "compiled_memory", too_large_at_first)
+    result = _search(tmp_path, max_compiles=1)
+    assert len(first_pass) > 3
+    assert result.chosen.stage == COMPILED and result.chosen.fits
+    assert result.chosen.compiled.peak_bytes < 10**15

@@ -390,18 +390,10 @@ def search(
         e.candidate for e in _compile_order(entries, planned) if e.candidate != rule
     ]
     compiles = hits = fitting = failed = implied = 0
-    for candidate in to_compile:
-        # Candidates that failed to compile don't count: the next ones are
-        # compiled in their place. One whose answer is implied counts as
-        # compiled, without the compile's time.
-        done = compiles - failed + implied
-        if done > max_compiles and (fitting or done > 2 * max_compiles):
-            break
-        if failed >= 2 * (max_compiles + 1) and not done:
-            break  # none compiles: the same failure each time
-        if _slower_twin_of_a_fit(candidate, entries):
-            implied += 1
-            continue
+
+    def compile_entry(candidate):
+        """Compile one candidate and put what its compile says in its entry."""
+        nonlocal compiles, hits, fitting, failed
         layout = planned[candidate]
         compiles += 1
         try:
@@ -423,7 +415,7 @@ def search(
             entries[candidate] = dataclasses.replace(
                 entries[candidate], stage=FAILED, fits=False, error=_words(error)
             )
-            continue
+            return
         hits += hit
         fits = compiled_fits(memory, layout.device_memory_bytes)
         fitting += fits
@@ -444,8 +436,29 @@ def search(
                 speed,
             ),
         )
+
+    for candidate in to_compile:
+        # Candidates that failed to compile don't count: the next ones are
+        # compiled in their place. One whose answer is implied counts as
+        # compiled, without the compile's time.
+        done = compiles - failed + implied
+        if done > max_compiles and (fitting or done > 2 * max_compiles):
+            break
+        if failed >= 2 * (max_compiles + 1) and not done:
+            break  # none compiles: the same failure each time
+        if _slower_twin_of_a_fit(candidate, entries):
+            implied += 1
+            continue
+        compile_entry(candidate)
     if compiles and compiles == failed:
         _none_compiled(entries, device, devices)
+    # One ranked first on the closed form alone is compiled before it is
+    # chosen: what is chosen, a compile showed to fit (`max_compiles` more).
+    for _ in range(max_compiles):
+        first = min(entries.values(), key=_rank)
+        if first.stage != NOT_COMPILED:
+            break
+        compile_entry(first.candidate)
     ranked = sorted(entries.values(), key=_rank)
     chosen = ranked[0]
     entries_out = tuple(explain(ranked, chosen, profile, speed))
