@@ -16,7 +16,7 @@ Keras' own choice of a fused kernel inside `ops.dot_product_attention`
 needs no answer here: inside a compiled step keras-hub's mask is traced, so
 on a TPU Keras falls back to `jax.nn.dot_product_attention`'s XLA path, the
 one it takes on this machine; a GPU of compute capability 8.0 or more would
-take cuDNN's kernel, which a compile-only GPU can't check (docs/fitting.md).
+take cuDNN's kernel, which a compile-only GPU can't check (docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import NamedTuple
 _KERAS_UTILS = "keras_hub.src.utils.keras_utils"
 _MODELS = "keras_hub.src.models"
 # keras-hub's modules that import `running_on_tpu`/`running_on_gpu` by
-# name to choose an attention path (`tests/test_compat.py` checks this list
-# against every keras-hub module that does).
+# name to choose an attention path (`tests/test_target_program.py` checks
+# this list against every keras-hub module that does).
 CHECKING_MODULES = tuple(
     f"{_MODELS}.{family}.{family}_attention"
     for family in ("gemma", "gemma3", "gemma4", "mixtral", "qwen_moe")
