@@ -105,3 +105,40 @@ def test_a_gpu_compile_takes_that_gpus_attention_path(monkeypatch, device, fused
     memory, choices = _compile(device, monkeypatch)
     assert memory.platform == "gpu"
     assert choices == {fused}
+
+
+def test_keras_attention_takes_no_soft_cap_when_traced_for_a_tpu():
+    """On a TPU, Keras' attention with keras-hub's traced mask falls back to
+    XLA's, which drops `attn_logits_soft_cap`; Keras refuses the argument
+    where JAX's devices are not TPUs. Traced for a TPU, it is dropped."""
+    import keras
+    import numpy as np
+
+    q = np.random.default_rng(0).normal(size=(1, 4, 2, 8)).astype("float32")
+    with pytest.raises(ValueError, match="only supported for JAX on TPU"):
+        keras.ops.dot_product_attention(q, q, q, attn_logits_soft_cap=1.0)
+    with compat.answering_for("tpu", "TPU v5 lite"):
+        capped = keras.ops.dot_product_attention(q, q, q, attn_logits_soft_cap=1.0)
+    np.testing.assert_allclose(capped, keras.ops.dot_product_attention(q, q, q))
+
+
+SOFT_CAPPED_GEMMA = {
+    "class_name": "GemmaBackbone",
+    "config": dict(
+        TILED_GEMMA["config"],
+        attention_logit_soft_cap=50.0,
+        final_logit_soft_cap=30.0,
+        use_post_ffw_norm=True,
+        use_post_attention_norm=True,
+        query_head_dim_normalize=False,
+    ),
+}
+
+
+@needs_tpu_compiler
+def test_a_soft_capped_gemma_compiles_for_a_tpu(monkeypatch):
+    plan = keras_hub_autodist.plan(SOFT_CAPPED_GEMMA, {"batch": 1}, device_memory="v5e")
+    choices = _fused_choices(monkeypatch)
+    memory = compiled_memory(plan, 2, 16, preset=SOFT_CAPPED_GEMMA, device="v5e")
+    assert memory.platform == "tpu" and not memory.out_of_memory
+    assert set(choices) == {True}

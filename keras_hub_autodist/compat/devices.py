@@ -13,10 +13,13 @@ these checks answer for that device in the calling thread (and its
 contexts), and defer to keras-hub everywhere else.
 
 Keras' own choice of a fused kernel inside `ops.dot_product_attention`
-needs no answer here: inside a compiled step keras-hub's mask is traced, so
-on a TPU Keras falls back to `jax.nn.dot_product_attention`'s XLA path, the
-one it takes on this machine; a GPU of compute capability 8.0 or more would
-take cuDNN's kernel, which a compile-only GPU can't check (docs/concepts.md).
+needs no answer: inside a compiled step keras-hub's mask is traced, so on a
+TPU Keras falls back to `jax.nn.dot_product_attention`'s XLA path, the one
+it takes on this machine; a GPU of compute capability 8.0 or more would take
+cuDNN's kernel, which a compile-only GPU can't check (docs/concepts.md).
+That fallback drops `attn_logits_soft_cap` (Gemma 2's attention soft cap):
+the TPU's step has none. Keras refuses the argument unless JAX's own
+devices are TPUs, so for a TPU it is dropped here as the TPU drops it.
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ ANSWERS = {
     ),
 }
 # Each (module, check) replaced: the checks as the attention modules
-# imported them, and the GPU's names as keras-hub's utilities read them.
+# imported them, the GPU's names as keras-hub's utilities read them, and
+# Keras' attention as those modules call it (`keras.ops`).
 TOUCHPOINTS = tuple(
     (module, check) for module in CHECKING_MODULES for check in _RUNNING_ON
-) + ((_KERAS_UTILS, "get_gpu_names"),)
+) + ((_KERAS_UTILS, "get_gpu_names"), ("keras.ops", "dot_product_attention"))
 # `compat.Patch` fields: (name, holder, attribute, owner, lasts).
 PATCH_FIELDS = tuple(
     (
@@ -92,9 +96,25 @@ def _answering(check: str):
     return replace
 
 
-# Patch name -> the function of keras-hub's check that replaces it
-# (`compat.patched`, installed by `compat.answering_for`).
-REPLACEMENTS = {name: _answering(check) for name, _, check, *_ in PATCH_FIELDS}
+def _attention_as_on_the_device(original):
+    @functools.wraps(original)
+    def attention(*args, **kwargs):
+        device = _DEVICE.get()
+        if device is not None and device.platform == "tpu":
+            kwargs.pop("attn_logits_soft_cap", None)  # the module's docstring
+        return original(*args, **kwargs)
+
+    return attention
+
+
+# Patch name -> the function of Keras' or keras-hub's attribute that
+# replaces it (`compat.patched`, installed by `compat.answering_for`).
+REPLACEMENTS = {
+    name: _attention_as_on_the_device
+    if check == "dot_product_attention"
+    else _answering(check)
+    for name, _, check, *_ in PATCH_FIELDS
+}
 
 
 @contextlib.contextmanager
