@@ -15,7 +15,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-import keras_hub_autodist.compat.tied_embeddings as tied_embeddings
+from keras_hub_autodist.compat.tied_embeddings import SHARDED_WEIGHTS_INDEX
+from keras_hub_autodist.compat.tied_embeddings import TYING_FIELD
+from keras_hub_autodist.compat.tied_embeddings import WEIGHTS_FILE
+from keras_hub_autodist.compat.tied_embeddings import lacks_tying
+from keras_hub_autodist.compat.tied_embeddings import with_tying
 
 _PRESET_UTILS = "keras_hub.src.utils.preset_utils"
 _LLAMA = "keras_hub.models.LlamaBackbone"
@@ -51,10 +55,8 @@ def config_says_tying(get_config):
     @functools.wraps(get_config)
     def call(self):  # the original: `call.__wrapped__`
         config = get_config(self)
-        if hasattr(self, tied_embeddings.TYING_FIELD):
-            config.setdefault(
-                tied_embeddings.TYING_FIELD, getattr(self, tied_embeddings.TYING_FIELD)
-            )
+        if hasattr(self, TYING_FIELD):
+            config.setdefault(TYING_FIELD, getattr(self, TYING_FIELD))
         return config
 
     return call
@@ -65,7 +67,7 @@ def _weights_file(preset) -> str | None:
     as keras-hub fetches it to load the weights; None when it has none."""
     from keras_hub.src.utils import preset_utils
 
-    for name in (tied_embeddings.WEIGHTS_FILE, tied_embeddings.SHARDED_WEIGHTS_INDEX):
+    for name in (WEIGHTS_FILE, SHARDED_WEIGHTS_INDEX):
         try:
             if preset_utils.check_file_exists(preset, name):
                 return preset_utils.get_file(preset, name)
@@ -88,10 +90,10 @@ def _with_tying(serialized: Mapping, preset) -> Mapping:
         if fixed is backbone:
             return serialized
         return {**serialized, "config": {**config, "backbone": fixed}}
-    if not tied_embeddings.lacks_tying(serialized, config):
+    if not lacks_tying(serialized, config):
         return serialized
     weights = _weights_file(preset)
-    fixed = tied_embeddings.with_tying(serialized, config, weights)
+    fixed = with_tying(serialized, config, weights)
     return {**serialized, "config": fixed}
 
 
