@@ -212,8 +212,6 @@ def _backbone_config(plan, preset):
 def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_rank):
     """The task model and its optimizer, built with deferred variables that
     carry their layouts, and the distribution they were laid out with."""
-
-    from keras_hub_autodist import compat
     from keras_hub_autodist.attention.context_attention import (
         install_per_device_attention,
     )
