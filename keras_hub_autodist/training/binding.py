@@ -243,7 +243,8 @@ def _placing(name, method, bound, args, kwargs):
     were placed then and keep their lasting layouts: placing them again
     would walk every variable of the model on each call."""
     function = name.replace("make_", "")
-    if getattr(bound.model, function, None) is None or kwargs.get("force"):
+    force = kwargs.get("force", args[0] if args else False)
+    if getattr(bound.model, function, None) is None or force:
         place_state(bound.model, bound.distribution)
     result = method(*args, **kwargs)
     record_steps(bound.model, function)
