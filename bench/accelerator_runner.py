@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from bench import accelerator_choices as choices
@@ -99,52 +100,79 @@ def _result(rows: list[dict]) -> dict:
 
 
 class Presets:
-    """The run's presets, made in the background on the host's CPU."""
+    """The run's presets, made one after another in the background on the
+    host's CPU, in the order the measurements need them.
+
+    One at a time: making a preset holds its model in float32 for a
+    moment, and three at once (a load part beside two models) ran the TPU
+    machine's 40 GiB of host memory out.
+    """
 
     def __init__(self, folder: str, models: list[str], tiny: bool):
         self.paths = {}
-        self.jobs = {}
         self.seconds = {}
+        self.errors = {}
+        self._made = {model: threading.Event() for model in models}
+        self._job = None
+        self._closed = False
         for model in models:
+            self.paths[model] = os.path.join(folder, f"{model}_shape")
+        self._maker = threading.Thread(
+            target=self._make_all, args=(models, tiny), daemon=True
+        )
+        self._maker.start()
+
+    def _make_all(self, models: list[str], tiny: bool):
+        code = (
+            "import os; os.environ['KERAS_BACKEND'] = 'jax'\n"
+            "import keras, keras_hub, json, sys\n"
+            "keras.utils.set_random_seed(0)\n"
+            "cls = getattr(keras_hub.models, sys.argv[2])\n"
+            "cls(**json.loads(sys.argv[3]), dtype='bfloat16')"
+            ".save_to_preset(sys.argv[1])\n"
+        )
+        env = _child_env()
+        env["JAX_PLATFORMS"] = "cpu"  # the device is the children's
+        for model in models:
+            if self._closed:
+                break
             class_name, config = accelerator_steps.model_config(model, tiny)
-            path = os.path.join(folder, f"{model}_shape")
-            code = (
-                "import os; os.environ['KERAS_BACKEND'] = 'jax'\n"
-                "import keras, keras_hub, json, sys\n"
-                "keras.utils.set_random_seed(0)\n"
-                "cls = getattr(keras_hub.models, sys.argv[2])\n"
-                "cls(**json.loads(sys.argv[3]), dtype='bfloat16')"
-                ".save_to_preset(sys.argv[1])\n"
+            started = time.perf_counter()
+            self._job = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    self.paths[model],
+                    class_name,
+                    json.dumps(config),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
             )
-            env = _child_env()
-            env["JAX_PLATFORMS"] = "cpu"  # the device is the children's
-            self.paths[model] = path
-            self.jobs[model] = (
-                subprocess.Popen(
-                    [sys.executable, "-c", code, path, class_name, json.dumps(config)],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                ),
-                time.perf_counter(),
-            )
+            _, err = self._job.communicate()
+            self.seconds[model] = time.perf_counter() - started
+            if self._job.returncode:
+                self.errors[model] = err.strip()[-500:]
+            self._made[model].set()
 
     def path(self, model: str) -> str | None:
         """The preset of `model`, once made; None where making it failed."""
-        if model in self.jobs:
-            job, started = self.jobs.pop(model)
-            _, err = job.communicate()
-            self.seconds[model] = time.perf_counter() - started
-            if job.returncode:
-                print(f"preset {model} failed: {err.strip()[-500:]}", flush=True)
-                self.paths[model] = None
+        if model not in self._made:
+            return None
+        self._made[model].wait()
+        if model in self.errors:
+            print(f"preset {model} failed: {self.errors.pop(model)}", flush=True)
+            self.paths[model] = None
         return self.paths.get(model)
 
     def close(self):
-        for job, _ in self.jobs.values():
-            job.kill()
-            job.wait()
+        self._closed = True
+        if self._job is not None and self._job.poll() is None:
+            self._job.kill()
+        self._maker.join(timeout=30)
 
 
 def _nvidia_smi(query: str) -> list[str]:

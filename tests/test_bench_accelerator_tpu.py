@@ -191,6 +191,43 @@ def test_a_child_stopped_at_its_time_keeps_its_finished_rungs():
     assert [r["batch"] for r in rows] == [4, 8]
 
 
+def test_presets_are_made_one_at_a_time_in_the_order_needed(monkeypatch, tmp_path):
+    # Three makers at once ran the TPU machine's host memory out.
+    import threading
+    import time
+
+    running, most, order = [0], [0], []
+    lock = threading.Lock()
+
+    class Maker:
+        def __init__(self, argv, **kwargs):
+            self.returncode = None
+            self.name = argv[4]
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+                order.append(self.name)
+
+        def communicate(self):
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+            self.returncode = 1 if self.name == "GemmaBackbone" else 0
+            return "", "no such preset"
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(accelerator_runner.subprocess, "Popen", Maker)
+    models = ["llama3.2_1b", "gemma3_1b", "gemma_2b"]
+    presets = accelerator_runner.Presets(str(tmp_path), models, tiny=True)
+    assert presets.path("gemma3_1b") == str(tmp_path / "gemma3_1b_shape")
+    assert presets.path("gemma_2b") is None  # its maker failed
+    presets.close()
+    assert most[0] == 1
+    assert order == [accelerator_steps.model_config(m, True)[0] for m in models]
+
+
 def test_the_kit_brings_what_keras_hub_imports_for_python_3_11():
     script = (ROOT / "scripts" / "accelerator_kit.sh").read_text()
     listed = re.search(r"PACKAGES=\((.*?)\)", script, re.S).group(1)
