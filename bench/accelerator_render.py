@@ -174,8 +174,8 @@ def _ladder_lines(results) -> list[str]:
 def _memory_lines(results, predictions) -> list[str]:
     """Each autodist step's measured memory against the answers given
     before it ran: the target compile (on a CPU machine, with its verdict),
-    the local compile (on the device), the plan's closed form and the
-    calibrated one."""
+    the local compile (on the device), the plan's closed form, the
+    calibrated one and its verdict (yes, NO or maybe: `step_verdict`)."""
     rows = [
         r
         for r in results["training"]
@@ -191,11 +191,12 @@ def _memory_lines(results, predictions) -> list[str]:
         "program's where read, else the device's peak). Target compile: the "
         "step compiled for this accelerator on a CPU-only machine before the "
         "run (`bench/predictions/`), and whether it fit there; local compile: "
-        "`compiled_memory` on the device itself.",
+        "`compiled_memory` on the device itself; closed form says: "
+        "`step_verdict`'s answer for the target, given before the run.",
         "",
         "| step | runs | measured | target compile | target says | local compile "
-        "| closed form | calibrated closed form |",
-        "|---|---|---|---|---|---|---|---|",
+        "| closed form | calibrated closed form | closed form says |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         measured = measured_bytes(r)
@@ -214,7 +215,8 @@ def _memory_lines(results, predictions) -> list[str]:
             f"{_gb(measured)} | {cell(predicted.get('target_peak_bytes'))} | "
             f"{says} | {cell(r.get('compiled_peak_bytes'))} | "
             f"{cell(r.get('closed_form_bytes'))} | "
-            f"{cell(r.get('calibrated_bytes'))} |"
+            f"{cell(r.get('calibrated_bytes'))} | "
+            f"{predicted.get('closed_form_verdict', '')} |"
         )
     return lines
 

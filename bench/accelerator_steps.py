@@ -215,6 +215,7 @@ def predict(target: str, tiny: bool = False) -> dict:
 
     import keras_hub_autodist
     from keras_hub_autodist.fitting import step_memory
+    from keras_hub_autodist.fitting import verdicts
     from keras_hub_autodist.fitting.compile_targets import target_spec
 
     rows = {}
@@ -240,6 +241,9 @@ def predict(target: str, tiny: bool = False) -> dict:
             calibrated = step_memory.step_estimate(
                 plan, batch, step.sequence, "adam", platform=compiled.platform
             ).total_bytes
+            verdict = verdicts.step_verdict(
+                plan, batch, step.sequence, "adam", platform=target
+            )
             rows[step.name(batch)] = dict(
                 target_peak_bytes=compiled.peak_bytes,
                 target_argument_bytes=compiled.argument_bytes,
@@ -249,6 +253,7 @@ def predict(target: str, tiny: bool = False) -> dict:
                 compile_s=seconds,
                 closed_form_bytes=closed,
                 calibrated_bytes=calibrated,
+                closed_form_verdict=verdict.answer,
             )
             print(
                 f"{step.name(batch)}: {compiled.peak_bytes / 1e9:.2f} GB"

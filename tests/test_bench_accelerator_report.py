@@ -58,7 +58,12 @@ def _results():
 
 
 def test_each_answer_is_reported_as_a_ratio_of_the_measured_peak():
-    predictions = {"gemma_2b full 4x1024": {"target_peak_bytes": 33.6e9}}
+    predictions = {
+        "gemma_2b full 4x1024": {
+            "target_peak_bytes": 33.6e9,
+            "closed_form_verdict": "maybe",
+        }
+    }
     text = accelerator_render.render(_results(), predictions)
     row = next(
         line
@@ -72,7 +77,18 @@ def test_each_answer_is_reported_as_a_ratio_of_the_measured_peak():
         "30.00 GB (0.94)",  # the local compile on the device
         "40.00 GB (1.25)",  # the plan's closed form
         "36.00 GB (1.12)",  # the calibrated closed form
+        "maybe",  # its verdict, given before the run
     ]
+    # A "maybe" is never wrong; a "NO" for a step that ran is.
+    assert (
+        "| closed form's verdict is not wrong | gemma_2b full 4x1024 (maybe) |" in text
+    )
+    predictions["gemma_2b full 4x1024"]["closed_form_verdict"] = "NO"
+    text = accelerator_render.render(_results(), predictions)
+    assert (
+        "| closed form's verdict is not wrong | gemma_2b full 4x1024 (NO) "
+        "| 0.000 | >= 1 | **no** |"
+    ) in text
 
 
 def test_failures_warnings_and_kernels_are_shown_not_dropped():
