@@ -261,10 +261,11 @@ def child_rows(kind, *args) -> dict | None:
         path, variant, seq, steps = args
         return child_long(path, variant, int(seq), int(steps))
     if kind == "train":
-        path, variant, lora, batches, seq, steps, warmup, generate, check = args
+        path, variant, lora, batches, seq, steps, warmup, generate, check, remat = args
         batches = [int(b) for b in batches.split(",")]
         sizes = (int(lora), batches, int(seq), int(steps), int(warmup))
-        child_train(path, variant, *sizes, int(generate), check == "1")
+        remat = None if remat == "-" else remat
+        child_train(path, variant, *sizes, int(generate), check == "1", remat)
         return None
     raise SystemExit(f"unknown child {kind!r}")
 

@@ -35,8 +35,9 @@ BUDGET_S = {
 TOTAL_S = {"gpu": None, "tpu": 450}
 # family -> the model whose loading is measured.
 LOAD_MODEL = {"gpu": "gemma_7b", "tpu": "gemma_2b"}
-# family -> sequences of one Gemma 2B LoRA sequence (`long`). On a TPU one
-# sequence of 8192 was refused (27 GiB), so the part is off by default.
+# family -> sequences of one Gemma 2B LoRA sequence (`long`) where the
+# family measures no training steps for that part
+# (`accelerator_steps.LONG_STEPS`: a TPU trains Gemma 3 1B at 8k and 32k).
 LONG_SEQUENCES = {"gpu": [32768], "tpu": [8192]}
 LONG_SEQUENCES_TINY = [256]
 # The attention head shapes: (query heads, key/value heads, head_dim). The

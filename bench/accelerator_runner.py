@@ -304,6 +304,7 @@ def _train(step, path, clock, results, save):
             step.warmup,
             step.generate,
             int(step.local_check),
+            step.remat or "-",
             timeout=clock.child_limit(),
         )
         rungs, generated = [], {}
@@ -376,11 +377,14 @@ def run(
         if out is not None:
             (out / "accelerator.json").write_text(json.dumps(results, indent=1))
 
+    long_steps = (
+        accelerator_steps.long_steps_of(family, tiny) if "long" in parts else []
+    )
     needed = [step.model for step in steps]
     if "load" in parts:
         needed.append(load_model)
     if "long" in parts:
-        needed.append("gemma_2b")
+        needed += [step.model for step in long_steps] or ["gemma_2b"]
     with tempfile.TemporaryDirectory(dir=root) as folder:
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(folder, "xla"))
         presets = Presets(folder, list(dict.fromkeys(needed)), tiny)
@@ -397,6 +401,9 @@ def run(
                         _train(step, presets.path(step.model), clock, results, save)
                 elif part == "load":
                     _load(presets.path(load_model), clock, results, save)
+                elif part == "long" and long_steps:
+                    for step in long_steps:
+                        _train(step, presets.path(step.model), clock, results, save)
                 elif part == "long":
                     _long(
                         presets.path("gemma_2b"),

@@ -135,6 +135,8 @@ class Step:
         pair: also time plain keras-hub on the same ladder.
         local_check: also compile the step on the device with
             `compiled_memory` before training (the local compile).
+        remat: autodist's `from_preset(..., remat=...)` ("" for none);
+            keras-hub has no such argument.
     """
 
     label: str
@@ -147,6 +149,7 @@ class Step:
     generate: int = 0
     pair: bool = False
     local_check: bool = False
+    remat: str = ""
 
     def name(self, batch: int) -> str:
         """The rung's name in the tables and in the predictions.
@@ -156,7 +159,8 @@ class Step:
         'gemma_2b lora8 8x1024'
         """
         kind = f"lora{self.lora_rank}" if self.lora_rank else "full"
-        return f"{self.label} {kind} {batch}x{self.sequence}"
+        remat = f" remat {self.remat}" if self.remat else ""
+        return f"{self.label} {kind} {batch}x{self.sequence}{remat}"
 
     def names(self) -> list[str]:
         return [self.name(batch) for batch in self.batches]
@@ -183,18 +187,35 @@ TPU_STEPS = [
     Step("gemma3_1b", "gemma3_1b", 8, (1,), 4096, 3, 2, pair=True),
     Step("llama3.2_1b untied", "llama3.2_1b", 0, (2,), 1024, 3, 2, pair=True),
 ]
+# Long sequences on the one chip (the part `long`): splash on the
+# one-device mesh and the loss a chunk of tokens at a time; keras-hub
+# beside it at 8192, which it was refused at (30.68 GiB), and 32768 with
+# each decoder block recomputed.
+TPU_LONG_STEPS = [
+    Step("gemma3_1b_8k", "gemma3_1b", 8, (1,), 8192, 3, 1, pair=True),
+    Step("gemma3_1b_32k", "gemma3_1b", 8, (1,), 32768, 2, 1, remat="full"),
+]
 TPU_TINY_STEPS = [
     Step("tiny gemma", "gemma_2b", 8, (2, 4), 32, 2, 2, pair=True),
     Step("tiny gemma3", "gemma3_1b", 8, (1,), 64, 2, 2, pair=True),
     Step("tiny llama", "llama3.2_1b", 0, (2,), 32, 2, 2, pair=True),
 ]
 STEPS = {"gpu": (GPU_STEPS, GPU_TINY_STEPS), "tpu": (TPU_STEPS, TPU_TINY_STEPS)}
+# The part `long` of a family measured as training steps (a GPU's is
+# `accelerator_children.child_long`'s, Gemma 2B at 32k tokens).
+LONG_STEPS = {"tpu": TPU_LONG_STEPS}
 
 
 def steps_of(family: str, tiny: bool) -> list[Step]:
     """The steps measured for an accelerator `family` ("gpu" or "tpu")."""
     full, small = STEPS[family]
     return small if tiny else full
+
+
+def long_steps_of(family: str, tiny: bool) -> list[Step]:
+    """The training steps of the part `long` for `family` ([] where that
+    part is measured otherwise, or for the tiny run)."""
+    return [] if tiny else LONG_STEPS.get(family, [])
 
 
 def predict(target: str, tiny: bool = False) -> dict:
@@ -219,7 +240,8 @@ def predict(target: str, tiny: bool = False) -> dict:
     from keras_hub_autodist.fitting.compile_targets import target_spec
 
     rows = {}
-    for step in steps_of(target_spec(target).platform, tiny):
+    family = target_spec(target).platform
+    for step in steps_of(family, tiny) + long_steps_of(family, tiny):
         class_name, config = model_config(step.model, tiny)
         preset = {"class_name": class_name, "config": config}
         plan = keras_hub_autodist.plan(
@@ -228,6 +250,7 @@ def predict(target: str, tiny: bool = False) -> dict:
             dtype="bfloat16",
             lora_rank=step.lora_rank or None,
             device_memory=target,
+            remat=step.remat or None,
         )
         for batch in step.batches:
             start = time.perf_counter()

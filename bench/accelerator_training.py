@@ -67,7 +67,7 @@ def device_memory():
     return None, sum(a.nbytes for a in jax.live_arrays())
 
 
-def _answers(path, lora_rank, batch, seq, local_check) -> dict:
+def _answers(path, lora_rank, batch, seq, local_check, remat=None) -> dict:
     """The package's answers for this step before it runs: the closed forms
     (the plan's, and the calibrated one for this platform) and, with
     `local_check`, the step compiled on this device (`compiled_memory`)."""
@@ -80,7 +80,7 @@ def _answers(path, lora_rank, batch, seq, local_check) -> dict:
     devices = keras.distribution.list_devices()[:1]
     mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)
     plan = keras_hub_autodist.plan(
-        path, mesh, dtype="bfloat16", lora_rank=lora_rank or None
+        path, mesh, dtype="bfloat16", lora_rank=lora_rank or None, remat=remat
     )
     row = {}
     if local_check:
@@ -165,6 +165,7 @@ def child_train(
     warmup: int,
     generate: int,
     local_check: bool,
+    remat: str | None = None,
     emit: Callable[[dict], None] = lambda row: print(json.dumps(row), flush=True),
 ) -> list[dict]:
     """Train one model on a ladder of batches, in this fresh process.
@@ -180,6 +181,7 @@ def child_train(
         generate: new tokens of a greedy `generate` timing at the first
             batch that ran, after the ladder (a row of its own); 0 skips it.
         local_check: also compile each rung with `compiled_memory` first.
+        remat: autodist's `remat=` (None: none).
         emit: called with each rung's row as soon as it is measured.
 
     Returns:
@@ -194,6 +196,8 @@ def child_train(
     kwargs = dict(preprocessor=None, dtype="bfloat16")
     if variant == "autodist":
         kwargs["device_mesh"] = ONE_DEVICE
+        if remat:
+            kwargs["remat"] = remat
     start = time.perf_counter()
     lm = keras_hub.models.CausalLM.from_preset(path, **kwargs)
     load_s = time.perf_counter() - start
@@ -209,7 +213,7 @@ def child_train(
         def measure(batch):
             row = dict(load_s=load_s)
             if variant == "autodist":
-                row.update(_answers(path, lora_rank, batch, seq, local_check))
+                row.update(_answers(path, lora_rank, batch, seq, local_check, remat))
             row.update(_measure(lm, recorded, batch, seq, steps, warmup))
             emit(row)
             return row

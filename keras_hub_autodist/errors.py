@@ -172,6 +172,12 @@ class UnplannedWeightWarning(UserWarning):
     """With `strict=False`: weights that match no rule stay replicated."""
 
 
+class WholeLogitsWarning(UserWarning):
+    """A bound causal LM's step computes its loss over the whole
+    vocabulary's logits (the compiled loss or metrics need them), not one
+    chunk of tokens at a time. Said once per model and reason."""
+
+
 class PaddingWarning(UserWarning):
     """A bound model pads a batch (or prompts) to a multiple of the batch
     axis: results are those of the real rows, the padded ones cost compute.

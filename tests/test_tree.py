@@ -33,6 +33,7 @@ STAGES = (
     ("architectures",),
     ("planning",),
     ("attention",),
+    ("loss",),
     ("fitting",),
     ("searching",),
     ("loading",),

@@ -1,10 +1,15 @@
-"""What the context axis' per-device attention holds at once, as data: the
-estimate reads it without importing JAX (`blockwise_attention` computes
-with it)."""
+"""What the per-device attention holds at once, and the shapes the splash
+kernel takes, as data: the estimate reads them without importing JAX
+(`blockwise_attention` and `splash_attention` compute with them)."""
 
 # The context axis' strategies are an option of the plan, declared with the
 # options; the kernels of each are this stage's.
 from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES  # noqa: F401
+
+# The platforms whose devices attend per device off a context mesh too, with
+# their fused kernel where its shapes apply (`context_attention`'s
+# `EVERY_MESH_KERNELS`): splash on a TPU.
+EVERY_MESH_PLATFORMS = ("tpu",)
 
 # Keys per block: the scores held at once are `[batch, heads, queries,
 # KEY_BLOCK]` in float32.
@@ -26,3 +31,41 @@ PER_DEVICE_ARCHITECTURES = (
     "qwen3_moe",
     "smollm3",
 )
+
+# The kernel's head dimension is laid out in lanes of 128 values.
+HEAD_DIM_MULTIPLE = 128
+
+# The query and key blocks tried, largest first: the first that divides a
+# device's queries and the whole sequence is taken.
+BLOCK_SIZES = (512, 256, 128)
+
+
+def block_size(queries: int, sequence: int) -> int | None:
+    """The splash block for `queries` per device and `sequence` keys, or
+    `None` when no block of `BLOCK_SIZES` divides both.
+
+    Example:
+    >>> block_size(4096, 32768), block_size(96, 768)
+    (512, None)
+    """
+    for size in BLOCK_SIZES:
+        if queries % size == 0 and sequence % size == 0:
+            return size
+    return None
+
+
+def applies(head_dim: int, queries: int, sequence: int, contexts: int) -> bool:
+    """Whether splash can attend `queries` per device of a `sequence` cut
+    in `contexts` blocks: a head dimension of whole lanes, a block that
+    divides both lengths, and a sequence that the mask's shards split
+    evenly (splash asks `contexts²` to divide it).
+
+    Example:
+    >>> applies(256, 4096, 32768, 8), applies(64, 4096, 32768, 8)
+    (True, False)
+    """
+    return (
+        head_dim % HEAD_DIM_MULTIPLE == 0
+        and block_size(queries, sequence) is not None
+        and sequence % (contexts * contexts) == 0
+    )

@@ -1,4 +1,4 @@
-"""Attention run per device under `jax.shard_map` on a context mesh.
+"""Attention run per device under `jax.shard_map`, on a context mesh and off one.
 
 Each device holds a block of every sequence. Its attention layers project
 queries, keys and values on that block; here each device then all-gathers
@@ -18,11 +18,18 @@ The masks are rebuilt per block from the rule of the layer's family
 decoder block's mask (its diagonal: a token always sees itself unless it is
 padding), and sliding windows.
 
+Off a context mesh (a batch, model or fsdp mesh, or one device) the same
+runs with no context axis: each device attends its rows' whole sequences,
+its query heads split over the model axis, with the fused kernel of its
+platform (`EVERY_MESH_KERNELS`: splash on a TPU) and padding per row as a
+segment id, never one row's mask for the batch.
+
 `install_per_device_attention` replaces `_compute_attention` on each known
-attention layer of a context-parallel model (`compat.patch_instance`, the
+attention layer of a planned model (`compat.patch_instance`, the
 `attention_per_device` patch). The replacement takes the layer's own path
-while decoding, with a cache, for dropout on the attention weights, or
-outside a `ContextParallel` scope.
+while decoding, with a cache, for dropout on the attention weights,
+outside the plan's distribution, or off a context mesh where the platform
+has no kernel of `EVERY_MESH_KERNELS` that applies.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from jax.sharding import PartitionSpec
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.attention import splash_attention
+from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import blockwise_attention
 from keras_hub_autodist.attention.causal_balance import owner
@@ -50,6 +58,13 @@ STRATEGIES = CONTEXT_PARALLEL_STRATEGIES
 # The kernel each device attends with, by the platform of the mesh's
 # devices: the fused one where it applies, else `blockwise_attention`.
 FUSED_KERNELS = {"tpu": "splash"}
+# Off a context mesh (a batch, model or fsdp mesh, or one device), the
+# kernel each device attends its whole sequences with, by platform, where it
+# applies; a platform not named here keeps the layer's own attention (XLA's
+# on a CPU). keras-hub's own path never reaches splash on a TPU inside a
+# step: its mask is a traced tensor there, and Keras falls back to XLA's
+# attention, which holds every `[sequence, sequence]` score.
+EVERY_MESH_KERNELS = {platform: "splash" for platform in EVERY_MESH_PLATFORMS}
 
 # On a causal sequence, each device attends the queries of two half blocks,
 # one from each end of the sequence (`_balanced`), so that every device
@@ -60,15 +75,16 @@ BALANCE_CAUSAL = True
 def install_per_device_attention(model, plan) -> int:
     """Replace `_compute_attention` on every known keras-hub attention layer
     of `model` with the attention run per device; return how many layers
-    changed (0 without a context axis of more than one device).
+    changed. On a context mesh every such layer attends per device; on any
+    other mesh a layer does where its devices' platform has a kernel of
+    `EVERY_MESH_KERNELS` that applies to its shapes, else it keeps its own
+    attention (decided as the step is traced).
 
     Args:
         model: a keras-hub Backbone or Task, built.
         plan: its `LayoutPlan`.
     """
     axes = plan.mesh_axes
-    if axes.size(axes.context_axis) <= 1:
-        return 0
     model_axis = axes.model_axis if axes.size(axes.model_axis) > 1 else None
     layers = compat.sublayers(model)
     if any("VisionEncoder" in type(layer).__name__ for layer in layers):
@@ -107,8 +123,10 @@ def _compute_attention(original, reading, model_axis, strategy, *args, **kwargs)
     training = _argument(args, kwargs, 4, "training", False)
     cache_index = _argument(args, kwargs, 5, "cache_update_index", 0)
     distribution = keras.distribution.distribution()
+    context = isinstance(distribution, distribution_lib.ContextParallel)
+    kernel = None if context else _every_mesh_kernel(distribution, reading, query)
     own_path = (
-        not isinstance(distribution, distribution_lib.ContextParallel)
+        not (context or kernel)
         or distribution_lib.is_decoding()
         # No cache index (Qwen, SmolLM3) or 0: the whole sequence at once.
         or not (
@@ -138,10 +156,26 @@ def _compute_attention(original, reading, model_axis, strategy, *args, **kwargs)
         key_padding(mask, query.shape[0], key.shape[1]),
         mesh=distribution.device_mesh.backend_mesh,
         batch_axis=distribution.batch_dim_name,
-        context_axis=distribution.context_dim_name,
+        context_axis=distribution.context_dim_name if context else None,
         model_axis=model_axis,
         strategy=strategy,
+        kernel=kernel,
     )
+
+
+def _every_mesh_kernel(distribution, reading, query) -> str | None:
+    """Off a context mesh, the kernel of `EVERY_MESH_KERNELS` this layer's
+    devices attend with, or None (the layer's own attention)."""
+    if distribution is None or not hasattr(distribution, "batch_dim_name"):
+        return None
+    mesh = distribution.device_mesh.backend_mesh
+    kernel = EVERY_MESH_KERNELS.get(mesh.devices.flat[0].platform)
+    sequence, head_dim = query.shape[1], query.shape[-1]
+    if kernel == "splash" and not splash_attention.applies(
+        head_dim, sequence, sequence, 1
+    ):
+        return None
+    return kernel
 
 
 def key_padding(mask, batch: int, length: int):
@@ -170,7 +204,7 @@ def attention_per_device(
     *,
     mesh,
     batch_axis: str,
-    context_axis: str,
+    context_axis: str | None,
     model_axis: str | None = None,
     strategy: str = "all_gather",
     kernel: str | None = None,
@@ -189,7 +223,8 @@ def attention_per_device(
         key_valid: `[batch, sequence]` bool, `False` on padding.
         mesh: the `jax.sharding.Mesh`.
         batch_axis: the mesh axis of the batch.
-        context_axis: the mesh axis that splits each sequence.
+        context_axis: the mesh axis that splits each sequence, or `None`:
+            each device attends its rows' whole sequences.
         model_axis: the mesh axis of the heads, or `None`.
         strategy: how keys and values reach each device (`STRATEGIES`):
             `"all_gather"` (the whole sequence's at once) or `"ring"`
@@ -217,8 +252,15 @@ def attention_per_device(
     # Replicated over the model axis: each device slices its own head out.
     slice_kv = heads_axis is not None and kv_axis is None
 
-    contexts = sizes[context_axis]
-    balanced = BALANCE_CAUSAL and rule.causal and query.shape[1] % (2 * contexts) == 0
+    contexts = sizes[context_axis] if context_axis else 1
+    if contexts == 1:
+        strategy = "all_gather"  # nothing to pass around a ring of one
+    balanced = (
+        BALANCE_CAUSAL
+        and contexts > 1
+        and rule.causal
+        and query.shape[1] % (2 * contexts) == 0
+    )
     sequence, block = query.shape[1], query.shape[1] // contexts
     kernel = kernel or FUSED_KERNELS.get(mesh.devices.flat[0].platform, "blockwise")
     if strategy == "ring" or not splash_attention.applies(
@@ -280,12 +322,12 @@ def attention_per_device(
         return [o.reshape(q.shape) for o, q in zip(outputs, queries)]
 
     def local(query, key, value, key_valid, *fused):
-        index = jax.lax.axis_index(context_axis)
+        index = jax.lax.axis_index(context_axis) if context_axis else 0
         if slice_kv:
             first = jax.lax.axis_index(heads_axis) * local_heads // groups
             key = jax.lax.dynamic_slice_in_dim(key, first, 1, axis=2)
             value = jax.lax.dynamic_slice_in_dim(value, first, 1, axis=2)
-        if strategy == "all_gather":
+        if strategy == "all_gather" and context_axis:
             key = jax.lax.all_gather(key, context_axis, axis=1, tiled=True)
             value = jax.lax.all_gather(value, context_axis, axis=1, tiled=True)
         attend_parts = functools.partial(

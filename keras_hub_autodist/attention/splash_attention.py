@@ -37,47 +37,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from keras_hub_autodist.attention.attention_blocks import applies  # noqa: F401
+from keras_hub_autodist.attention.attention_blocks import block_size
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import rows_with_a_key
 from keras_hub_autodist.attention.causal_balance import query_order
-
-# The kernel's head dimension is laid out in lanes of 128 values.
-HEAD_DIM_MULTIPLE = 128
-
-# The query and key blocks tried, largest first: the first that divides a
-# device's queries and the whole sequence is taken.
-BLOCK_SIZES = (512, 256, 128)
-
-
-def block_size(queries: int, sequence: int) -> int | None:
-    """The splash block for `queries` per device and `sequence` keys, or
-    `None` when no block of `BLOCK_SIZES` divides both.
-
-    Example:
-    >>> block_size(4096, 32768), block_size(96, 768)
-    (512, None)
-    """
-    for size in BLOCK_SIZES:
-        if queries % size == 0 and sequence % size == 0:
-            return size
-    return None
-
-
-def applies(head_dim: int, queries: int, sequence: int, contexts: int) -> bool:
-    """Whether splash can attend `queries` per device of a `sequence` cut
-    in `contexts` blocks: a head dimension of whole lanes, a block that
-    divides both lengths, and a sequence that the mask's shards split
-    evenly (splash asks `contexts²` to divide it).
-
-    Example:
-    >>> applies(256, 4096, 32768, 8), applies(64, 4096, 32768, 8)
-    (True, False)
-    """
-    return (
-        head_dim % HEAD_DIM_MULTIPLE == 0
-        and block_size(queries, sequence) is not None
-        and sequence % (contexts * contexts) == 0
-    )
 
 
 def _mask(rule: AttentionRule, order: tuple[int, ...]):
@@ -144,9 +108,9 @@ def splash_kernel(
     return jax.tree.map(np.asarray, kernel)
 
 
-def kernel_spec(kernel, mesh, context_axis: str):
+def kernel_spec(kernel, mesh, context_axis: str | None):
     """`kernel`'s `shard_map` spec: its block tables split over
-    `context_axis`, replicated over every other axis."""
+    `context_axis` (whole with `None`), replicated over every other axis."""
     return kernel.manual_sharding_spec(
         NamedSharding(mesh, PartitionSpec(None, context_axis))
     )

@@ -38,6 +38,14 @@ PATCH_FIELDS = (
         _MODEL_LIFETIME,
     ),
     (
+        "chunked_loss_steps",
+        None,
+        "<call, compute_loss_and_updates, compute_loss, compute_metrics of a "
+        "causal LM, and call of its compiled loss while a step is traced>",
+        "keras_hub_autodist.loss.chunked_steps",
+        _MODEL_LIFETIME,
+    ),
+    (
         "kept_state_steps",
         None,
         "<train_function, test_function, predict_function>",
@@ -50,6 +58,43 @@ PATCH_FIELDS = (
 # `_flatten_y`, `_flat_metrics`, `_flat_weighted_metrics` (`CompileMetrics`):
 # checked on live objects by tests/test_padding_exact.py.
 TOUCHPOINTS = ((_DATA_LIB, "distribute_data_input"),)
+
+
+def trunk_and_head(task):
+    """`(trunk, head)`: a Functional task cut where its backbone's output
+    enters the rest of its graph, as two Keras models sharing the task's
+    layers (`trunk(inputs)` is the backbone's output, `head(trunk(inputs))`
+    the task's); None for a task that isn't one graph through its backbone
+    to one output (read off the backbone's call nodes, `_inbound_nodes`)."""
+    import keras
+
+    backbone = getattr(task, "backbone", None)
+    outputs = getattr(task, "outputs", None)
+    if backbone is None or not outputs or len(outputs) != 1:
+        return None
+    for node in getattr(backbone, "_inbound_nodes", []):
+        if len(node.outputs) != 1:
+            continue
+        try:
+            head = keras.Model(node.outputs[0], outputs[0])
+            trunk = keras.Model(task.inputs, node.outputs[0])
+        except ValueError:  # a call of the backbone outside the task's graph
+            continue
+        return trunk, head
+    return None
+
+
+def compiled_metric_objects(model) -> list:
+    """The `metrics` and `weighted_metrics` given to `compile`, flattened
+    (`CompileMetrics._user_metrics`, `_user_weighted_metrics`); [] where
+    neither was given."""
+    import keras
+
+    compiled = compiled_metrics(model)
+    if compiled is None:
+        return []
+    given = [compiled._user_metrics, compiled._user_weighted_metrics]
+    return [m for m in keras.tree.flatten(given) if m is not None]
 
 
 def loss_tracker(model):

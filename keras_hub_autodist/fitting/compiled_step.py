@@ -216,6 +216,7 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_ran
         install_per_device_attention,
     )
     from keras_hub_autodist.attention.xla_path import attention_through_xla
+    from keras_hub_autodist.loss.chunked_steps import install_chunked_loss
     from keras_hub_autodist.planning.distribution import plan_distribution
     from keras_hub_autodist.planning.remat import remat_scope
     from keras_hub_autodist.planning.remat import rematerialize_blocks
@@ -241,6 +242,8 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_ran
     # plays no part in it.
     model = task_cls(backbone=backbone, preprocessor=None)
     model.compile(optimizer=optimizer)
+    # The loss a bound model's step takes: a chunk of tokens at a time.
+    install_chunked_loss(model)
     with distribution.scope():
         for variable in model.variables:
             compat.set_variable_layout(

@@ -76,6 +76,7 @@ from keras_hub_autodist.fitting.memory_factors import UPDATE_TEMPORARIES
 from keras_hub_autodist.fitting.memory_factors import WEIGHT_TERMS
 from keras_hub_autodist.fitting.trained_state import optimizer_spec
 from keras_hub_autodist.fitting.trained_state import trainable_bytes
+from keras_hub_autodist.loss.chunks import chunk_count
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.remat_arguments import remat_mode
@@ -159,9 +160,36 @@ def per_device_attention(plan) -> bool:
     return plan.architecture in PER_DEVICE_ARCHITECTURES
 
 
+def loss_chunks(plan, rows: int, sequence_length: int, vocabulary: int) -> int:
+    """The chunks of tokens a bound causal LM's step takes its loss in
+    (`loss.chunks.chunk_count`): a trained output embedding keeps more
+    logits per chunk."""
+    axes = plan.mesh_axes
+    trained_head = 0
+    if getattr(plan, "lora_rank", None) is None:
+        output = next(r for r in reversed(plan.rows) if "vocab" in r.logical_axes)
+        trained_head = math.prod(output.shape) * itemsize(output.dtype)
+    return chunk_count(
+        rows,
+        sequence_length,
+        vocabulary,
+        axes.size(axes.context_axis),
+        trained_head,
+    )
+
+
 def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, float]:
     """Elements per device of each term of `ACTIVATION_FACTORS`, unweighted
     (bytes for the terms of weights: `WEIGHT_TERMS`).
+
+    The logits are those of one chunk of tokens (`loss_chunks`): a bound
+    causal LM's step never holds more. Off a context mesh the scores stay
+    `b·H·s²` where a TPU's layers attend with splash too: the step still
+    holds buffers that grow with the square of the sequence there
+    (keras-hub's `[batch, sequence, sequence]` masks among them; on a v5e
+    chip a Gemma 3 1B step grew by about 5 bytes per `s²` from 32k to 64k
+    tokens), and the scores' term, calibrated on XLA's attention, keeps
+    the verdict on the safe side of them.
 
     Example:
     ```python
@@ -225,7 +253,8 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     def experts(row):
         return dim(row, "expert") if "expert" in row.logical_axes else 1
 
-    logits = b * s * dim(output, "vocab") / shards(output)
+    chunks = loss_chunks(plan, step.rows, sequence_length, dim(output, "vocab"))
+    logits = b * s / chunks * dim(output, "vocab") / shards(output)
     gathering = (axes.batch_axis, axes.context_axis)
 
     def gathered_over(row):

@@ -28,6 +28,7 @@ import keras
 from keras_hub_autodist import compat
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.fitting.layout_plan import LayoutPlan
+from keras_hub_autodist.loss.chunked_steps import install_chunked_loss
 from keras_hub_autodist.planning.distribution import decoding
 from keras_hub_autodist.saving.atomic import save_atomically
 from keras_hub_autodist.saving.gathering import save_from_every_process
@@ -310,6 +311,8 @@ def bind(model, distribution, plan: LayoutPlan):
                 "preprocess_samples",
                 padding_preprocess(preprocess, multiple),
             )
+        if target is model:
+            install_chunked_loss(target)
         if padded:
             count_real_rows(target)
         bound = _Bound(target, distribution, multiple, padded)

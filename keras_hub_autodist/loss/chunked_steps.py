@@ -1,0 +1,220 @@
+"""A bound causal LM's steps with the loss taken a chunk of tokens at a time.
+
+keras-hub's causal LMs compile `SparseCategoricalCrossentropy(from_logits=
+True)` with `SparseCategoricalAccuracy` as their weighted metric, and
+Keras' step makes the whole `[batch, sequence, vocabulary]` logits, reads
+them in float32 for the loss, and keeps them for the metrics. Here a bound
+task's `train_step` and `test_step` (through `compute_loss_and_updates`,
+which both call) run its graph up to the backbone's output, and the head
+(the output projection, with any soft cap) runs inside the loss one chunk
+of tokens at a time (`chunked_cross_entropy`). What comes out is what
+Keras computes from whole logits:
+
+- the loss: each token's cross-entropy goes through the compiled loss
+  object itself (its `call` answers the per-token values while the step is
+  traced), so sample weights, the reduction, loss weights, the losses
+  layers add and the padded-batch correction (`padded_steps`) are Keras'
+  and this package's own;
+- the metric: each token's "argmax is the label" goes to the compiled
+  `SparseCategoricalAccuracy` as two columns whose argmax is 1 exactly
+  where it matched, against labels of 1, so its weighting is Keras' too.
+
+`predict`, `generate` and any call outside a step keep whole logits. A
+compiled loss other than keras-hub's cross-entropy, or metrics other than
+its accuracy, keep the whole-logits step, with one `WholeLogitsWarning`
+that says why.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import math
+
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_hub_autodist import compat
+from keras_hub_autodist.compat import steps as compat_steps
+from keras_hub_autodist.errors import WholeLogitsWarning
+from keras_hub_autodist.errors import warn
+from keras_hub_autodist.loss.chunked_cross_entropy import chunked_cross_entropy
+from keras_hub_autodist.loss.chunks import chunk_count
+from keras_hub_autodist.planning import distribution as distribution_lib
+
+# What a chunked step's `y_pred` holds for the metrics: `{MATCHES_KEY:
+# [batch, sequence] 1.0 where the argmax was the label}`.
+MATCHES_KEY = "keras_hub_autodist_token_matches"
+# A dict while a step's loss is traced chunked: the loss leaves the matches
+# in it for the metrics.
+_TRACING = contextvars.ContextVar("keras_hub_autodist_chunked_step", default=None)
+_CHUNKED_ATTR = "__keras_hub_autodist_chunked__"
+# Reasons already said, per model.
+_SAID = "__keras_hub_autodist_whole_logits_said__"
+
+
+def install_chunked_loss(task) -> bool:
+    """Make `task`'s steps take the loss a chunk of tokens at a time; False
+    (nothing changed) for a model whose graph isn't a backbone followed by
+    a head that maps each token's state to its logits.
+
+    Args:
+        task: a keras-hub `CausalLM` (any Functional task of one output).
+    """
+    if getattr(task, _CHUNKED_ATTR, False) or not hasattr(task, "backbone"):
+        return False
+    split = compat_steps.trunk_and_head(task)
+    if split is None:
+        return False
+    trunk, head = split
+    width = head.inputs[0].shape[-1]
+    shapes = [
+        head.compute_output_spec(keras.KerasTensor((2, tokens, width))).shape
+        for tokens in (3, 5)
+    ]
+    if [s[:2] for s in shapes] != [(2, 3), (2, 5)] or len(shapes[0]) != 3:
+        return False  # the head mixes or drops tokens (e.g. PaliGemma's)
+    vocabulary = shapes[0][-1]
+    patches = {
+        "call": lambda method: _call(method, trunk),
+        "compute_loss_and_updates": lambda method: _loss_and_updates(method, task),
+        "compute_loss": lambda method: _loss(method, task, head, vocabulary),
+        "compute_metrics": _metrics,
+    }
+    for attribute, wrap in patches.items():
+        wrapped = functools.wraps(getattr(task, attribute))(
+            wrap(getattr(task, attribute))
+        )
+        compat.patch_instance("chunked_loss_steps", task, attribute, wrapped)
+    object.__setattr__(task, _CHUNKED_ATTR, True)
+    return True
+
+
+def why_whole_logits(task, y) -> str | None:
+    """Why `task`'s step needs whole logits for labels `y`; None where
+    it can take them a chunk at a time."""
+    loss = getattr(task, "loss", None)
+    if not isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        return f"its compiled loss is {loss!r}, not keras-hub's cross-entropy"
+    config = loss.get_config()
+    if not config.get("from_logits") or config.get("ignore_class") is not None:
+        return (
+            "its cross-entropy is compiled with "
+            f"from_logits={config.get('from_logits')}, "
+            f"ignore_class={config.get('ignore_class')}"
+        )
+    others = [
+        metric
+        for metric in compat_steps.compiled_metric_objects(task)
+        if not isinstance(metric, keras.metrics.SparseCategoricalAccuracy)
+    ]
+    if others:
+        return f"its compiled metrics {others!r} read whole logits"
+    if y is None or keras.tree.is_nested(y) or len(getattr(y, "shape", ())) != 2:
+        return "its labels are not one [batch, sequence] array"
+    return None
+
+
+def _say_once(task, why: str) -> None:
+    said = vars(task).setdefault(_SAID, set())
+    if why not in said:
+        said.add(why)
+        warn(
+            f"keras_hub_autodist: {type(task).__name__}'s step computes its loss "
+            f"over the whole vocabulary's logits, because {why}. Compile with "
+            "keras-hub's default loss and weighted metrics to take them a chunk "
+            "of tokens at a time.",
+            WholeLogitsWarning,
+        )
+
+
+def _argument(args, kwargs, index, name):
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _call(call, trunk):
+    """The task's `call`: the backbone's output while a chunked step is
+    traced, its logits otherwise."""
+
+    def chunked_call(inputs, training=None, mask=None, **kwargs):
+        if _TRACING.get() is None:
+            return call(inputs, training=training, mask=mask, **kwargs)
+        return trunk(inputs, training=training)
+
+    return chunked_call
+
+
+def _loss_and_updates(compute_loss_and_updates, task):
+    """`compute_loss_and_updates`: chunked where `why_whole_logits` finds no
+    reason not to; its `y_pred` is then the per-token matches."""
+
+    def chunked_loss_and_updates(*args, **kwargs):
+        why = why_whole_logits(task, _argument(args, kwargs, 4, "y"))
+        if why is not None:
+            _say_once(task, why)
+            return compute_loss_and_updates(*args, **kwargs)
+        traced = {}
+        token = _TRACING.set(traced)
+        try:
+            loss, (unscaled, _, non_trainable, metrics) = compute_loss_and_updates(
+                *args, **kwargs
+            )
+        finally:
+            _TRACING.reset(token)
+        matches = {MATCHES_KEY: traced["matches"]}
+        return loss, (unscaled, matches, non_trainable, metrics)
+
+    return chunked_loss_and_updates
+
+
+def _per_token_values(y_true, y_pred):
+    """A compiled loss' `call` while a chunked step is traced: `y_pred`
+    already holds each token's loss."""
+    del y_true
+    return y_pred
+
+
+def _loss(compute_loss, task, head, vocabulary: int):
+    """`compute_loss`: while a chunked step is traced, `y_pred` is the
+    backbone's output; the head runs on it a chunk at a time and the
+    per-token losses go through the compiled loss."""
+
+    def chunked_loss(x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+        traced = _TRACING.get()
+        if traced is None:
+            return compute_loss(x, y, y_pred, sample_weight, **kwargs)
+        batch, sequence = y.shape
+        distribution = keras.distribution.distribution()
+        splits = 1
+        if isinstance(distribution, distribution_lib.ContextParallel):
+            splits = distribution.context_size
+        trained = sum(
+            math.prod(w.shape) * np.dtype(w.dtype).itemsize
+            for w in head.trainable_weights
+        )
+        chunks = chunk_count(batch, sequence, vocabulary, splits, trained)
+        training = kwargs.get("training", False)
+        entropy, traced["matches"] = chunked_cross_entropy(
+            functools.partial(head, training=training), y_pred, y, chunks
+        )
+        with compat.instance_patched(
+            "chunked_loss_steps", task.loss, "call", _per_token_values
+        ):
+            return compute_loss(x, y, entropy, sample_weight, **kwargs)
+
+    return chunked_loss
+
+
+def _metrics(compute_metrics):
+    """`compute_metrics`: a chunked step's matches, as the compiled
+    accuracy reads them (module docstring)."""
+
+    def chunked_metrics(x, y, y_pred, sample_weight=None):
+        if isinstance(y_pred, dict) and set(y_pred) == {MATCHES_KEY}:
+            matches = y_pred[MATCHES_KEY]
+            y_pred = jnp.stack([1.0 - matches, matches], axis=-1)
+            y = jnp.ones_like(matches)
+        return compute_metrics(x, y, y_pred, sample_weight)
+
+    return chunked_metrics

@@ -1,0 +1,150 @@
+"""Attention per device off a context mesh: on a batch and model mesh and on
+one device, each layer attends its rows' whole sequences with the
+platform's kernel (`EVERY_MESH_KERNELS`: splash on a TPU, checked here in
+Pallas' interpreter, or the blockwise kernel), padding per row, sliding
+windows and soft caps as keras-hub computes them, against the same model on
+one device without the plugin; `generate` keeps the layer's cached path."""
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tiny_presets
+
+from keras_hub_autodist.attention import context_attention
+
+SEQUENCE = 256
+# Splash lays its head dimension in lanes of 128; windows shorter than the
+# sequence and left and right padding of different lengths per row.
+GEMMA3 = dict(tiny_presets.GEMMA3_TEXT, head_dim=128, sliding_window_size=64)
+GEMMA2 = dict(tiny_presets.GEMMA2_GQA, head_dim=128, sliding_window_size=64)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The kernels the per-device attention ran, one entry per layer call."""
+    calls = []
+    for name in ("blockwise_attention",):
+        original = getattr(context_attention, name)
+
+        def counting(*args, _original=original, **kwargs):
+            calls.append("blockwise")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(context_attention, name, counting)
+    attend = context_attention.splash_attention.attend
+
+    def counting_splash(*args, **kwargs):
+        calls.append("splash")
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(context_attention.splash_attention, "attend", counting_splash)
+    return calls
+
+
+def _preset(tmp_path, backbone_class, task_class, config):
+    return tiny_presets.save_preset(
+        tmp_path / backbone_class.__name__,
+        backbone_class,
+        config,
+        task_class=task_class,
+    )
+
+
+def _batch(vocabulary):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, vocabulary, (4, SEQUENCE)).astype("int32")
+    padding = np.ones_like(ids)
+    padding[0, 200:] = 0  # right padding
+    padding[1, 100:] = 0
+    padding[2, :30] = 0  # left padding: its first tokens have no key
+    return {"token_ids": ids, "padding_mask": padding}, padding
+
+
+def _train(path, task_class, device_mesh=None):
+    kwargs = {} if device_mesh is None else {"device_mesh": device_mesh}
+    lm = task_class.from_preset(path, preprocessor=None, **kwargs)
+    lm.compile(optimizer=keras.optimizers.Adam(1e-2))
+    x, padding = _batch(lm.backbone.vocabulary_size)
+    y = np.roll(x["token_ids"], -1, axis=1)
+    logs = [
+        lm.train_on_batch(x, y, padding.astype("float32"), return_dict=True)
+        for _ in range(2)
+    ]
+    return lm, logs, lm.predict(x, verbose=0)
+
+
+CASES = {
+    "gemma3-splash-batch2-model4": ("gemma3", "splash", {"batch": 2, "model": 4}),
+    "gemma3-splash-one-device": ("gemma3", "splash", "one device"),
+    "gemma2-blockwise-model8": ("gemma2", "blockwise", {"batch": 1, "model": 8}),
+    "gemma2-splash-batch4-model2": ("gemma2", "splash", {"batch": 4, "model": 2}),
+}
+FAMILIES = {
+    "gemma3": (
+        keras_hub.models.Gemma3Backbone,
+        keras_hub.models.Gemma3CausalLM,
+        GEMMA3,
+    ),
+    "gemma2": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM, GEMMA2),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_each_device_attends_with_the_kernel_as_one_device_does(
+    case, tmp_path, monkeypatch, kernel_calls
+):
+    family, kernel, mesh = CASES[case]
+    backbone_class, task_class, config = FAMILIES[family]
+    path = _preset(tmp_path, backbone_class, task_class, config)
+    reference = _train(path, task_class)
+    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": kernel})
+    if mesh == "one device":
+        devices = keras.distribution.list_devices()[:1]
+        mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)
+    ours = _train(path, task_class, mesh)
+    # Every layer of the training step, and of predict's, ran the kernel.
+    assert kernel_calls and set(kernel_calls) == {kernel}
+    for got, want in zip(ours[1], reference[1]):
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ours[2], reference[2], rtol=2e-3, atol=2e-3)
+    if family != "gemma2":
+        return  # keras-hub's Gemma 3 generates from a preprocessor's inputs
+    # Generating keeps the layer's cached path and its tokens.
+    calls = len(kernel_calls)
+    prompt = {
+        "token_ids": np.array([[5, 6, 7, 0, 0, 0, 0, 0]], "int32"),
+        "padding_mask": np.array([[1, 1, 1, 0, 0, 0, 0, 0]], "int32"),
+    }
+    tokens = [
+        lm.generate(prompt, stop_token_ids=None)["token_ids"]
+        for lm in (reference[0], ours[0])
+    ]
+    np.testing.assert_array_equal(*tokens)
+    assert len(kernel_calls) == calls
+
+
+def test_a_platform_without_a_kernel_keeps_the_layers_own_attention(
+    tmp_path, kernel_calls
+):
+    assert "cpu" not in context_attention.EVERY_MESH_KERNELS
+    backbone_class, task_class, config = FAMILIES["gemma3"]
+    path = _preset(tmp_path, backbone_class, task_class, config)
+    _train(path, task_class, {"batch": 2, "model": 4})
+    assert kernel_calls == []
+
+
+def test_splash_is_left_where_its_lanes_do_not_fit_the_heads(
+    tmp_path, monkeypatch, kernel_calls
+):
+    # A head dimension of 8: splash does not apply, the layer's own runs.
+    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "splash"})
+    path = _preset(
+        tmp_path,
+        keras_hub.models.GemmaBackbone,
+        keras_hub.models.GemmaCausalLM,
+        tiny_presets.GEMMA_MQA,
+    )
+    _train(path, keras_hub.models.GemmaCausalLM, {"batch": 2, "model": 4})
+    assert kernel_calls == []
