@@ -27,6 +27,7 @@ def small_chunks(monkeypatch):
     """Chunks of a few tokens, so that the tiny models take several (their
     trained heads would otherwise keep them whole: `chunk_count`)."""
     monkeypatch.setattr(chunk_rule, "CHUNK_LOGITS_BYTES", 2048)
+    monkeypatch.setattr(chunk_rule, "WHOLE_LOGITS_BYTES", 0)
     count = chunked_steps.chunk_count
     monkeypatch.setattr(chunked_steps, "chunk_count", lambda *args: count(*args[:4]))
 
@@ -80,14 +81,14 @@ def test_chunks_match_whole_logits_in_value_and_gradient():
 def test_chunk_counts_divide_each_part_of_a_split_sequence():
     assert chunk_rule.chunk_count(1, 32768, 262144) == 128
     # Over 4 context devices, each holds 8192 tokens: the count divides it.
-    count = chunk_rule.chunk_count(1, 32768, 262144, splits=4)
-    assert 8192 % count == 0 and count >= 128
+    assert chunk_rule.chunk_count(1, 32768, 262144, splits=4) == 32
+    # Whole logits of up to 4 GiB a device keep Keras' own step.
     assert chunk_rule.chunk_count(8, 64, 1000) == 1
-    # A trained head of 1 GiB: logits up to 2 GiB stay whole, since cutting
-    # them costs one more gradient of the head.
+    assert chunk_rule.chunk_count(1, 4096, 262144) == 1
+    # A trained head of 1 GiB: chunks of up to 2 GiB of logits, since
+    # cutting them costs one more gradient of the head.
     gib = 2**30
-    assert chunk_rule.chunk_count(2, 1024, 128256, trained_head_bytes=gib) == 1
-    assert chunk_rule.chunk_count(8, 1024, 128256, trained_head_bytes=gib) == 2
+    assert chunk_rule.chunk_count(16, 1024, 128256, trained_head_bytes=gib) == 4
     # A prime length can only be cut token by token.
     assert chunk_rule.chunk_count(64, 4099, 262144) == 4099
 
@@ -167,7 +168,7 @@ def test_a_bound_causal_lm_takes_its_loss_in_chunks_as_one_device_does(
 
 
 def test_a_loss_or_metric_that_needs_whole_logits_keeps_them_and_says_why(
-    tiny_presets_dir, chunk_calls
+    tiny_presets_dir, small_chunks, chunk_calls
 ):
     path = tiny_presets_dir["gemma_mqa"]
     compile_args = {
@@ -216,14 +217,14 @@ def test_the_compiled_step_holds_one_chunk_of_logits_not_the_vocabulary(
     plan = keras_hub_autodist.plan(preset, {"batch": 1, "model": 1})
     logits = 4 * 256 * 32768 * 4
     monkeypatch.setattr(chunk_rule, "CHUNK_LOGITS_BYTES", logits // 16)
+    monkeypatch.setattr(chunk_rule, "WHOLE_LOGITS_BYTES", logits // 2)
 
     def compiled_temporaries():
         compiled = keras_hub_autodist.compiled_memory(plan, 4, 256, preset=preset)
         return compiled.peak_bytes - compiled.argument_bytes
 
     chunked_bytes = compiled_temporaries()
-    monkeypatch.setattr(chunked_steps, "why_whole_logits", lambda *_: "a test")
-    with pytest.warns(WholeLogitsWarning):
-        whole_bytes = compiled_temporaries()
+    monkeypatch.setattr(chunk_rule, "WHOLE_LOGITS_BYTES", logits)
+    whole_bytes = compiled_temporaries()  # Keras' own step
     assert whole_bytes > 2 * logits
     assert chunked_bytes < whole_bytes - 1.5 * logits

@@ -99,6 +99,7 @@ def test_each_device_attends_with_the_kernel_as_one_device_does(
     path = _preset(tmp_path, backbone_class, task_class, config)
     reference = _train(path, task_class)
     monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": kernel})
+    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     if mesh == "one device":
         devices = keras.distribution.list_devices()[:1]
         mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)
@@ -125,12 +126,17 @@ def test_each_device_attends_with_the_kernel_as_one_device_does(
     assert len(kernel_calls) == calls
 
 
-def test_a_platform_without_a_kernel_keeps_the_layers_own_attention(
-    tmp_path, kernel_calls
+def test_short_sequences_and_platforms_without_a_kernel_keep_the_layers_own(
+    tmp_path, monkeypatch, kernel_calls
 ):
     assert "cpu" not in context_attention.EVERY_MESH_KERNELS
     backbone_class, task_class, config = FAMILIES["gemma3"]
     path = _preset(tmp_path, backbone_class, task_class, config)
+    _train(path, task_class, {"batch": 2, "model": 4})
+    assert kernel_calls == []
+    # A kernel for the platform, but a sequence under the threshold.
+    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "splash"})
+    assert SEQUENCE < context_attention.EVERY_MESH_MIN_TOKENS
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
 
@@ -140,6 +146,7 @@ def test_splash_is_left_where_its_lanes_do_not_fit_the_heads(
 ):
     # A head dimension of 8: splash does not apply, the layer's own runs.
     monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "splash"})
+    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     path = _preset(
         tmp_path,
         keras_hub.models.GemmaBackbone,

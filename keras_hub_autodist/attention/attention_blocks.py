@@ -10,6 +10,11 @@ from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES  # n
 # their fused kernel where its shapes apply (`context_attention`'s
 # `EVERY_MESH_KERNELS`): splash on a TPU.
 EVERY_MESH_PLATFORMS = ("tpu",)
+# ... for sequences of at least this many tokens. Shorter ones keep the
+# layer's own attention, which ran on a v5e chip at keras-hub's speed and
+# memory to the byte (Gemma 2B at 1024 tokens, Gemma 3 1B at 4096); from
+# 8192 tokens XLA's scores outgrow a 16 GiB chip, where splash ran.
+EVERY_MESH_MIN_TOKENS = 8192
 
 # Keys per block: the scores held at once are `[batch, heads, queries,
 # KEY_BLOCK]` in float32.

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.attention import splash_attention
+from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import blockwise_attention
@@ -60,10 +61,11 @@ STRATEGIES = CONTEXT_PARALLEL_STRATEGIES
 FUSED_KERNELS = {"tpu": "splash"}
 # Off a context mesh (a batch, model or fsdp mesh, or one device), the
 # kernel each device attends its whole sequences with, by platform, where it
-# applies; a platform not named here keeps the layer's own attention (XLA's
-# on a CPU). keras-hub's own path never reaches splash on a TPU inside a
-# step: its mask is a traced tensor there, and Keras falls back to XLA's
-# attention, which holds every `[sequence, sequence]` score.
+# applies and the sequence has `EVERY_MESH_MIN_TOKENS` or more; a platform
+# not named here keeps the layer's own attention (XLA's on a CPU).
+# keras-hub's own path never reaches splash on a TPU inside a step: its mask
+# is a traced tensor there, and Keras falls back to XLA's attention, which
+# holds every `[sequence, sequence]` score.
 EVERY_MESH_KERNELS = {platform: "splash" for platform in EVERY_MESH_PLATFORMS}
 
 # On a causal sequence, each device attends the queries of two half blocks,
@@ -171,6 +173,8 @@ def _every_mesh_kernel(distribution, reading, query) -> str | None:
     mesh = distribution.device_mesh.backend_mesh
     kernel = EVERY_MESH_KERNELS.get(mesh.devices.flat[0].platform)
     sequence, head_dim = query.shape[1], query.shape[-1]
+    if sequence < EVERY_MESH_MIN_TOKENS:
+        return None
     if kernel == "splash" and not splash_attention.applies(
         head_dim, sequence, sequence, 1
     ):

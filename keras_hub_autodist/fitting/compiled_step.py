@@ -243,7 +243,7 @@ def _abstract_model(plan, mesh, model_class, preset, optimizer, tokens, lora_ran
     model = task_cls(backbone=backbone, preprocessor=None)
     model.compile(optimizer=optimizer)
     # The loss a bound model's step takes: a chunk of tokens at a time.
-    install_chunked_loss(model)
+    install_chunked_loss(model, plan)
     with distribution.scope():
         for variable in model.variables:
             compat.set_variable_layout(

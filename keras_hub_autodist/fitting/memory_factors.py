@@ -20,13 +20,7 @@ update keeps beside the state, and where each factor was measured.
 #   of the logits (four where the vocabulary is whole on each device: the
 #   bench models at 8x1 and the tests' Gemma at 1x1 ask for the fourth, at
 #   2x4 and 4x2 they land 1.2-1.4x over with it), and computes bfloat16
-#   in float32 (`FLOAT32_ACTIVATIONS`). Since the loss is taken a chunk of
-#   tokens at a time (`loss/`), the logits no longer go out of the
-#   differentiated function whole for the metrics: one buffer of a chunk's
-#   logits is left of the three (the tests' estimates against the compiled
-#   step on a context mesh, tests/test_context_parallel.py, land at
-#   0.93-1.02x with it); the other platforms' logits factors are still
-#   those fitted with whole logits, an over-count.
+#   in float32 (`FLOAT32_ACTIVATIONS`).
 #   Under `fsdp` it keeps two copies of the weights gathered over the batch
 #   axis (the forward pass's, and the backward pass's own gathering), but
 #   about one device share of them when the model axis has one device
@@ -70,7 +64,7 @@ ACTIVATION_FACTORS = {
         "mlp": 2,
         "experts": 1,
         "final": 2,
-        "logits": 1,
+        "logits": 3,
         "logits_whole": 1,
         "logits_float32": 0,
         "logits_soft_cap": 0,

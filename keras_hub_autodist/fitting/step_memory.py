@@ -160,21 +160,20 @@ def per_device_attention(plan) -> bool:
     return plan.architecture in PER_DEVICE_ARCHITECTURES
 
 
-def loss_chunks(plan, rows: int, sequence_length: int, vocabulary: int) -> int:
-    """The chunks of tokens a bound causal LM's step takes its loss in
-    (`loss.chunks.chunk_count`): a trained output embedding keeps more
+def loss_chunks(plan, rows: int, sequence_length: int, vocabulary: int, output) -> int:
+    """The chunks of tokens a bound causal LM's step takes its loss in on
+    a device holding `rows` sequences and `vocabulary` logits per token
+    (`loss.chunks.chunk_count`): 1, the whole logits, for all but the
+    largest; a trained output embedding (`output`, its row) keeps more
     logits per chunk."""
     axes = plan.mesh_axes
-    trained_head = 0
-    if getattr(plan, "lora_rank", None) is None:
-        output = next(r for r in reversed(plan.rows) if "vocab" in r.logical_axes)
-        trained_head = math.prod(output.shape) * itemsize(output.dtype)
+    trained = getattr(plan, "lora_rank", None) is None
     return chunk_count(
         rows,
         sequence_length,
-        vocabulary,
+        int(vocabulary),
         axes.size(axes.context_axis),
-        trained_head,
+        output.device_bytes if trained else 0,
     )
 
 
@@ -253,8 +252,9 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
     def experts(row):
         return dim(row, "expert") if "expert" in row.logical_axes else 1
 
-    chunks = loss_chunks(plan, step.rows, sequence_length, dim(output, "vocab"))
-    logits = b * s / chunks * dim(output, "vocab") / shards(output)
+    vocabulary = dim(output, "vocab") / shards(output)
+    chunks = loss_chunks(plan, b, sequence_length, vocabulary, output)
+    logits = b * s / chunks * vocabulary
     gathering = (axes.batch_axis, axes.context_axis)
 
     def gathered_over(row):

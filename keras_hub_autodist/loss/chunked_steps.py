@@ -19,15 +19,18 @@ Keras computes from whole logits:
   `SparseCategoricalAccuracy` as two columns whose argmax is 1 exactly
   where it matched, against labels of 1, so its weighting is Keras' too.
 
-`predict`, `generate` and any call outside a step keep whole logits. A
-compiled loss other than keras-hub's cross-entropy, or metrics other than
-its accuracy, keep the whole-logits step, with one `WholeLogitsWarning`
-that says why.
+Only where a device's whole float32 logits would outgrow
+`chunks.WHOLE_LOGITS_BYTES` (4 GiB): below it the step is Keras' own, to
+the byte. `predict`, `generate` and any call outside a step keep whole
+logits. A compiled loss other than keras-hub's cross-entropy, or metrics
+other than its accuracy, keep the whole-logits step, with one
+`WholeLogitsWarning` that says why.
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import math
 
@@ -41,7 +44,6 @@ from keras_hub_autodist.errors import WholeLogitsWarning
 from keras_hub_autodist.errors import warn
 from keras_hub_autodist.loss.chunked_cross_entropy import chunked_cross_entropy
 from keras_hub_autodist.loss.chunks import chunk_count
-from keras_hub_autodist.planning import distribution as distribution_lib
 
 # What a chunked step's `y_pred` holds for the metrics: `{MATCHES_KEY:
 # [batch, sequence] 1.0 where the argmax was the label}`.
@@ -54,13 +56,16 @@ _CHUNKED_ATTR = "__keras_hub_autodist_chunked__"
 _SAID = "__keras_hub_autodist_whole_logits_said__"
 
 
-def install_chunked_loss(task) -> bool:
-    """Make `task`'s steps take the loss a chunk of tokens at a time; False
-    (nothing changed) for a model whose graph isn't a backbone followed by
-    a head that maps each token's state to its logits.
+def install_chunked_loss(task, plan=None) -> bool:
+    """Make `task`'s steps take the loss a chunk of tokens at a time where
+    a device's whole logits would outgrow `chunks.WHOLE_LOGITS_BYTES`;
+    False (nothing changed) for a model whose graph isn't a backbone
+    followed by a head that maps each token's state to its logits.
 
     Args:
         task: a keras-hub `CausalLM` (any Functional task of one output).
+        plan: its `LayoutPlan`, whose mesh says what one device holds of
+            the batch, the sequence and the vocabulary; `None`: all.
     """
     if getattr(task, _CHUNKED_ATTR, False) or not hasattr(task, "backbone"):
         return False
@@ -75,11 +80,14 @@ def install_chunked_loss(task) -> bool:
     ]
     if [s[:2] for s in shapes] != [(2, 3), (2, 5)] or len(shapes[0]) != 3:
         return False  # the head mixes or drops tokens (e.g. PaliGemma's)
-    vocabulary = shapes[0][-1]
+    shares = _DeviceShares.of(plan)
+    count = functools.partial(_chunks, head, shapes[0][-1], shares)
     patches = {
         "call": lambda method: _call(method, trunk),
-        "compute_loss_and_updates": lambda method: _loss_and_updates(method, task),
-        "compute_loss": lambda method: _loss(method, task, head, vocabulary),
+        "compute_loss_and_updates": lambda method: _loss_and_updates(
+            method, task, count
+        ),
+        "compute_loss": lambda method: _loss(method, task, head),
         "compute_metrics": _metrics,
     }
     for attribute, wrap in patches.items():
@@ -145,16 +153,58 @@ def _call(call, trunk):
     return chunked_call
 
 
-def _loss_and_updates(compute_loss_and_updates, task):
-    """`compute_loss_and_updates`: chunked where `why_whole_logits` finds no
-    reason not to; its `y_pred` is then the per-token matches."""
+@dataclasses.dataclass(frozen=True)
+class _DeviceShares:
+    """How many devices share a step's rows, each sequence, and the
+    vocabulary of its logits (the batch, context and model axes)."""
+
+    rows: int = 1
+    sequence: int = 1
+    vocabulary: int = 1
+
+    @classmethod
+    def of(cls, plan) -> _DeviceShares:
+        if plan is None:
+            return cls()
+        axes = plan.mesh_axes
+        return cls(
+            axes.size(axes.batch_axis),
+            axes.size(axes.context_axis),
+            axes.size(axes.model_axis),
+        )
+
+
+def _chunks(head, vocabulary: int, shares: _DeviceShares, labels) -> int:
+    """`chunk_count` for a step on `labels`, from one device's share."""
+    batch, sequence = labels.shape
+    split = shares.vocabulary if vocabulary % shares.vocabulary == 0 else 1
+    trained = sum(
+        math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in head.trainable_weights
+    )
+    return chunk_count(
+        -(-batch // shares.rows),
+        sequence,
+        vocabulary // split,
+        shares.sequence,
+        trained // split,
+    )
+
+
+def _loss_and_updates(compute_loss_and_updates, task, count):
+    """`compute_loss_and_updates`: chunked where a device's whole logits
+    are too large (`count`) and `why_whole_logits` finds no reason not to;
+    its `y_pred` is then the per-token matches."""
 
     def chunked_loss_and_updates(*args, **kwargs):
-        why = why_whole_logits(task, _argument(args, kwargs, 4, "y"))
-        if why is not None:
-            _say_once(task, why)
-            return compute_loss_and_updates(*args, **kwargs)
-        traced = {}
+        y = _argument(args, kwargs, 4, "y")
+        why = why_whole_logits(task, y)
+        rows_of_tokens = len(getattr(y, "shape", ())) == 2
+        chunks = count(y) if rows_of_tokens and not keras.tree.is_nested(y) else 1
+        if why is not None and chunks > 1:
+            _say_once(task, why)  # only where the logits would have been cut
+        if why is not None or chunks == 1:
+            return compute_loss_and_updates(*args, **kwargs)  # Keras' own
+        traced = {"chunks": chunks}
         token = _TRACING.set(traced)
         try:
             loss, (unscaled, _, non_trainable, metrics) = compute_loss_and_updates(
@@ -175,7 +225,7 @@ def _per_token_values(y_true, y_pred):
     return y_pred
 
 
-def _loss(compute_loss, task, head, vocabulary: int):
+def _loss(compute_loss, task, head):
     """`compute_loss`: while a chunked step is traced, `y_pred` is the
     backbone's output; the head runs on it a chunk at a time and the
     per-token losses go through the compiled loss."""
@@ -184,19 +234,9 @@ def _loss(compute_loss, task, head, vocabulary: int):
         traced = _TRACING.get()
         if traced is None:
             return compute_loss(x, y, y_pred, sample_weight, **kwargs)
-        batch, sequence = y.shape
-        distribution = keras.distribution.distribution()
-        splits = 1
-        if isinstance(distribution, distribution_lib.ContextParallel):
-            splits = distribution.context_size
-        trained = sum(
-            math.prod(w.shape) * np.dtype(w.dtype).itemsize
-            for w in head.trainable_weights
-        )
-        chunks = chunk_count(batch, sequence, vocabulary, splits, trained)
         training = kwargs.get("training", False)
         entropy, traced["matches"] = chunked_cross_entropy(
-            functools.partial(head, training=training), y_pred, y, chunks
+            functools.partial(head, training=training), y_pred, y, traced["chunks"]
         )
         with compat.instance_patched(
             "chunked_loss_steps", task.loss, "call", _per_token_values

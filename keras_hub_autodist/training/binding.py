@@ -312,7 +312,7 @@ def bind(model, distribution, plan: LayoutPlan):
                 padding_preprocess(preprocess, multiple),
             )
         if target is model:
-            install_chunked_loss(target)
+            install_chunked_loss(target, plan)
         if padded:
             count_real_rows(target)
         bound = _Bound(target, distribution, multiple, padded)
