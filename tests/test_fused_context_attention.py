@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import Mesh
 from test_context_attention import whole_matrix
 
+from keras_hub_autodist.attention import attention_blocks
 from keras_hub_autodist.attention import causal_balance
 from keras_hub_autodist.attention import context_attention
-from keras_hub_autodist.attention import splash_attention
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 
 RULES = {
@@ -94,9 +94,9 @@ def assert_equals_the_whole_matrix(attention, rule, q, k, v, valid):
 
 
 def test_splash_applies_only_where_its_blocks_fit():
-    assert splash_attention.applies(256, 4096, 32768, 8)
-    assert not splash_attention.applies(64, 4096, 32768, 8)  # lanes
-    assert not splash_attention.applies(128, 96, 768, 8)  # no block
+    assert attention_blocks.applies(256, 4096, 32768, 8)
+    assert not attention_blocks.applies(64, 4096, 32768, 8)  # lanes
+    assert not attention_blocks.applies(128, 96, 768, 8)  # no block
 
 
 def test_query_order_puts_each_devices_halves_in_its_block():

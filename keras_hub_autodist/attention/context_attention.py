@@ -46,6 +46,7 @@ from keras_hub_autodist import compat
 from keras_hub_autodist.attention import splash_attention
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
+from keras_hub_autodist.attention.attention_blocks import applies
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import blockwise_attention
 from keras_hub_autodist.attention.causal_balance import owner
@@ -170,14 +171,12 @@ def _every_mesh_kernel(distribution, reading, query) -> str | None:
     devices attend with, or None (the layer's own attention)."""
     if distribution is None or not hasattr(distribution, "batch_dim_name"):
         return None
-    mesh = distribution.device_mesh.backend_mesh
-    kernel = EVERY_MESH_KERNELS.get(mesh.devices.flat[0].platform)
     sequence, head_dim = query.shape[1], query.shape[-1]
     if sequence < EVERY_MESH_MIN_TOKENS:
         return None
-    if kernel == "splash" and not splash_attention.applies(
-        head_dim, sequence, sequence, 1
-    ):
+    mesh = distribution.device_mesh.backend_mesh
+    kernel = EVERY_MESH_KERNELS.get(mesh.devices.flat[0].platform)
+    if kernel == "splash" and not applies(head_dim, sequence, sequence, 1):
         return None
     return kernel
 
@@ -267,9 +266,7 @@ def attention_per_device(
     )
     sequence, block = query.shape[1], query.shape[1] // contexts
     kernel = kernel or FUSED_KERNELS.get(mesh.devices.flat[0].platform, "blockwise")
-    if strategy == "ring" or not splash_attention.applies(
-        head_dim, block, sequence, contexts
-    ):
+    if strategy == "ring" or not applies(head_dim, block, sequence, contexts):
         kernel = "blockwise"
     fused = ()
     if kernel == "splash":

@@ -37,7 +37,6 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from keras_hub_autodist.attention.attention_blocks import applies  # noqa: F401
 from keras_hub_autodist.attention.attention_blocks import block_size
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import rows_with_a_key

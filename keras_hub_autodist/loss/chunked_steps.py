@@ -91,9 +91,8 @@ def install_chunked_loss(task, plan=None) -> bool:
         "compute_metrics": _metrics,
     }
     for attribute, wrap in patches.items():
-        wrapped = functools.wraps(getattr(task, attribute))(
-            wrap(getattr(task, attribute))
-        )
+        method = getattr(task, attribute)
+        wrapped = functools.wraps(method)(wrap(method))
         compat.patch_instance("chunked_loss_steps", task, attribute, wrapped)
     object.__setattr__(task, _CHUNKED_ATTR, True)
     return True
@@ -119,9 +118,14 @@ def why_whole_logits(task, y) -> str | None:
     ]
     if others:
         return f"its compiled metrics {others!r} read whole logits"
-    if y is None or keras.tree.is_nested(y) or len(getattr(y, "shape", ())) != 2:
+    if not _token_labels(y):
         return "its labels are not one [batch, sequence] array"
     return None
+
+
+def _token_labels(y) -> bool:
+    """Whether `y` is one `[batch, sequence]` array of labels."""
+    return not keras.tree.is_nested(y) and len(getattr(y, "shape", ())) == 2
 
 
 def _say_once(task, why: str) -> None:
@@ -198,8 +202,7 @@ def _loss_and_updates(compute_loss_and_updates, task, count):
     def chunked_loss_and_updates(*args, **kwargs):
         y = _argument(args, kwargs, 4, "y")
         why = why_whole_logits(task, y)
-        rows_of_tokens = len(getattr(y, "shape", ())) == 2
-        chunks = count(y) if rows_of_tokens and not keras.tree.is_nested(y) else 1
+        chunks = count(y) if _token_labels(y) else 1
         if why is not None and chunks > 1:
             _say_once(task, why)  # only where the logits would have been cut
         if why is not None or chunks == 1:
