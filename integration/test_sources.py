@@ -167,7 +167,7 @@ for root, _, files in os.walk(src):
 
 
 def test_cached_kaggle_snapshot_needs_a_versioned_cached_handle(tmp_path, monkeypatch):
-    from keras_hub_autodist.reading.presets import cached_kaggle_snapshot
+    from keras_hub_autodist.reading.loaders import cached_kaggle_snapshot
 
     monkeypatch.setenv("KAGGLEHUB_CACHE", str(tmp_path))
     assert cached_kaggle_snapshot("kaggle://someone/tiny/keras/v") is None

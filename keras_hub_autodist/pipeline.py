@@ -50,8 +50,8 @@ from keras_hub_autodist.planning.remat import rematerialize_blocks
 from keras_hub_autodist.planning.shapes import model_weights
 from keras_hub_autodist.planning.weight_check import WeightCheck
 from keras_hub_autodist.reading.dtypes import is_quantized
-from keras_hub_autodist.reading.presets import cached_kaggle_snapshot
-from keras_hub_autodist.reading.presets import is_network_error
+from keras_hub_autodist.reading.loaders import cached_kaggle_snapshot
+from keras_hub_autodist.reading.loaders import is_network_error
 from keras_hub_autodist.reading.presets import read_preset_config
 from keras_hub_autodist.searching.auto_mesh import searched_layout
 from keras_hub_autodist.summary_line import print_summary

@@ -14,9 +14,9 @@ from keras_hub_autodist import PresetError
 from keras_hub_autodist.architectures import registry
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.shapes import validated_weights
-from keras_hub_autodist.reading.configs import read_local_config
-from keras_hub_autodist.reading.presets import cached_kaggle_snapshot
+from keras_hub_autodist.reading.loaders import cached_kaggle_snapshot
 from keras_hub_autodist.reading.presets import read_config
+from keras_hub_autodist.reading.presets import read_local_config
 from keras_hub_autodist.reading.presets import read_preset_config
 
 GEMMA_HF = {

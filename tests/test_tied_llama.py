@@ -19,7 +19,7 @@ import pytest
 import tiny_presets
 
 import keras_hub_autodist
-from keras_hub_autodist.reading import configs
+from keras_hub_autodist.reading import presets
 
 MESH = {"batch": 2, "model": 4}
 
@@ -118,8 +118,8 @@ def test_planning_reads_tying_from_the_weights(tmp_path):
     """The plan is of the model that loads: no reverse embeddings."""
     tied, _ = saved_by_plain_keras_hub(tmp_path / "tied", True, False)
     untied, _ = saved_by_plain_keras_hub(tmp_path / "untied", False, False)
-    assert configs.read_local_config(tied).config["tie_word_embeddings"] is True
-    assert configs.read_local_config(untied).config["tie_word_embeddings"] is False
+    assert presets.read_local_config(tied).config["tie_word_embeddings"] is True
+    assert presets.read_local_config(untied).config["tie_word_embeddings"] is False
     for folder, reversed_rows in ((tied, 0), (untied, 1)):
         plan = keras_hub_autodist.plan(folder, MESH)
         rows = [row for row in plan.rows if "reverse_embeddings" in row.path]

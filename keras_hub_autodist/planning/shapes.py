@@ -23,12 +23,12 @@ from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.planning import abstract
 from keras_hub_autodist.planning.options import PlanOptions
-from keras_hub_autodist.reading.configs import CONFIG_DICT
-from keras_hub_autodist.reading.configs import HF_CONFIG_DICT
-from keras_hub_autodist.reading.configs import PresetConfig
 from keras_hub_autodist.reading.dtypes import loaded_policy
 from keras_hub_autodist.reading.dtypes import mixed_policy
 from keras_hub_autodist.reading.dtypes import variable_dtype
+from keras_hub_autodist.reading.records import CONFIG_DICT
+from keras_hub_autodist.reading.records import HF_CONFIG_DICT
+from keras_hub_autodist.reading.records import PresetConfig
 
 
 @dataclasses.dataclass(frozen=True)

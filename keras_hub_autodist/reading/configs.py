@@ -1,72 +1,223 @@
-"""What a preset's config says, read without Keras or keras-hub.
+"""The second step of reading a preset: its `ConfigSource` as a `PresetConfig`.
 
 A `PresetConfig` is the first value of the data path: the backbone class (or
-its name) and the constructor arguments `from_preset` will build from. This
-module reads the forms that need neither Keras nor keras-hub (importing them
-takes seconds):
+its name) and the constructor arguments `from_preset` will build from. The
+raw config a source holds is read without Keras or keras-hub whenever it
+can be (importing them takes seconds):
 
-- a local folder's `config.json`: a Keras preset's as is, a Hugging Face
-  one as keras-hub's converter converted it in an earlier process (kept on
-  disk by `store_conversion`, `disk_cache.py`);
-- a config dict (the contents of a `config.json`, or a backbone's
-  `get_config()` with its class).
+- a Keras preset's config of a `keras_hub>` backbone, as is;
+- a Hugging Face config, as keras-hub's converter converted it in an
+  earlier process (kept on disk by `store_conversion`, `disk_cache.py`);
+- a backbone's config with its class (a config dict, or a model instance).
 
-Anything else (handles, built-in names, Hugging Face configs not converted
-yet) is read through keras-hub's own loaders and converters in
-`presets.py`, so there is one conversion of each config: keras-hub's.
+Anything else (handles, built-in names, other registered classes, Hugging
+Face configs not converted yet) is read through keras-hub's own loader
+(`loaders.py`) and converters, so there is one conversion of each config:
+keras-hub's. A local Keras preset's weights say whether a config that
+leaves out tying is tied (`compat.tied_embeddings`), last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
-import os
 from collections.abc import Mapping
 
+from keras_hub_autodist import compat
 from keras_hub_autodist.compat.tied_embeddings import local_weights_file
 from keras_hub_autodist.compat.tied_embeddings import with_tying
 from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.errors import PlanInputError
-from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.reading import disk_cache
-
-CONFIG_FILE = "config.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class PresetConfig:
-    """What planning needs to know about a preset.
-
-    Args:
-        preset: the preset as given (path or handle).
-        backbone_cls: the keras-hub backbone class `from_preset` will build,
-            or `None` when the config was read without keras-hub.
-        config: the backbone's constructor arguments.
-        format: `"keras"` or `"transformers"`.
-        backbone_class: the name of the backbone class; defaults to
-            `backbone_cls.__name__`.
-
-    Example:
-    >>> info = PresetConfig("./p", None, {"num_layers": 2}, "keras", "GemmaBackbone")
-    >>> info.backbone_class
-    'GemmaBackbone'
-    """
-
-    preset: str
-    backbone_cls: type | None
-    config: Mapping
-    format: str
-    backbone_class: str = ""
-
-    def __post_init__(self):
-        if not self.backbone_class and self.backbone_cls is not None:
-            object.__setattr__(self, "backbone_class", self.backbone_cls.__name__)
-
+from keras_hub_autodist.reading.loaders import open_loader
+from keras_hub_autodist.reading.records import BY_DICT
+from keras_hub_autodist.reading.records import CONFIG_FILE
+from keras_hub_autodist.reading.records import ConfigSource
+from keras_hub_autodist.reading.records import PresetConfig
+from keras_hub_autodist.reading.records import check_config_object
+from keras_hub_autodist.reading.records import neither_format_error
 
 # Hugging Face model types whose vision tower is planned (keras-hub
 # converts it); other checkpoints with a `vision_config` are refused.
 VISION_TOWER_MODEL_TYPES = ("gemma3",)
+
+
+# How `preset_config` may use keras-hub.
+IF_NEEDED = "if needed"
+ALWAYS = "always"
+NEVER = "never"
+
+
+def preset_config(
+    source: ConfigSource, *, keras_hub: str = IF_NEEDED
+) -> PresetConfig | None:
+    """The `PresetConfig` of a source, read without keras-hub when it can be.
+
+    The raw config is always checked without keras-hub first, so that its
+    own problems are named before keras-hub's.
+
+    Args:
+        source: a `ConfigSource` (`sources.read_source`).
+        keras_hub: `IF_NEEDED`; `ALWAYS` to resolve the backbone class with
+            keras-hub even when the config reads without it; `NEVER` to
+            return `None` where keras-hub would be needed.
+
+    Example:
+    ```python
+    preset_config(read_source("./gemma_2b")).backbone_class
+    ```
+    """
+    info = without_keras_hub(source)
+    if keras_hub == NEVER and info is None:
+        return None
+    if info is None or (keras_hub == ALWAYS and info.backbone_cls is None):
+        info = _through_keras_hub(source)
+    if source.folder is None or source.raw is None or info.format != "keras":
+        return info
+    weights = local_weights_file(source.folder)
+    return dataclasses.replace(
+        info, config=with_tying(source.raw, info.config, weights)
+    )
+
+
+def without_keras_hub(source: ConfigSource) -> PresetConfig | None:
+    """The `PresetConfig` of a source read without Keras or keras-hub, with
+    `backbone_cls=None` and the class name in `backbone_class` (unless a
+    class was given); `None` when keras-hub must read it.
+
+    Example:
+    >>> raw = {"class_name": "GemmaBackbone", "config": {"num_layers": 2}}
+    >>> source = ConfigSource("<config dict>", raw, BY_DICT, "class")
+    >>> without_keras_hub(source).backbone_class
+    'GemmaBackbone'
+    """
+    raw, preset = source.raw, source.preset
+    if raw is None:
+        return None
+    if "registered_name" in raw:
+        package, _, name = str(raw["registered_name"]).partition(">")
+        if package != "keras_hub" or not name:
+            return None
+        return PresetConfig(preset, None, keras_config(raw, preset), "keras", name)
+    if source.dict_kind == "class":
+        return _class_config(raw, preset)
+    if "model_type" in raw:
+        reject_vision_towers(raw, preset)
+        # keras-hub's converter reads it, unless an earlier process did.
+        return _stored_conversion(raw, preset)
+    return None
+
+
+def _class_config(raw: Mapping, label: str) -> PresetConfig:
+    class_name = raw["class_name"]
+    config = raw.get("config")
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            "With `class_name`, a config dict holds the backbone's arguments "
+            "under `config`: {'class_name': 'GemmaBackbone', 'config': "
+            "backbone.get_config()}. Received: "
+            f"config={config!r} in preset={label!r}"
+        )
+    if isinstance(class_name, type):
+        return PresetConfig(label, class_name, dict(config), "keras")
+    if not isinstance(class_name, str) or not class_name:
+        raise PlanInputError(
+            "`class_name` names the backbone class, e.g. 'GemmaBackbone', "
+            "or is the class itself. Received: "
+            f"class_name={class_name!r} in preset={label!r}"
+        )
+    return PresetConfig(label, None, dict(config), "keras", class_name)
+
+
+def _through_keras_hub(source: ConfigSource) -> PresetConfig:
+    """The backbone class resolved by keras-hub: a class name among its
+    registered backbones, else through its loader, whose Hugging Face
+    converter converts the config."""
+    if source.dict_kind == "class":
+        return _registered_class(source)
+    loader = open_loader(source)
+    raw, preset = loader.config, source.preset
+    check_config_object(raw, CONFIG_FILE, preset)
+    if "registered_name" not in raw and "model_type" not in raw:
+        raise neither_format_error(preset)
+    if "registered_name" in raw:
+        backbone_cls = _backbone_class(loader, raw, source)
+        return PresetConfig(preset, backbone_cls, keras_config(raw, preset), "keras")
+    reject_vision_towers(raw, preset)
+    return _converted(loader, raw, preset)
+
+
+def _registered_class(source: ConfigSource) -> PresetConfig:
+    import keras
+    import keras_hub  # noqa: F401  (registers keras-hub's classes)
+
+    info = _class_config(source.raw, source.preset)
+    name = info.backbone_class
+    cls = keras.saving.get_registered_object(f"keras_hub>{name}")
+    if cls is None:
+        raise PlanInputError(
+            f"keras-hub has no backbone class named {name!r}. Give the "
+            "class itself, {'class_name': MyBackbone, 'config': ...}, or "
+            "pass the backbone instance. Received: "
+            f"class_name={name!r} in preset={source.preset!r}"
+        )
+    return PresetConfig(source.preset, cls, info.config, "keras")
+
+
+def _backbone_class(loader, raw: Mapping, source: ConfigSource) -> type:
+    """The class a Keras preset's `registered_name` names, registered with
+    Keras (by importing its package)."""
+    try:
+        return loader.check_backbone_class()
+    except ValueError as error:
+        name = raw["registered_name"]
+        if source.read_by == BY_DICT:
+            raise PlanInputError(
+                f"No class is registered with Keras as {name!r}: import the "
+                "package that defines it first, or pass the backbone "
+                f"instance. Received: registered_name={name!r} in "
+                f"preset={source.preset!r}"
+            ) from error
+        raise UnsupportedArchitectureError(
+            f"No class is registered with Keras as {name!r}, the class the "
+            f"preset's `{CONFIG_FILE}` names: import the package that "
+            "defines it first, or fix `registered_name`. Received: "
+            f"registered_name={name!r} in preset={source.preset!r}"
+        ) from error
+
+
+def _converted(loader, raw: Mapping, preset) -> PresetConfig:
+    """A Hugging Face config converted by keras-hub's converter, and kept
+    on disk for later processes."""
+    backbone_cls = loader.check_backbone_class()
+    convert = loader.converter.convert_backbone_config
+    try:
+        # Converters may build sub-models (Gemma 3's vision encoder):
+        # their variables get shapes, never values.
+        with compat.deferred_variables():
+            if len(inspect.signature(convert).parameters) != 1:
+                config = convert(raw, backbone_cls)
+            else:
+                config = convert(raw)
+    except KeyError as error:
+        raise missing_hf_field(error.args[0], raw, preset) from error
+    store_conversion(raw, backbone_cls.__name__, config)
+    return PresetConfig(preset, backbone_cls, dict(config), "transformers")
+
+
+def keras_config(raw: Mapping, preset) -> dict:
+    """The backbone's arguments of a Keras preset's `config.json` `raw`."""
+    config = raw.get("config")
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"The `config` entry of the preset's `{CONFIG_FILE}` must be a "
+            "mapping of the backbone's arguments. Save the model again with "
+            f"`save_to_preset`. Received: config={config!r} in "
+            f"preset={preset!r}"
+        )
+    return dict(config)
 
 
 def reject_vision_towers(raw: Mapping, preset) -> None:
@@ -83,22 +234,6 @@ def reject_vision_towers(raw: Mapping, preset) -> None:
         )
 
 
-def keras_config(raw: Mapping, preset) -> dict:
-    """The backbone's arguments of a Keras preset's `config.json` `raw`."""
-    config = raw.get("config")
-    if not isinstance(config, Mapping):
-        raise ConfigError(
-            f"The `config` entry of the preset's `{CONFIG_FILE}` must be a "
-            "mapping of the backbone's arguments. Save the model again with "
-            f"`save_to_preset`. Received: config={config!r} in "
-            f"preset={preset!r}"
-        )
-    # A local folder's weights say whether a config that leaves out tying
-    # is tied (`tied_embeddings`); keras-hub's load reads it the same way.
-    weights = local_weights_file(preset) if is_local_folder(preset) else None
-    return with_tying(raw, config, weights)
-
-
 def missing_hf_field(field, raw: Mapping, preset) -> ConfigError:
     return ConfigError(
         f"The Hugging Face `{CONFIG_FILE}` (model_type="
@@ -106,105 +241,6 @@ def missing_hf_field(field, raw: Mapping, preset) -> ConfigError:
         "to a keras-hub config needs. Add the field (see the model's "
         f"original config). Received: preset={preset!r}"
     )
-
-
-# --- Local folders, read without Keras or keras-hub. ------------------------
-
-
-def is_local_folder(preset) -> bool:
-    """True for a string that keras-hub reads as a local folder.
-
-    Built-in preset names win over folders in keras-hub, so a bare name
-    without a path separator (`"gemma_2b_en"`) is never taken for a folder
-    here; write `./gemma_2b_en` for a folder of that name.
-
-    Example:
-    >>> is_local_folder("gemma_2b_en"), is_local_folder("hf://google/gemma")
-    (False, False)
-    """
-    if not isinstance(preset, str) or "://" in preset:
-        return False
-    spelled_as_path = (
-        os.sep in preset
-        or (os.altsep is not None and os.altsep in preset)
-        or preset.startswith(".")
-        or preset.startswith("~")
-    )
-    return spelled_as_path and os.path.isdir(os.path.expanduser(preset))
-
-
-def read_local_config(preset: str) -> PresetConfig | None:
-    """Read a local preset folder's config without Keras or keras-hub.
-
-    Covers Keras presets of `keras_hub>` backbones and Hugging Face
-    checkpoints whose config keras-hub converted in an earlier process.
-    Returns `None` for anything else (handles, built-in names, configs not
-    converted yet), which `read_preset_config` reads through keras-hub. The result has
-    `backbone_cls=None` and the class name in `backbone_class`.
-
-    Args:
-        preset: a local folder.
-
-    Example:
-    ```python
-    info = read_local_config("./gemma_2b")
-    info.backbone_class, info.config["num_key_value_heads"]
-    ```
-    """
-    if not is_local_folder(preset):
-        return None
-    path = os.path.join(os.path.expanduser(preset), CONFIG_FILE)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as file:
-            raw = json.load(file)
-    except OSError:
-        return None  # keras-hub's loader reports it
-    except UnicodeDecodeError as error:
-        raise PresetError(
-            f"The preset's `{CONFIG_FILE}` at {path} is not UTF-8 text "
-            f"({error}). Save it again as UTF-8 JSON. Received: preset={preset!r}"
-        ) from error
-    except json.JSONDecodeError as error:
-        raise PresetError(
-            f"The preset's `{CONFIG_FILE}` at {path} is not valid JSON "
-            f"({error}). Fix or replace the file. Received: preset={preset!r}"
-        ) from error
-    check_config_object(raw, path, preset)
-    if "registered_name" in raw:
-        package, _, name = str(raw["registered_name"]).partition(">")
-        if package != "keras_hub" or not name:
-            return None
-        return PresetConfig(preset, None, keras_config(raw, preset), "keras", name)
-    if "model_type" in raw:
-        reject_vision_towers(raw, preset)
-        # keras-hub's converter reads it, unless an earlier process did.
-        return _stored_conversion(raw, preset)
-    return None
-
-
-def check_config_object(raw, where: str, preset) -> None:
-    """Raise `ConfigError` unless a `config.json`'s contents are a JSON object.
-
-    Example:
-    >>> check_config_object(None, "./p/config.json", "./p")
-    Traceback (most recent call last):
-    ...
-    keras_hub_autodist.errors.ConfigError: The preset's `config.json` at ./p/config.json holds null, not a JSON object of the backbone's configuration. Save the model again with `save_to_preset`, or restore the file. Received: preset='./p'
-    """  # noqa: E501
-    if not isinstance(raw, Mapping):
-        text = (
-            json.dumps(raw)
-            if raw is None or isinstance(raw, (int, float))
-            else (f"a JSON {type(raw).__name__}")
-        )
-        raise ConfigError(
-            f"The preset's `{CONFIG_FILE}` at {where} holds {text}, not a JSON "
-            "object of the backbone's configuration. Save the model again "
-            "with `save_to_preset`, or restore the file. Received: "
-            f"preset={preset!r}"
-        )
 
 
 def _conversion_key(raw: Mapping) -> str | None:
@@ -230,100 +266,3 @@ def _stored_conversion(raw: Mapping, preset) -> PresetConfig | None:
     return PresetConfig(
         preset, None, stored["config"], "transformers", str(stored.get("class"))
     )
-
-
-# --- Config dicts: the contents of a config.json, or get_config() + class. --
-
-CONFIG_DICT = "<config dict>"
-HF_CONFIG_DICT = "<Hugging Face config dict>"
-
-
-def config_dict_kind(raw: Mapping) -> str:
-    """Which form of config dict `raw` is: `"keras"` (a Keras preset's
-    `config.json`, with `registered_name`), `"class"` (`class_name` and
-    `config`, e.g. a backbone's `get_config()` with its class) or
-    `"transformers"` (a Hugging Face `config.json`, with `model_type`).
-
-    Raises:
-        PlanInputError: for a mapping of none of these forms.
-
-    Example:
-    >>> config_dict_kind({"model_type": "llama"})
-    'transformers'
-    """
-    if "registered_name" in raw:
-        return "keras"
-    if "class_name" in raw:
-        return "class"
-    if "model_type" in raw:
-        return "transformers"
-    raise PlanInputError(
-        "A config dict must say which backbone it configures. Pass a Keras "
-        "preset's config.json as a dict (with `registered_name`, e.g. "
-        "'keras_hub>GemmaBackbone'), a Hugging Face config.json as a dict "
-        "(with `model_type`), or a backbone's config with its class: "
-        "{'class_name': 'GemmaBackbone', 'config': backbone.get_config()}; "
-        "or pass the backbone itself. Received: a dict with keys "
-        f"{sorted(map(str, raw))[:12]}"
-    )
-
-
-def config_dict_label(raw: Mapping) -> str:
-    """How a plan made from the config dict `raw` names its source.
-
-    Example:
-    >>> config_dict_label({"model_type": "llama"})
-    '<Hugging Face config dict>'
-    """
-    return HF_CONFIG_DICT if config_dict_kind(raw) == "transformers" else CONFIG_DICT
-
-
-def _class_config(raw: Mapping, label: str) -> dict:
-    config = raw.get("config")
-    if not isinstance(config, Mapping):
-        raise ConfigError(
-            "With `class_name`, a config dict holds the backbone's arguments "
-            "under `config`: {'class_name': 'GemmaBackbone', 'config': "
-            "backbone.get_config()}. Received: "
-            f"config={config!r} in preset={label!r}"
-        )
-    return dict(config)
-
-
-def read_local_config_dict(raw: Mapping) -> PresetConfig | None:
-    """Read a config dict without Keras or keras-hub, when possible.
-
-    The dict forms are those of `config_dict_kind`. Returns `None` when
-    keras-hub is needed (a registered name outside keras-hub, a Hugging Face
-    config keras-hub has not converted before); `read_config_dict` reads
-    those.
-
-    Args:
-        raw: the config dict; it is not modified.
-
-    Example:
-    >>> read_local_config_dict({"class_name": "GemmaBackbone",
-    ...     "config": {"num_layers": 2}}).backbone_class
-    'GemmaBackbone'
-    """
-    kind = config_dict_kind(raw)
-    label = config_dict_label(raw)
-    if kind == "keras":
-        package, _, name = str(raw["registered_name"]).partition(">")
-        if package != "keras_hub" or not name:
-            return None
-        return PresetConfig(label, None, keras_config(raw, label), "keras", name)
-    if kind == "class":
-        class_name = raw["class_name"]
-        config = _class_config(raw, label)
-        if isinstance(class_name, type):
-            return PresetConfig(label, class_name, config, "keras")
-        if not isinstance(class_name, str) or not class_name:
-            raise PlanInputError(
-                "`class_name` names the backbone class, e.g. 'GemmaBackbone', "
-                "or is the class itself. Received: "
-                f"class_name={class_name!r} in preset={label!r}"
-            )
-        return PresetConfig(label, None, config, "keras", class_name)
-    reject_vision_towers(raw, label)
-    return _stored_conversion(raw, label)

@@ -4,7 +4,7 @@ keras-hub downloads an `hf://` preset's `config.json` with
 `huggingface_hub.hf_hub_download`, which retries a failed connection five
 times (about 35 seconds) and then reports a missing file, the network error
 lost. One request without retries, made first, tells an unreachable network
-at once, as a `ConnectionError` that `presets.is_network_error` recognizes.
+at once, as a `ConnectionError` that `loaders.is_network_error` recognizes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import sys
 
-from keras_hub_autodist.reading.configs import CONFIG_FILE
+from keras_hub_autodist.reading.records import CONFIG_FILE
 
 HF_SCHEME = "hf://"
 

@@ -33,7 +33,7 @@ import json
 import os
 import re
 
-from keras_hub_autodist.reading.configs import CONFIG_FILE
+from keras_hub_autodist.reading.records import CONFIG_FILE
 
 SHARDED_INDEX_FILE = "model.weights.json"
 ASSETS_FOLDER = "assets"
