@@ -32,7 +32,6 @@ from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.reading import disk_cache
 from keras_hub_autodist.reading.loaders import open_loader
-from keras_hub_autodist.reading.records import BY_DICT
 from keras_hub_autodist.reading.records import CONFIG_FILE
 from keras_hub_autodist.reading.records import ConfigSource
 from keras_hub_autodist.reading.records import PresetConfig
@@ -89,7 +88,7 @@ def without_keras_hub(source: ConfigSource) -> PresetConfig | None:
 
     Example:
     >>> raw = {"class_name": "GemmaBackbone", "config": {"num_layers": 2}}
-    >>> source = ConfigSource("<config dict>", raw, BY_DICT, "class")
+    >>> source = ConfigSource("<config dict>", raw, "class")
     >>> without_keras_hub(source).backbone_class
     'GemmaBackbone'
     """
@@ -173,7 +172,7 @@ def _backbone_class(loader, raw: Mapping, source: ConfigSource) -> type:
         return loader.check_backbone_class()
     except ValueError as error:
         name = raw["registered_name"]
-        if source.read_by == BY_DICT:
+        if source.dict_kind:
             raise PlanInputError(
                 f"No class is registered with Keras as {name!r}: import the "
                 "package that defines it first, or pass the backbone "

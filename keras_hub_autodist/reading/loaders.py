@@ -21,7 +21,6 @@ from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.errors import PresetError
 from keras_hub_autodist.errors import UnsupportedArchitectureError
 from keras_hub_autodist.reading.network import check_hugging_face_reachable
-from keras_hub_autodist.reading.records import BY_DICT
 from keras_hub_autodist.reading.records import CONFIG_FILE
 from keras_hub_autodist.reading.records import ConfigSource
 from keras_hub_autodist.reading.records import neither_format_error
@@ -55,7 +54,7 @@ def open_loader(source: ConfigSource):
 
 
 def _loader(source: ConfigSource):
-    if source.read_by != BY_DICT:
+    if not source.dict_kind:
         check_hugging_face_reachable(source.preset)  # fails fast: no 35 s of retries
         return compat.preset_loader(source.preset)
     if "registered_name" in source.raw:
@@ -67,7 +66,7 @@ def _named_error(error: Exception, source: ConfigSource) -> Exception | None:
     """`error`, raised while opening keras-hub's loader, in the words of the
     preset; `None` for an error keras-hub's own message names well."""
     preset = source.preset
-    if source.read_by == BY_DICT:
+    if source.dict_kind:
         if isinstance(error, ValueError) and "registered_name" not in source.raw:
             return _unconvertible(preset, repr(source.raw["model_type"]))
         return None

@@ -21,12 +21,6 @@ CONFIG_FILE = "config.json"
 CONFIG_DICT = "<config dict>"
 HF_CONFIG_DICT = "<Hugging Face config dict>"
 
-# How keras-hub reads a source when its config needs keras-hub: a preset
-# string through keras-hub's preset loader (which reads `config.json`
-# itself), a config dict through the loader of its format.
-BY_PRESET = "preset"
-BY_DICT = "dict"
-
 
 @dataclasses.dataclass(frozen=True)
 class PresetConfig:
@@ -69,23 +63,22 @@ class ConfigSource:
             dict, or `{"class_name": cls, "config": ...}` of a model
             instance; `None` when only keras-hub can read it (a handle, a
             built-in name).
-        read_by: how keras-hub reads the source when its config needs
-            keras-hub: `BY_PRESET` (the preset string) or `BY_DICT`
-            (`raw` itself).
-        dict_kind: for a config dict, its form (`"keras"`, `"class"` or
-            `"transformers"`, as `sources.config_dict_kind` says).
+        dict_kind: for a config dict (or a model instance, read as one),
+            its form: `"keras"`, `"class"` or `"transformers"`, as
+            `sources.config_dict_kind` says; `""` for a preset string,
+            which keras-hub's preset loader reads when keras-hub is needed
+            (a dict is read by the loader of its form).
         folder: the local folder the preset is, if it is one: its weights
             say whether a config that leaves out tying is tied.
 
     Example:
-    >>> ConfigSource("<config dict>", {"model_type": "llama"}, BY_DICT,
+    >>> ConfigSource("<config dict>", {"model_type": "llama"},
     ...     "transformers").folder is None
     True
     """
 
     preset: str
     raw: Mapping | None
-    read_by: str
     dict_kind: str = ""
     folder: str | None = None
 

@@ -22,8 +22,6 @@ from collections.abc import Mapping
 
 from keras_hub_autodist.errors import PlanInputError
 from keras_hub_autodist.errors import PresetError
-from keras_hub_autodist.reading.records import BY_DICT
-from keras_hub_autodist.reading.records import BY_PRESET
 from keras_hub_autodist.reading.records import CONFIG_DICT
 from keras_hub_autodist.reading.records import CONFIG_FILE
 from keras_hub_autodist.reading.records import HF_CONFIG_DICT
@@ -88,9 +86,9 @@ def _string_source(preset: str) -> ConfigSource:
     """A preset string: a local folder's `config.json` read here; anything
     else (handles, built-in names, a folder without one) left to keras-hub."""
     if not is_local_folder(preset):
-        return ConfigSource(preset, None, BY_PRESET)
+        return ConfigSource(preset, None)
     path = os.path.join(os.path.expanduser(preset), CONFIG_FILE)
-    source = ConfigSource(preset, None, BY_PRESET, folder=preset)
+    source = ConfigSource(preset, None, folder=preset)
     if not os.path.isfile(path):
         return source
     try:
@@ -109,7 +107,7 @@ def _string_source(preset: str) -> ConfigSource:
             f"({error}). Fix or replace the file. Received: preset={preset!r}"
         ) from error
     check_config_object(raw, path, preset)
-    return ConfigSource(preset, raw, BY_PRESET, folder=preset)
+    return ConfigSource(preset, raw, folder=preset)
 
 
 def config_dict_kind(raw: Mapping) -> str:
@@ -151,7 +149,7 @@ def dict_source(raw: Mapping) -> ConfigSource:
     """
     kind = config_dict_kind(raw)
     label = HF_CONFIG_DICT if kind == "transformers" else CONFIG_DICT
-    return ConfigSource(label, raw, BY_DICT, dict_kind=kind)
+    return ConfigSource(label, raw, dict_kind=kind)
 
 
 def _instance_source(model) -> ConfigSource:
@@ -186,4 +184,4 @@ def _instance_source(model) -> ConfigSource:
         if name not in config and isinstance(value, (bool, int, float, str)):
             config[name] = value
     raw = {"class_name": type(backbone), "config": config}
-    return ConfigSource(label, raw, BY_DICT, dict_kind="class")
+    return ConfigSource(label, raw, dict_kind="class")
