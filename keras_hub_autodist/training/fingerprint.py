@@ -416,12 +416,6 @@ def difference_error(source: str, holds: str, has: str, fix: str, lines: list[st
     )
 
 
-def _error(source, saved, current, groups, fix, lines):
-    return difference_error(
-        source, describe(saved, groups), describe(current, groups), fix, lines
-    )
-
-
 def mismatch_error(
     source: str,
     saved: Fingerprint,
@@ -448,23 +442,22 @@ def mismatch_error(
             sides have.
     """
     groups = tuple(groups)
+
+    def refused(fix: str, lines: list[str]):
+        holds, has = describe(saved, groups), describe(current, groups)
+        return difference_error(source, holds, has, fix, lines)
+
     if any(g in groups for g in WEIGHTS):
         group_of = lambda f: {p: g for g in WEIGHTS for p in f.group(g)}  # noqa: E731
         lines = variable_differences(
             saved.weights(), current.weights(), group_of(saved), group_of(current)
         )
         if lines:
-            return _error(
-                source, saved, current, groups, weights_fix(saved, current), lines
-            )
+            return refused(weights_fix(saved, current), lines)
     if OPTIMIZER in groups:
         named = saved.optimizer and current.optimizer
         if named and saved.optimizer != current.optimizer:
-            return _error(
-                source,
-                saved,
-                current,
-                groups,
+            return refused(
                 f"The checkpoint was trained with {saved.optimizer}: compile "
                 f"with `keras.optimizers.{saved.optimizer}` (its settings "
                 "are your run's), then restore.",
@@ -477,11 +470,7 @@ def mismatch_error(
             *without_one_sided_rates(saved.group(OPTIMIZER), current.group(OPTIMIZER))
         )
         if lines:
-            return _error(
-                source,
-                saved,
-                current,
-                groups,
+            return refused(
                 "Compile with the optimizer the checkpoint was trained with "
                 "(and its settings that make slots, e.g. `ema_momentum`), "
                 "then restore.",
@@ -496,11 +485,7 @@ def mismatch_error(
             {p: s for p, s in current.group(METRICS).items() if p in both},
         )
         if lines:
-            return _error(
-                source,
-                saved,
-                current,
-                groups,
+            return refused(
                 "Compile with the metrics the run used, then restore.",
                 lines,
             )
