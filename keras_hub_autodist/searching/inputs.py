@@ -7,6 +7,7 @@ Imports neither Keras nor JAX.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 
@@ -16,6 +17,46 @@ from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES
 from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.remat_arguments import check_remat
 from keras_hub_autodist.planning.sharding import STRATEGIES
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchedStep:
+    """The training step a search lays out: what every candidate is
+    planned, costed and compiled with, whatever its mesh, strategy, remat
+    and batch.
+
+    Args:
+        preset: as for `search()`.
+        device: the named device the step is laid out for.
+        sequence_length: tokens per sequence.
+        optimizer: the optimizer's name (`trained_state.OPTIMIZERS`).
+        lora_rank: the LoRA rank trained, or `None`.
+        dtype: the dtype (policy) planned, or `None` for the preset's.
+        context_parallel_strategy: how the candidates with a context axis
+            pass keys and values.
+
+    Example:
+    >>> SearchedStep("./gemma_2b", "v5e", 2048, "adam", None, None,
+    ...     "all_gather").device
+    'v5e'
+    """
+
+    preset: str | os.PathLike | Mapping
+    device: str
+    sequence_length: int
+    optimizer: str
+    lora_rank: int | None
+    dtype: str | None
+    context_parallel_strategy: str
+
+    def plan_options(self) -> dict:
+        """The options of `plan()` that every candidate is planned with."""
+        return {
+            "device_memory": self.device,
+            "lora_rank": self.lora_rank,
+            "dtype": self.dtype,
+            "context_parallel_strategy": self.context_parallel_strategy,
+        }
 
 
 def _is_count(value, least: int) -> bool:
@@ -146,4 +187,4 @@ def check_search_inputs(
     return strategies, remats
 
 
-__all__ = ["check_search_inputs", "choices", "positive_int"]
+__all__ = ["SearchedStep", "check_search_inputs", "choices", "positive_int"]

@@ -52,6 +52,7 @@ from keras_hub_autodist.searching.candidates import Candidate
 from keras_hub_autodist.searching.candidates import candidates
 from keras_hub_autodist.searching.candidates import meshes
 from keras_hub_autodist.searching.candidates import remat_key
+from keras_hub_autodist.searching.inputs import SearchedStep
 from keras_hub_autodist.searching.inputs import check_search_inputs
 from keras_hub_autodist.searching.report import COMPILED
 from keras_hub_autodist.searching.report import FAILED
@@ -135,52 +136,35 @@ class SearchResult:
         return table(self)
 
 
-def _planned(preset, candidate, device, lora_rank, dtype, context="all_gather"):
+def _planned(step: SearchedStep, candidate: Candidate):
     return plan(
-        preset,
+        step.preset,
         dict(candidate.mesh),
         strategy=candidate.strategy,
-        device_memory=device,
-        lora_rank=lora_rank,
         remat=candidate.remat,
-        dtype=dtype,
-        context_parallel_strategy=context,
+        **step.plan_options(),
     )
 
 
-def _closed_form(
-    preset,
-    candidate,
-    device,
-    lora_rank,
-    dtype,
-    sequence_length,
-    optimizer,
-    speed,
-    context,
-):
+def _closed_form(step: SearchedStep, candidate: Candidate, speed):
     """The candidate's plan, closed-form bytes and closed-form cost."""
-    layout = _planned(preset, candidate, device, lora_rank, dtype, context)
-    estimate = step_estimate(
-        layout, candidate.batch_size, sequence_length, optimizer, platform=device
-    )
-    cost = step_cost.closed_form_cost(
-        layout, candidate.batch_size, sequence_length, estimate, speed
-    )
+    layout = _planned(step, candidate)
+    batch, seq = candidate.batch_size, step.sequence_length
+    estimate = step_estimate(layout, batch, seq, step.optimizer, platform=step.device)
+    cost = step_cost.closed_form_cost(layout, batch, seq, estimate, speed)
     return layout, estimate.total_bytes, cost
 
 
-def _largest_batch(
-    preset, candidate, device, lora_rank, dtype, seq, optimizer, context
-):
+def _largest_batch(step: SearchedStep, candidate: Candidate) -> Candidate:
     """With `batch_size="auto"`: the largest batch (the batch axis times a
     power of two, up to `MAX_AUTO_BATCH`) whose closed form fits; the batch
     axis' size when none does."""
-    layout = _planned(preset, candidate, device, lora_rank, dtype, context)
+    layout = _planned(step, candidate)
     rows = candidate.mesh["batch"]
     best = rows
+    seq, optimizer = step.sequence_length, step.optimizer
     while rows <= MAX_AUTO_BATCH:
-        estimate = step_estimate(layout, rows, seq, optimizer, platform=device)
+        estimate = step_estimate(layout, rows, seq, optimizer, platform=step.device)
         if estimate.total_bytes > layout.device_memory_bytes:
             break
         best, rows = rows, rows * 2
@@ -311,7 +295,15 @@ def search(
         cache_dir=cache_dir,
         context_parallel_strategy=context_parallel_strategy,
     )
-    context = context_parallel_strategy
+    step = SearchedStep(
+        preset,
+        device,
+        sequence_length,
+        optimizer,
+        lora_rank,
+        dtype,
+        context_parallel_strategy,
+    )
     auto = batch_size == "auto"
     profile = device_profile(device)
     speed = device_speed(device)
@@ -321,12 +313,7 @@ def search(
     experts = any(
         "expert" in w.logical_axes
         for w in _planned(
-            preset,
-            Candidate({"batch": 1}, strategies[0], remats[0], 1),
-            device,
-            lora_rank,
-            dtype,
-            context,
+            step, Candidate({"batch": 1}, strategies[0], remats[0], 1)
         ).rows
     )
     found = candidates(
@@ -338,41 +325,18 @@ def search(
         experts=experts,
     )
     rule = _rule_candidate(
-        preset,
-        device,
-        devices,
-        None if auto else batch_size,
-        lora_rank,
-        dtype,
-        strategies,
-        remats,
-        context,
+        step, devices, None if auto else batch_size, strategies, remats
     )
     if all(c.key()[:3] != rule.key()[:3] for c in found):
         found.append(rule)
     if auto:
-        found = [
-            _largest_batch(
-                preset, c, device, lora_rank, dtype, sequence_length, optimizer, context
-            )
-            for c in found
-        ]
+        found = [_largest_batch(step, c) for c in found]
     rule = next(c for c in found if c.key()[:3] == rule.key()[:3])
     # Each candidate by the closed form.
     planned = {}
     entries = {}
     for candidate in found:
-        layout, estimate, closed = _closed_form(
-            preset,
-            candidate,
-            device,
-            lora_rank,
-            dtype,
-            sequence_length,
-            optimizer,
-            speed,
-            context,
-        )
+        layout, estimate, closed = _closed_form(step, candidate, speed)
         planned[candidate] = layout
         fits = estimate <= layout.device_memory_bytes
         entries[candidate] = Entry(
@@ -483,7 +447,7 @@ def search(
 
 
 def _rule_candidate(
-    preset, device, devices, batch_size, lora_rank, dtype, strategies, remats, context
+    step: SearchedStep, devices: int, batch_size, strategies, remats
 ) -> Candidate:
     """The memory rule's choice as a candidate of the strategies and remats
     asked for: the rule chooses the strategy only when both are asked for;
@@ -492,15 +456,15 @@ def _rule_candidate(
     keys = [remat_key(r) for r in remats]
     remat = None if None in keys else remats[0]
     mesh, chosen_strategy = rule_choice(
-        preset,
-        device,
+        step.preset,
+        step.device,
         devices,
         batch_size,
-        lora_rank,
-        dtype,
+        step.lora_rank,
+        step.dtype,
         strategy=strategy,
         remat=remat,
-        context_parallel_strategy=context,
+        context_parallel_strategy=step.context_parallel_strategy,
     )
     return Candidate(mesh, chosen_strategy, remat, batch_size or 0)
 
