@@ -28,11 +28,9 @@ from keras_hub_autodist.fitting.layout_plan import LayoutPlan
 from keras_hub_autodist.fitting.trained_state import state_need
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning.layouts import Alternative
+from keras_hub_autodist.planning.layouts import KVCosts
 from keras_hub_autodist.planning.layouts import check_sequence_split
-from keras_hub_autodist.planning.layouts import fixed_kv_layout
-from keras_hub_autodist.planning.layouts import held_bytes
-from keras_hub_autodist.planning.layouts import ideal_device_bytes
-from keras_hub_autodist.planning.layouts import kv_fallbacks
+from keras_hub_autodist.planning.layouts import kv_costs
 from keras_hub_autodist.planning.layouts import rows
 from keras_hub_autodist.planning.mesh import ResolvedMesh
 from keras_hub_autodist.planning.mesh import check_device_count
@@ -333,10 +331,9 @@ def plan_model(
     `options` leave the choice.
 
     Under `strategy="auto"` every strategy is costed, under key/value heads
-    that don't divide the model axis every key/value layout
-    (`layouts.kv_fallbacks`), in one pass over the weights
-    (`layouts.held_bytes`); `policy` chooses from what each needs of a
-    device's memory. Only the chosen layout becomes rows.
+    that don't divide the model axis every key/value layout, in one pass
+    over the weights (`layouts.kv_costs`); `policy` chooses from what each
+    needs of a device's memory. Only the chosen layout becomes rows.
 
     Args:
         model: the weights from `shapes.model_weights`.
@@ -360,22 +357,20 @@ def plan_model(
     strategies = (
         sharding.STRATEGIES if options.strategy == "auto" else (options.strategy,)
     )
-    alternatives = [
-        Alternative(mesh_axes, strategy, kv_fallback)
-        for strategy in strategies
-        for kv_fallback in kv_fallbacks(model, mesh_axes)
-    ]
-    held = dict(zip(alternatives, held_bytes(model, alternatives)))
+    costs = {
+        c.strategy: c
+        for c in kv_costs(model, [(mesh_axes, strategy) for strategy in strategies])
+    }
     kv = {
-        strategy: _choose_kv(model, options, mesh_axes, strategy, held, capacity)
-        for strategy in strategies
+        strategy: _choose_kv(model, options, c, capacity)
+        for strategy, c in costs.items()
     }
     if options.strategy == "auto":
         tp_need = state_need(
             model.weights,
             model.dtype,
             options.lora_rank,
-            held[Alternative(mesh_axes, "tp", kv["tp"][0])],
+            costs["tp"].held[kv["tp"][0]],
         )
         strategy, strategy_reason = policy.choose_strategy(
             tp_need,
@@ -418,21 +413,12 @@ def _auto_mesh(
     candidates = [
         resolve_mesh_axes(m) for m in policy.mesh_candidates(num_devices, batch_size)
     ]
-    alternatives = [
-        Alternative(mesh_axes, "tp", kv_fallback)
-        for mesh_axes in candidates
-        for kv_fallback in kv_fallbacks(model, mesh_axes)
-    ]
-    held = dict(zip(alternatives, held_bytes(model, alternatives)))
     needs = []
-    for mesh_axes in candidates:
-        kv_fallback, _ = _choose_kv(model, options, mesh_axes, "tp", held, capacity)
+    for costs in kv_costs(model, [(mesh_axes, "tp") for mesh_axes in candidates]):
+        kv_fallback, _ = _choose_kv(model, options, costs, capacity)
         needs.append(
             state_need(
-                model.weights,
-                model.dtype,
-                options.lora_rank,
-                held[Alternative(mesh_axes, "tp", kv_fallback)],
+                model.weights, model.dtype, options.lora_rank, costs.held[kv_fallback]
             )
         )
     return policy.choose_mesh(needs, num_devices, capacity, source, batch_size)
@@ -447,36 +433,37 @@ def device_name(device_memory) -> str:
     return device_profile(device_memory).name if isinstance(device_memory, str) else ""
 
 
-def _choose_kv(model, options, mesh_axes, strategy, held, capacity) -> tuple[str, str]:
-    """The key/value layout and why, from the alternatives' costs.
+def _choose_kv(model, options, costs: KVCosts, capacity) -> tuple[str, str]:
+    """The key/value layout and why, from what planning counted.
 
-    Where the layout alone decides it, that (`layouts.fixed_kv_layout`).
-    Otherwise `policy.choose_kv_layout` takes the one moving the fewest bytes
-    among those whose weights, gradients and Adam state fit `capacity` and
-    whose parameters meet the per-device target
+    Where the layout alone decides it, that (`KVCosts.fixed`). Otherwise
+    `policy.choose_kv_layout` takes the one moving the fewest bytes among
+    those whose weights, gradients and Adam state fit `capacity` and whose
+    parameters meet the per-device target
     (`policy.TP_DEVICE_BYTES_TARGET` x total / model-axis size for "tp",
     `policy.FSDP_DEVICE_BYTES_TARGET` x total / devices for "fsdp").
     """
-    fixed = fixed_kv_layout(model, mesh_axes, strategy)
-    if fixed is not None:
-        return fixed
-    model_axis = mesh_axes.model_axis
-    if strategy == "fsdp":
-        target, shards = policy.FSDP_DEVICE_BYTES_TARGET, mesh_axes.num_devices
+    if costs.fixed is not None:
+        return costs.fixed
+    if costs.strategy == "fsdp":
+        target = policy.FSDP_DEVICE_BYTES_TARGET
     else:
-        target, shards = policy.TP_DEVICE_BYTES_TARGET, mesh_axes.sizes[model_axis]
-    ideal = ideal_device_bytes(model, shards)
+        target = policy.TP_DEVICE_BYTES_TARGET
     candidates = []
     for layout in policy.KV_LAYOUTS:
-        bytes_held = held[Alternative(mesh_axes, strategy, layout.kv_fallback)]
+        bytes_held = costs.held[layout.kv_fallback]
         candidates.append(
             policy.KVCandidate(
                 layout,
                 state_need(model.weights, model.dtype, options.lora_rank, bytes_held),
-                bytes_held / ideal,
+                bytes_held / costs.ideal,
             )
         )
     chosen, reason = policy.choose_kv_layout(
-        candidates, capacity=capacity, target=target, strategy=strategy, axis=model_axis
+        candidates,
+        capacity=capacity,
+        target=target,
+        strategy=costs.strategy,
+        axis=costs.mesh_axes.model_axis,
     )
     return chosen.kv_fallback, reason

@@ -1,17 +1,21 @@
 """The ways to lay a model's weights out on a mesh, and what each holds.
 
 An `Alternative` is a mesh, a strategy and a key/value layout. The planner
-in the fitting stage asks for the alternatives worth comparing
-(`kv_fallbacks`), their per-device parameter bytes in one pass over the
-weights (`held_bytes`), the key/value layout the layout alone decides
-(`fixed_kv_layout`), and the rows of the one it keeps (`rows`). Nothing
-here weighs an alternative against a device's memory.
+in the fitting stage asks, for each mesh and strategy it weighs, what
+planning counts (`kv_costs`, a `KVCosts` each): the key/value layout the
+layout alone decides (`fixed_kv_layout`), else each one worth comparing
+(`kv_fallbacks`) with its per-device parameter bytes, counted for every
+mesh and strategy in one pass over the weights (`held_bytes`); then the
+rows of the one it keeps (`rows`). Nothing here weighs an alternative
+against a device's memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from collections.abc import Sequence
 
 from keras_hub_autodist.errors import StrategyError
 from keras_hub_autodist.planning import sharding
@@ -32,6 +36,74 @@ class Alternative:
     mesh_axes: MeshAxes
     strategy: str
     kv_fallback: str = "replicate"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCosts:
+    """What planning counts for the key/value layout of one mesh and
+    strategy; the fitting stage chooses by memory.
+
+    Args:
+        mesh_axes: the mesh.
+        strategy: `"tp"` or `"fsdp"`.
+        held: per-device parameter bytes of each key/value layout worth
+            costing (`kv_fallbacks`), by its `kv_fallback`.
+        fixed: `(kv_fallback, reason)` where the layout alone decides it
+            (`fixed_kv_layout`); `None` where the layouts are compared.
+        ideal: where they are compared, all parameter bytes spread
+            perfectly over the devices the strategy shards over (the model
+            axis for `"tp"`, every device for `"fsdp"`); else 0.
+    """
+
+    mesh_axes: MeshAxes
+    strategy: str
+    held: Mapping[str, int]
+    fixed: tuple[str, str] | None
+    ideal: float
+
+
+def kv_costs(
+    model: ModelWeights, cases: Sequence[tuple[MeshAxes, str]]
+) -> list[KVCosts]:
+    """A `KVCosts` for each `(mesh_axes, strategy)` of `cases`, the
+    parameter bytes of all of them counted in one pass over the weights.
+
+    Example:
+    ```python
+    tp, fsdp = kv_costs(weights, [(mesh_axes, "tp"), (mesh_axes, "fsdp")])
+    tp.held["replicate"]
+    ```
+    """
+    alternatives = [
+        Alternative(mesh_axes, strategy, kv_fallback)
+        for mesh_axes, strategy in cases
+        for kv_fallback in kv_fallbacks(model, mesh_axes)
+    ]
+    held = dict(zip(alternatives, held_bytes(model, alternatives)))
+    total = ideal_device_bytes(model, 1)
+    costs = []
+    for mesh_axes, strategy in cases:
+        fixed = fixed_kv_layout(model, mesh_axes, strategy)
+        shards = (
+            mesh_axes.num_devices
+            if strategy == "fsdp"
+            else mesh_axes.sizes[mesh_axes.model_axis]
+        )
+        costs.append(
+            KVCosts(
+                mesh_axes,
+                strategy,
+                {
+                    alternative.kv_fallback: bytes_held
+                    for alternative, bytes_held in held.items()
+                    if (alternative.mesh_axes, alternative.strategy)
+                    == (mesh_axes, strategy)
+                },
+                fixed,
+                0.0 if fixed is not None else total / shards,
+            )
+        )
+    return costs
 
 
 def check_sequence_split(options: PlanOptions, mesh_axes: MeshAxes) -> None:
