@@ -1,4 +1,6 @@
-"""The values reading passes from step to step, and the names they use.
+"""The values reading passes from step to step, the names they use, and
+what a `config.json` must be (a JSON object of one of two formats), which
+both steps check.
 
 Reading a preset walks one way: the source (a folder, a handle, a config
 dict, a model instance) is read into a `ConfigSource` (`sources.py`), whose
