@@ -127,7 +127,6 @@ def _measure(lm, recorded, batch, seq, steps, warmup) -> dict:
     losses = []
     try:
         times = step_seconds(lm, x, y, warmup + steps, losses)
-        fit_s = fit_seconds(lm, x, y, steps)
     except Exception as error:  # noqa: BLE001 - reported as the rung's row
         refused = accelerator_program.refused_memory(error, recorded)
         if refused is None:
@@ -137,6 +136,10 @@ def _measure(lm, recorded, batch, seq, steps, warmup) -> dict:
         row["error"] = [str(error).strip().splitlines()[0][:400]]
         return row
     row.update(accelerator_program.program_memory(recorded))
+    try:  # keras-hub's `fit` needs grain or tensorflow to batch arrays
+        row["fit_tokens_per_s"] = batch * seq * steps / fit_seconds(lm, x, y, steps)
+    except ImportError as error:
+        row["fit_error"] = str(error)[:200]
     peak, final = device_memory()
     step = statistics.median(times[warmup:])
     params = lm.backbone.count_params()
@@ -147,7 +150,6 @@ def _measure(lm, recorded, batch, seq, steps, warmup) -> dict:
         first_loss=losses[0],
         step_s=step,
         tokens_per_s=tokens,
-        fit_tokens_per_s=batch * seq * steps / fit_s,
         tflops=6 * params * tokens / 1e12,
         params=params,
         peak_bytes=peak,

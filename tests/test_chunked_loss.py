@@ -86,9 +86,11 @@ def test_chunks_match_whole_logits_in_value_and_gradient(reduction):
         # A frozen head's states take any cotangent, token by token.
         cotangent = jnp.asarray(rng.normal(size=(2, 12)), jnp.float32)
         got = jax.grad(
-            lambda h, chunks=chunks: jnp.sum(frozen(h, kernel, chunks)[0] * cotangent)
+            lambda h, chunks=chunks, c=cotangent: jnp.sum(
+                frozen(h, kernel, chunks)[0] * c
+            )
         )(hidden)
-        want = jax.grad(lambda h: jnp.sum(whole(h, kernel)[0] * cotangent))(hidden)
+        want = jax.grad(lambda h, c=cotangent: jnp.sum(whole(h, kernel)[0] * c))(hidden)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="Received: chunks=5, sequence=12"):
         trained(hidden, kernel, 5)
@@ -97,15 +99,18 @@ def test_chunks_match_whole_logits_in_value_and_gradient(reduction):
 def test_chunk_counts_divide_each_part_of_a_split_sequence():
     gib, mib = 2**30, 2**20
     count = chunk_rule.chunk_count
-    # A large head (Gemma 3 1B's, 0.6 GiB): chunks of at most 256 MiB of
-    # float32 logits, each dividing a device's part of the sequence.
+    # A large head (Gemma 3 1B's, 0.6 GiB): Keras' own step up to 4 GiB of
+    # float32 logits a device, then chunks of at most 256 MiB, each
+    # dividing a device's part of the sequence.
     head = {"head_bytes": 600 * mib}
     assert count(1, 32768, 262144, **head) == 128
     assert count(1, 32768, 262144, splits=4, **head) == 32
-    assert count(1, 4096, 262144, **head) == 16
-    assert count(1, 1024, 262144, **head) == 4
-    # A trained head of 0.5 GiB (Llama 3.2 1B's): chunks of up to 1 GiB,
-    # as its gradient costs that much anyway.
+    assert count(1, 8192, 262144, **head) == 32
+    assert count(1, 4096, 262144, **head) == 1
+    # A head of 64 MiB may be read four times more.
+    assert count(1, 4096, 262144, head_bytes=64 * mib) == 4
+    # A trained head of 0.5 GiB (Llama 3.2 1B's): chunks of up to 1 GiB
+    # beyond 4 GiB, as its gradient costs that much anyway.
     trained = {"head_bytes": gib // 2, "trained_head_bytes": gib // 2}
     assert count(2, 1024, 128256, **trained) == 1
     assert count(16, 1024, 128256, **trained) == 8

@@ -19,11 +19,14 @@ Keras computes from whole logits:
   `SparseCategoricalAccuracy` as two columns whose argmax is 1 exactly
   where it matched, against labels of 1, so its weighting is Keras' too.
 
-The chunks' gradient is taken with their loss (`chunked_cross_entropy`),
-so the head runs as often as in Keras' step. `predict`, `generate` and any call outside a step keep whole
-logits. A compiled loss other than keras-hub's cross-entropy, or metrics
-other than its accuracy, keep the whole-logits step, with one
-`WholeLogitsWarning` that says why.
+Where `chunks.chunk_count` cuts them: a device's whole logits over 4 GiB,
+or a head small enough to read again per chunk; elsewhere the step is
+Keras' own, to the byte. The chunks' gradient is taken with their loss
+(`chunked_cross_entropy`), so the head runs as often as in Keras' step.
+`predict`, `generate` and any call outside a step keep whole logits. A
+compiled loss other than keras-hub's cross-entropy, or metrics other than
+its accuracy, keep the whole-logits step, with one `WholeLogitsWarning`
+that says why.
 """
 
 from __future__ import annotations
@@ -196,17 +199,19 @@ def _chunks(head, vocabulary: int, shares: _DeviceShares, labels) -> int:
 
 
 def _loss_and_updates(compute_loss_and_updates, task, count):
-    """`compute_loss_and_updates`: chunked (`count` chunks) where
-    `why_whole_logits` finds no reason not to; its `y_pred` is then the
+    """`compute_loss_and_updates`: chunked where `count` cuts the logits
+    and `why_whole_logits` finds no reason not to; its `y_pred` is then the
     per-token matches."""
 
     def chunked_loss_and_updates(*args, **kwargs):
         y = _argument(args, kwargs, 4, "y")
         why = why_whole_logits(task, y)
-        if why is not None:
-            _say_once(task, why)
+        chunks = count(y) if _token_labels(y) else 1
+        if why is not None and chunks > 1:
+            _say_once(task, why)  # only where the logits would have been cut
+        if why is not None or chunks == 1:
             return compute_loss_and_updates(*args, **kwargs)  # Keras' own
-        traced = {"chunks": count(y)}
+        traced = {"chunks": chunks}
         token = _TRACING.set(traced)
         try:
             loss, (unscaled, _, non_trainable, metrics) = compute_loss_and_updates(

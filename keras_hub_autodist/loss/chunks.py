@@ -4,6 +4,13 @@ with it)."""
 
 from __future__ import annotations
 
+# A step whose float32 logits take at most this on each device keeps Keras'
+# own step, whole logits and all, unless its head is small (below): cutting
+# a large head's loss costs time (each chunk reads the head's weights again;
+# 1.8% of a Gemma 2B LoRA step of 4 x 1024 tokens on a v5e chip), and below
+# this the whole logits fit beside the step (Gemma 3 1B at 4,096 tokens on
+# one 16 GiB chip: 4 GiB).
+WHOLE_LOGITS_BYTES = 4 * 2**30
 # The float32 logits one chunk may hold on each device.
 CHUNK_LOGITS_BYTES = 256 * 2**20
 # Where memory asks for fewer, a step's tokens are still cut into this many
@@ -27,13 +34,15 @@ def chunk_count(
     trained_head_bytes: int = 0,
 ) -> int:
     """The number of chunks a step's sequences are cut into, on a device
-    holding `rows` of them and `vocabulary` logits per token: the fewest,
-    dividing `sequence // splits`, whose float32 logits fit
-    `CHUNK_LOGITS_BYTES` (or twice `trained_head_bytes` where that is
-    more: a trained head's gradient costs that anyway), and at least
-    `FEWEST_CHUNKS` where the head's weights are small enough to read that
-    often (`SPARE_HEAD_TRAFFIC_BYTES`). Every token is a chunk of its own
-    where no larger chunk divides the sequence.
+    holding `rows` of them and `vocabulary` logits per token: where they
+    take more than `WHOLE_LOGITS_BYTES`, the fewest, dividing `sequence //
+    splits`, whose float32 logits fit `CHUNK_LOGITS_BYTES` (or twice
+    `trained_head_bytes` where that is more: a trained head's gradient
+    costs that anyway); and at least `FEWEST_CHUNKS` where the head's
+    weights are small enough to read that often
+    (`SPARE_HEAD_TRAFFIC_BYTES`). 1 is the whole logits, Keras' own step.
+    Every token is a chunk of its own where no larger chunk divides the
+    sequence.
 
     Args:
         rows: sequences per device.
@@ -51,16 +60,17 @@ def chunk_count(
     >>> chunk_count(1, 32768, 262144, head_bytes=2**30)
     128
     >>> chunk_count(1, 4096, 262144, head_bytes=2**30)
-    16
+    1
     >>> chunk_count(2, 256, 8192, head_bytes=2**20, trained_head_bytes=2**20)
     32
     """
     part = sequence // splits if sequence % splits == 0 else sequence
     whole = rows * part * vocabulary * 4
     budget = max(CHUNK_LOGITS_BYTES, 2 * trained_head_bytes)
+    needed = 1 if whole <= WHOLE_LOGITS_BYTES else -(-whole // budget)
     traffic = head_bytes + 2 * trained_head_bytes  # read, and gradient added
     affordable = SPARE_HEAD_TRAFFIC_BYTES // max(traffic, 1)
-    fewest = max(-(-whole // budget), min(FEWEST_CHUNKS, affordable), 1)
+    fewest = max(needed, min(FEWEST_CHUNKS, affordable), 1)
     for chunks in range(fewest, part + 1):
         if part % chunks == 0:
             return chunks
