@@ -178,22 +178,24 @@ GPU_TINY_STEPS = [
     Step("tiny", "gemma_2b", 8, (2,), 32, 2, 1),
 ]
 # One TPU v5e chip (15.75 GiB for a program): the steps measured there by
-# hand, keras-hub beside autodist, two warm-ups before three timed steps.
-# The Gemma 2B LoRA ladder finds the largest batch of 1024 tokens that runs
-# (4 and 8 ran, 12 was refused); the other two are the largest steps that
-# ran there (one rung more, refused there, would cost a compile each).
+# hand, keras-hub beside autodist, two warm-ups before five timed steps and
+# a `fit` of five. The Gemma 2B LoRA ladder finds the largest batch of 1024
+# tokens that runs (keras-hub: 4 and 8 ran, 12 was refused); the other two
+# are the largest steps that ran there (one rung more, refused there, would
+# cost a compile each).
 TPU_STEPS = [
-    Step("gemma_2b", "gemma_2b", 8, (4, 8, 12, 16), 1024, 3, 2, pair=True),
-    Step("gemma3_1b", "gemma3_1b", 8, (1,), 4096, 3, 2, pair=True),
-    Step("llama3.2_1b untied", "llama3.2_1b", 0, (2,), 1024, 3, 2, pair=True),
+    Step("gemma_2b", "gemma_2b", 8, (4, 8, 12), 1024, 5, 2, pair=True),
+    Step("gemma3_1b", "gemma3_1b", 8, (1,), 4096, 5, 2, pair=True),
+    Step("llama3.2_1b untied", "llama3.2_1b", 0, (2,), 1024, 5, 2, pair=True),
 ]
 # Long sequences on the one chip (the part `long`): splash on the
-# one-device mesh and the loss a chunk of tokens at a time; keras-hub
-# beside it at 8192, which it was refused at (30.68 GiB), and 32768 with
-# each decoder block recomputed.
+# one-device mesh and the loss a chunk of tokens at a time, each decoder
+# block recomputed where the sequence is longest. keras-hub was refused at
+# 8192 tokens of Gemma 3 1B (30.68 GiB) and of the Gemma 2B shape (27.32).
 TPU_LONG_STEPS = [
-    Step("gemma3_1b_8k", "gemma3_1b", 8, (1,), 8192, 3, 1, pair=True),
+    Step("gemma_2b_16k", "gemma_2b", 8, (1,), 16384, 2, 1, remat="full"),
     Step("gemma3_1b_32k", "gemma3_1b", 8, (1,), 32768, 2, 1, remat="full"),
+    Step("gemma3_1b_8k", "gemma3_1b", 8, (1,), 8192, 3, 1),
 ]
 TPU_TINY_STEPS = [
     Step("tiny gemma", "gemma_2b", 8, (2, 4), 32, 2, 2, pair=True),

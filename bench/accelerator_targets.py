@@ -21,6 +21,10 @@ TARGETS = {
     # Within the noise of two processes' medians: no step slower than
     # keras-hub's by more than half a percent.
     "autodist's training tokens/s / keras-hub's": ("at least", 0.995),
+    "autodist's `fit` tokens/s / keras-hub's": ("at least", 0.995),
+    # The same weights and batch: one step's loss, within bfloat16's
+    # rounding of a sum over the vocabulary.
+    "autodist's first loss / keras-hub's": ("within", 1e-3),
 }
 
 
@@ -118,12 +122,19 @@ def _ratios(results, predictions):
         ours = next(
             (r for r in trained if r["step"] == row["step"] and r is not row), None
         )
-        if ours:
-            yield (
-                "autodist's training tokens/s / keras-hub's",
-                row["step"],
-                (ours["tokens_per_s"] / row["tokens_per_s"]),
-            )
+        if not ours:
+            continue
+        yield (
+            "autodist's training tokens/s / keras-hub's",
+            row["step"],
+            ours["tokens_per_s"] / row["tokens_per_s"],
+        )
+        for target, key in (
+            ("autodist's `fit` tokens/s / keras-hub's", "fit_tokens_per_s"),
+            ("autodist's first loss / keras-hub's", "first_loss"),
+        ):
+            if ours.get(key) and row.get(key):
+                yield target, row["step"], ours[key] / row[key]
 
 
 def verdicts(results, predictions) -> list[tuple[str, str, float, bool]]:

@@ -43,8 +43,9 @@ def climb(batches, measure: Callable[[int], dict]) -> list[dict]:
     return rows
 
 
-def step_seconds(lm, x, y, count) -> list[float]:
-    """Seconds of each of `count` `train_on_batch` calls, each waited for."""
+def step_seconds(lm, x, y, count, losses=None) -> list[float]:
+    """Seconds of each of `count` `train_on_batch` calls, each waited for;
+    each step's loss appended to `losses` where given."""
     import jax
 
     times = []
@@ -53,7 +54,21 @@ def step_seconds(lm, x, y, count) -> list[float]:
         logs = lm.train_on_batch(x, y, return_dict=True)
         jax.block_until_ready(logs["loss"])
         times.append(time.perf_counter() - start)
+        if losses is not None:
+            losses.append(float(logs["loss"]))
     return times
+
+
+def fit_seconds(lm, x, y, count) -> float:
+    """Seconds of one `fit` epoch over `count` batches of `x`'s rows (the
+    step is compiled already: `train_on_batch` and `fit` share it)."""
+    import numpy as np
+
+    rows = len(y)
+    xs = {key: np.concatenate([value] * count) for key, value in x.items()}
+    start = time.perf_counter()
+    lm.fit(xs, np.concatenate([y] * count), batch_size=rows, epochs=1, verbose=0)
+    return time.perf_counter() - start
 
 
 def device_memory():
@@ -109,8 +124,9 @@ def _measure(lm, recorded, batch, seq, steps, warmup) -> dict:
     x = {"token_ids": ids.astype("int32"), "padding_mask": np.ones_like(ids, "int32")}
     y = np.roll(x["token_ids"], -1, axis=1)
     row = dict(batch=batch)
+    losses = []
     try:
-        times = step_seconds(lm, x, y, warmup + steps)
+        times = step_seconds(lm, x, y, warmup + steps, losses)
     except Exception as error:  # noqa: BLE001 - reported as the rung's row
         refused = accelerator_program.refused_memory(error, recorded)
         if refused is None:
@@ -120,6 +136,10 @@ def _measure(lm, recorded, batch, seq, steps, warmup) -> dict:
         row["error"] = [str(error).strip().splitlines()[0][:400]]
         return row
     row.update(accelerator_program.program_memory(recorded))
+    try:  # keras-hub's `fit` needs grain or tensorflow to batch arrays
+        row["fit_tokens_per_s"] = batch * seq * steps / fit_seconds(lm, x, y, steps)
+    except ImportError as error:
+        row["fit_error"] = str(error)[:200]
     peak, final = device_memory()
     step = statistics.median(times[warmup:])
     params = lm.backbone.count_params()
@@ -127,6 +147,7 @@ def _measure(lm, recorded, batch, seq, steps, warmup) -> dict:
     row.update(
         refused=False,
         first_step_s=times[0],
+        first_loss=losses[0],
         step_s=step,
         tokens_per_s=tokens,
         tflops=6 * params * tokens / 1e12,

@@ -163,9 +163,8 @@ def per_device_attention(plan) -> bool:
 def loss_chunks(plan, rows: int, sequence_length: int, vocabulary: int, output) -> int:
     """The chunks of tokens a bound causal LM's step takes its loss in on
     a device holding `rows` sequences and `vocabulary` logits per token
-    (`loss.chunks.chunk_count`): 1, the whole logits, for all but the
-    largest; a trained output embedding (`output`, its row) keeps more
-    logits per chunk."""
+    (`loss.chunks.chunk_count`), its output embedding `output` (a row of
+    the plan) trained but under LoRA."""
     axes = plan.mesh_axes
     trained = getattr(plan, "lora_rank", None) is None
     return chunk_count(
@@ -173,6 +172,7 @@ def loss_chunks(plan, rows: int, sequence_length: int, vocabulary: int, output) 
         sequence_length,
         int(vocabulary),
         axes.size(axes.context_axis),
+        output.device_bytes,
         output.device_bytes if trained else 0,
     )
 

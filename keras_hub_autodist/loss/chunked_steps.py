@@ -19,12 +19,14 @@ Keras computes from whole logits:
   `SparseCategoricalAccuracy` as two columns whose argmax is 1 exactly
   where it matched, against labels of 1, so its weighting is Keras' too.
 
-Only where a device's whole float32 logits would outgrow
-`chunks.WHOLE_LOGITS_BYTES` (4 GiB): below it the step is Keras' own, to
-the byte. `predict`, `generate` and any call outside a step keep whole
-logits. A compiled loss other than keras-hub's cross-entropy, or metrics
-other than its accuracy, keep the whole-logits step, with one
-`WholeLogitsWarning` that says why.
+Where `chunks.chunk_count` cuts them: a device's whole logits over 4 GiB,
+or a head small enough to read again per chunk; elsewhere the step is
+Keras' own, to the byte. The chunks' gradient is taken with their loss
+(`chunked_cross_entropy`), so the head runs as often as in Keras' step.
+`predict`, `generate` and any call outside a step keep whole logits. A
+compiled loss other than keras-hub's cross-entropy, or metrics other than
+its accuracy, keep the whole-logits step, with one `WholeLogitsWarning`
+that says why.
 """
 
 from __future__ import annotations
@@ -57,8 +59,7 @@ _SAID = "__keras_hub_autodist_whole_logits_said__"
 
 
 def install_chunked_loss(task, plan=None) -> bool:
-    """Make `task`'s steps take the loss a chunk of tokens at a time where
-    a device's whole logits would outgrow `chunks.WHOLE_LOGITS_BYTES`;
+    """Make `task`'s steps take the loss a chunk of tokens at a time;
     False (nothing changed) for a model whose graph isn't a backbone
     followed by a head that maps each token's state to its logits.
 
@@ -182,22 +183,25 @@ def _chunks(head, vocabulary: int, shares: _DeviceShares, labels) -> int:
     """`chunk_count` for a step on `labels`, from one device's share."""
     batch, sequence = labels.shape
     split = shares.vocabulary if vocabulary % shares.vocabulary == 0 else 1
-    trained = sum(
-        math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in head.trainable_weights
-    )
+
+    def device_bytes(weights):
+        total = sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in weights)
+        return total // split
+
     return chunk_count(
         -(-batch // shares.rows),
         sequence,
         vocabulary // split,
         shares.sequence,
-        trained // split,
+        device_bytes(head.weights),
+        device_bytes(head.trainable_weights),
     )
 
 
 def _loss_and_updates(compute_loss_and_updates, task, count):
-    """`compute_loss_and_updates`: chunked where a device's whole logits
-    are too large (`count`) and `why_whole_logits` finds no reason not to;
-    its `y_pred` is then the per-token matches."""
+    """`compute_loss_and_updates`: chunked where `count` cuts the logits
+    and `why_whole_logits` finds no reason not to; its `y_pred` is then the
+    per-token matches."""
 
     def chunked_loss_and_updates(*args, **kwargs):
         y = _argument(args, kwargs, 4, "y")
@@ -238,8 +242,19 @@ def _loss(compute_loss, task, head):
         if traced is None:
             return compute_loss(x, y, y_pred, sample_weight, **kwargs)
         training = kwargs.get("training", False)
+        frozen = [v.value for v in head.non_trainable_variables]
+
+        def apply(trained, states):
+            logits, _ = head.stateless_call(trained, frozen, states, training=training)
+            return logits
+
         entropy, traced["matches"] = chunked_cross_entropy(
-            functools.partial(head, training=training), y_pred, y, traced["chunks"]
+            apply,
+            [v.value for v in head.trainable_variables],
+            y_pred,
+            y,
+            _token_weights(sample_weight, y.shape),
+            traced["chunks"],
         )
         with compat.instance_patched(
             "chunked_loss_steps", task.loss, "call", _per_token_values
@@ -247,6 +262,20 @@ def _loss(compute_loss, task, head):
             return compute_loss(x, y, entropy, sample_weight, **kwargs)
 
     return chunked_loss
+
+
+def _token_weights(sample_weight, shape):
+    """The weight Keras' loss reduction gives each token: the sample
+    weight brought to `[batch, sequence]` as Keras brings it (a trailing
+    axis of 1 dropped, a weight per row spread over its tokens), or 1."""
+    if sample_weight is None:
+        return jnp.ones(shape, jnp.float32)
+    weights = jnp.asarray(sample_weight, jnp.float32)
+    while weights.ndim > len(shape) and weights.shape[-1] == 1:
+        weights = weights[..., 0]
+    if weights.ndim < len(shape):
+        weights = weights.reshape(weights.shape + (1,) * (len(shape) - weights.ndim))
+    return jnp.broadcast_to(weights, shape)
 
 
 def _metrics(compute_metrics):
