@@ -7,7 +7,9 @@
 # of this checkout, into .whl/ (ignored by git), replacing what was
 # there. keras-hub 0.32 imports tokenizers and sentencepiece when imported;
 # kagglehub is left out (without kagglesdk it fails keras-hub's import, and
-# keras-hub imports fine without it). Versions default to the ones tried on
+# keras-hub imports fine without it). keras-hub's `fit` batches arrays with
+# grain (or tensorflow, which the machine lacks): grain and what it imports
+# come too, numpy aside (the machine's). Versions default to the ones tried on
 # the chip: `KERAS=3.15.1 KERAS_HUB=0.32.0 bash scripts/accelerator_kit.sh`.
 #
 # On the machine, with .whl carried along, one command installs the kit
@@ -41,6 +43,8 @@ PACKAGES=(
     "keras==$KERAS" "keras-hub==$KERAS_HUB" "namex==$NAMEX" "optree==$OPTREE"
     typing_extensions absl-py h5py packaging regex rich pygments
     markdown-it-py mdurl safetensors tokenizers sentencepiece
+    grain array-record cloudpickle etils fsspec importlib_resources
+    portpicker protobuf psutil zipp
 )
 
 rm -rf "$WHEELS"

@@ -34,6 +34,7 @@ from keras_hub_autodist.searching import search as search_module
 from keras_hub_autodist.searching.report import to_json
 from keras_hub_autodist.searching.search import COMPILED
 from keras_hub_autodist.searching.search import FAILED
+from keras_hub_autodist.searching.search import NOT_COMPILED
 from keras_hub_autodist.searching.search import search
 
 TINY_GEMMA = {
@@ -123,9 +124,20 @@ def test_a_candidate_that_fails_to_compile_is_a_row_and_the_search_goes_on(
     words = {e.error for e in failed}
     assert "Mosaic failed to compile the splash kernel for TPU v3" in words
     assert all("does not compile: " + e.error == e.why for e in failed)
-    # Those that failed don't count against `max_compiles`.
+    # Those that failed don't count against `max_compiles`: as many compile
+    # as if none had failed, or are implied by a compile (the slower,
+    # rematerialized twin of a layout that compiled and fits).
     compiled = [e for e in result.entries if e.stage == COMPILED]
-    assert len(compiled) == 3 and result.compiles == 3
+    fitting = {dataclasses.replace(e.candidate, remat=None) for e in compiled if e.fits}
+    implied = [
+        e
+        for e in result.entries
+        if e.stage == NOT_COMPILED
+        and e.candidate.remat
+        and dataclasses.replace(e.candidate, remat=None) in fitting
+    ]
+    assert 2 <= len(compiled) == result.compiles <= 3
+    assert len(compiled) + len(implied) >= 3
     assert result.chosen.stage == COMPILED and result.chosen.fits
     answer = json.loads(json.dumps(to_json(result)))
     rows = [c for c in answer["candidates"] if c["stage"] == FAILED]
