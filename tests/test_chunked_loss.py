@@ -117,6 +117,8 @@ def test_chunk_counts_divide_each_part_of_a_split_sequence():
     # A small head is cheap to read again: at least 32 chunks.
     assert count(4, 256, 32768, head_bytes=4 * mib, trained_head_bytes=4 * mib) == 32
     assert count(8, 16, 1000, head_bytes=mib) == 16
+    # ... off a context axis, which already splits each device's logits.
+    assert count(4, 256, 32768, splits=2, head_bytes=mib) == 1
     # A prime length can only be cut token by token.
     assert count(64, 4099, 262144, **head) == 4099
 
@@ -238,9 +240,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_a_bound_causal_lm_takes_its_loss_in_chunks_as_one_device_does(
-    case, tiny_presets_dir, chunk_calls
+    case, tiny_presets_dir, chunk_calls, monkeypatch
 ):
     name, mesh, lora, rows, strategy, side = CASES[case]
+    if "context" in str(mesh):  # cut where the rule keeps whole logits
+        monkeypatch.setattr(chunked_steps, "chunk_count", lambda *_: 4)
     if mesh == "one device":
         devices = keras.distribution.list_devices()[:1]
         mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)

@@ -323,6 +323,11 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
             for row in ups
             if "expert" in row.logical_axes and row.dtype == "float32"
         ),
+        # A chunked loss sums a trained head's gradient over its chunks in
+        # float32, beside each chunk's own (`loss.chunked_cross_entropy`).
+        "chunked_head_gradient": float32_bytes(output)
+        if chunks > 1 and getattr(plan, "lora_rank", None) is None
+        else 0,
     }
 
 

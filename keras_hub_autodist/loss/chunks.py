@@ -38,8 +38,8 @@ def chunk_count(
     take more than `WHOLE_LOGITS_BYTES`, the fewest, dividing `sequence //
     splits`, whose float32 logits fit `CHUNK_LOGITS_BYTES` (or twice
     `trained_head_bytes` where that is more: a trained head's gradient
-    costs that anyway); and at least `FEWEST_CHUNKS` where the head's
-    weights are small enough to read that often
+    costs that anyway); and, off a context axis, at least `FEWEST_CHUNKS`
+    where the head's weights are small enough to read that often
     (`SPARE_HEAD_TRAFFIC_BYTES`). 1 is the whole logits, Keras' own step.
     Every token is a chunk of its own where no larger chunk divides the
     sequence.
@@ -70,7 +70,9 @@ def chunk_count(
     needed = 1 if whole <= WHOLE_LOGITS_BYTES else -(-whole // budget)
     traffic = head_bytes + 2 * trained_head_bytes  # read, and gradient added
     affordable = SPARE_HEAD_TRAFFIC_BYTES // max(traffic, 1)
-    fewest = max(needed, min(FEWEST_CHUNKS, affordable), 1)
+    # A context axis already splits each device's logits by its size.
+    small = min(FEWEST_CHUNKS, affordable) if splits == 1 else 1
+    fewest = max(needed, small, 1)
     for chunks in range(fewest, part + 1):
         if part % chunks == 0:
             return chunks
