@@ -160,13 +160,14 @@ def per_device_attention(plan) -> bool:
     return plan.architecture in PER_DEVICE_ARCHITECTURES
 
 
-def loss_chunks(plan, rows: int, sequence_length: int, vocabulary: int, output) -> int:
+def loss_chunks(
+    plan, rows: int, sequence_length: int, vocabulary: int, output, trained: bool
+) -> int:
     """The chunks of tokens a bound causal LM's step takes its loss in on
     a device holding `rows` sequences and `vocabulary` logits per token
     (`loss.chunks.chunk_count`), its output embedding `output` (a row of
-    the plan) trained but under LoRA."""
+    the plan) `trained` or frozen."""
     axes = plan.mesh_axes
-    trained = getattr(plan, "lora_rank", None) is None
     return chunk_count(
         rows,
         sequence_length,
@@ -253,7 +254,9 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         return dim(row, "expert") if "expert" in row.logical_axes else 1
 
     vocabulary = dim(output, "vocab") / shards(output)
-    chunks = loss_chunks(plan, b, sequence_length, vocabulary, output)
+    # The output embedding is trained but under LoRA.
+    head_trained = getattr(plan, "lora_rank", None) is None
+    chunks = loss_chunks(plan, b, sequence_length, vocabulary, output, head_trained)
     logits = b * s / chunks * vocabulary
     gathering = (axes.batch_axis, axes.context_axis)
 
@@ -326,7 +329,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         # A chunked loss sums a trained head's gradient over its chunks in
         # float32, beside each chunk's own (`loss.chunked_cross_entropy`).
         "chunked_head_gradient": float32_bytes(output)
-        if chunks > 1 and getattr(plan, "lora_rank", None) is None
+        if chunks > 1 and head_trained
         else 0,
     }
 
