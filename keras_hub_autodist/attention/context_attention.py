@@ -14,9 +14,11 @@ Positions are the sequence's own: a device's queries are its block's,
 `block · index + arange(block)`, its keys the whole sequence's. RoPE was
 applied by the layer before, on each device's block, at those positions.
 The masks are rebuilt per block from the rule of the layer's family
-(`compat_attention.attention_reading`): causal, the key padding read off the
-decoder block's mask (its diagonal: a token always sees itself unless it is
-padding), and sliding windows.
+(`compat_attention.attention_reading`): causal, sliding windows, and the key
+padding, which is the padding mask the decoder block built the layer's mask
+from (`block_masks`): no device builds the `[batch, sequence, sequence]`
+mask. Only a block called without a padding mask has its mask's diagonal
+read instead: a token always sees itself unless it is padding.
 
 Off a context mesh (a batch, model or fsdp mesh, or one device) the same
 runs with no context axis: each device attends its rows' whole sequences,
@@ -26,8 +28,11 @@ segment id, never one row's mask for the batch.
 
 `install_per_device_attention` replaces `_compute_attention` on each known
 attention layer of a planned model (`compat.patch_instance`, the
-`attention_per_device` patch). The replacement takes the layer's own path
-while decoding, with a cache, for dropout on the attention weights,
+`attention_per_device` patch), and each known decoder block's mask method
+with one that hands the layer its padding (`block_masks.mask_method`, the
+`decoder_block_masks` patch). The replacement takes the layer's own path
+while decoding, with a cache, for dropout on the attention weights, where
+the block merges a mask other than causal and padding into the layer's,
 outside the plan's distribution, or off a context mesh where the platform
 has no kernel of `EVERY_MESH_KERNELS` that applies.
 """
@@ -43,6 +48,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from keras_hub_autodist import compat
+from keras_hub_autodist.attention import block_masks
 from keras_hub_autodist.attention import splash_attention
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
@@ -94,6 +100,7 @@ def install_per_device_attention(model, plan) -> int:
         # Image tokens attend both ways (Gemma 3): not the causal rule the
         # blocks are masked by, so keras-hub's own path stays.
         return 0
+    handoffs = _hand_over_block_masks(layers)
     changed = 0
     for layer in layers:
         reading = compat_attention.attention_reading(layer)
@@ -106,10 +113,48 @@ def install_per_device_attention(model, plan) -> int:
             reading,
             model_axis,
             plan.context_parallel_strategy,
+            handoffs.get(id(layer)),
         )
         compat.patch_instance("attention_per_device", layer, method, replacement)
         changed += 1
     return changed
+
+
+def _hand_over_block_masks(layers) -> dict[int, block_masks.Handoff]:
+    """Wrap the mask method of each known decoder block among `layers`
+    whose attention layer has a known reading; return each such attention
+    layer's `Handoff`, by `id`."""
+    handoffs = {}
+    for layer in layers:
+        block = compat_attention.decoder_block(layer)
+        if block is None:
+            continue
+        attention_layer = compat_attention.block_attention_layer(layer, block)
+        reading = compat_attention.attention_reading(attention_layer)
+        if reading is None:
+            continue
+        handoff = handoffs[id(attention_layer)] = block_masks.Handoff()
+        built = block_masks.mask_method(
+            layer,
+            block,
+            handoff,
+            functools.partial(_attends_whole_sequences, reading, attention_layer),
+            reading.window if block.window_in_mask else None,
+        )
+        compat.patch_instance("decoder_block_masks", layer, block.mask_method, built)
+    return handoffs
+
+
+def _attends_whole_sequences(reading, layer, sequence: int) -> bool:
+    """Whether `layer` will attend per device a whole sequence of
+    `sequence` tokens, without a cache, in the current distribution."""
+    distribution = keras.distribution.distribution()
+    if reading.dropout or distribution_lib.is_decoding():
+        return False
+    if isinstance(distribution, distribution_lib.ContextParallel):
+        return True
+    kernel = _every_mesh_kernel(distribution, reading, sequence, layer.head_dim)
+    return kernel is not None
 
 
 def _argument(args, kwargs, index, name, default):
@@ -118,19 +163,27 @@ def _argument(args, kwargs, index, name, default):
     return kwargs.get(name, default)
 
 
-def _compute_attention(original, reading, model_axis, strategy, *args, **kwargs):
+def _compute_attention(
+    original, reading, model_axis, strategy, handoff, *args, **kwargs
+):
     """A layer's `_compute_attention(q, k, v, attention_mask, ...)`, per
     device when it can be, else the layer's own."""
     query, key, value = args[:3]
     mask = _argument(args, kwargs, 3, "attention_mask", None)
     training = _argument(args, kwargs, 4, "training", False)
     cache_index = _argument(args, kwargs, 5, "cache_update_index", 0)
+    masks = handoff.take() if handoff is not None else None
     distribution = keras.distribution.distribution()
     context = isinstance(distribution, distribution_lib.ContextParallel)
-    kernel = None if context else _every_mesh_kernel(distribution, reading, query)
+    kernel = None
+    if not context:
+        kernel = _every_mesh_kernel(
+            distribution, reading, query.shape[1], query.shape[-1]
+        )
     own_path = (
         not (context or kernel)
         or distribution_lib.is_decoding()
+        or (masks is not None and masks.merges_other_masks)
         # No cache index (Qwen, SmolLM3) or 0: the whole sequence at once.
         or not (
             cache_index is None or (isinstance(cache_index, int) and cache_index == 0)
@@ -139,6 +192,10 @@ def _compute_attention(original, reading, model_axis, strategy, *args, **kwargs)
         or (reading.dropout and training is not False)
     )
     if own_path:
+        if masks is not None and masks.compact:
+            # The block handed over the compact mask for a path not taken.
+            whole = block_masks.whole_mask(masks, query.shape[1], key.shape[1])
+            args, kwargs = _with_mask(args, kwargs, whole)
         return original(*args, **kwargs)
     if reading.repeats > 1:
         # The layer repeated each key/value head to its query heads: take
@@ -156,7 +213,7 @@ def _compute_attention(original, reading, model_axis, strategy, *args, **kwargs)
         query,
         key,
         value,
-        key_padding(mask, query.shape[0], key.shape[1]),
+        key_padding(mask, masks, query.shape[0], key.shape[1]),
         mesh=distribution.device_mesh.backend_mesh,
         batch_axis=distribution.batch_dim_name,
         context_axis=distribution.context_dim_name if context else None,
@@ -166,12 +223,21 @@ def _compute_attention(original, reading, model_axis, strategy, *args, **kwargs)
     )
 
 
-def _every_mesh_kernel(distribution, reading, query) -> str | None:
+def _with_mask(args, kwargs, mask):
+    """`_compute_attention`'s arguments with `mask` as its attention mask."""
+    if len(args) > 3:
+        return (*args[:3], mask, *args[4:]), kwargs
+    return args, {**kwargs, "attention_mask": mask}
+
+
+def _every_mesh_kernel(
+    distribution, reading, sequence: int, head_dim: int
+) -> str | None:
     """Off a context mesh, the kernel of `EVERY_MESH_KERNELS` this layer's
-    devices attend with, or None (the layer's own attention)."""
+    devices attend a whole sequence with, or None (the layer's own
+    attention)."""
     if distribution is None or not hasattr(distribution, "batch_dim_name"):
         return None
-    sequence, head_dim = query.shape[1], query.shape[-1]
     if sequence < EVERY_MESH_MIN_TOKENS:
         return None
     mesh = distribution.device_mesh.backend_mesh
@@ -181,13 +247,19 @@ def _every_mesh_kernel(distribution, reading, query) -> str | None:
     return kernel
 
 
-def key_padding(mask, batch: int, length: int):
-    """`[batch, keys]` bool: the keys that are not padding, read off the
-    diagonal of a decoder block's `[batch, queries, keys]` mask (all keys
-    without a mask). A nonzero non-boolean mask entry counts as keras'
+def key_padding(mask, masks, batch: int, length: int):
+    """`[batch, keys]` bool: the keys that are not padding (all keys
+    without a mask).
+
+    Read off the padding mask the decoder block built `mask` from (`masks`,
+    its `block_masks.BlockMasks`); else off the diagonal of the block's
+    `[batch, queries, keys]` mask. A non-boolean entry counts as keras'
     `Softmax` counts it (above 0.5)."""
     if mask is None:
         return jnp.ones((batch, length), bool)
+    padding = None if masks is None else masks.padding
+    if padding is not None and tuple(padding.shape) == (batch, length):
+        return block_masks.valid_keys(padding)
     diagonal = jnp.diagonal(jnp.asarray(mask), axis1=1, axis2=2)
     if diagonal.dtype == jnp.bool_:
         return diagonal

@@ -395,6 +395,8 @@ _JAX_NN, _FLASH = "keras.src.backend.jax.nn", "_can_use_flash_attention"
 _CONTEXT = "keras_hub_autodist.planning.distribution"
 _REMAT = "keras_hub_autodist.planning.remat"
 _PER_DEVICE = "keras_hub_autodist.attention.context_attention"
+# Each decoder block's mask method (`attention.DECODER_BLOCKS`).
+_MASK_METHODS = "<each DecoderBlock.mask_method>"
 _XLA_PATH = "keras_hub_autodist.attention.xla_path"
 _RESUMABLE = "keras_hub_autodist.training.resumable"
 PATCHES = (
@@ -422,6 +424,7 @@ PATCHES = (
     Patch(
         "attention_per_device", None, "_compute_attention", _PER_DEVICE, MODEL_LIFETIME
     ),
+    Patch("decoder_block_masks", None, _MASK_METHODS, _PER_DEVICE, MODEL_LIFETIME),
     Patch("flash_attention_check", _JAX_NN, _FLASH, _CONTEXT, WHILE_CONTEXT),
     Patch("skipped_batches", None, "train_function", _RESUMABLE, WHILE_SKIPPING),
 ) + tuple(

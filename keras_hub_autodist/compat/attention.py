@@ -42,6 +42,10 @@ does with its mask, which the decoder block built as causal and key padding:
 Layers computed otherwise keep keras-hub's own path (`None`): attention
 both ways (Gemma's and Gemma 4's embedding models), and a model with a
 vision encoder (`attention.context_attention` leaves it whole).
+
+Each known decoder block builds that mask (`DECODER_BLOCKS` says how):
+`[batch, queries, keys]`, quadratic in the sequence, where all the
+attention per device needs of it is the key padding.
 """
 
 from __future__ import annotations
@@ -192,3 +196,93 @@ def attention_reading(layer) -> AttentionReading | None:
 def known_attention_classes() -> list[tuple[str, str]]:
     """The (module, class) of each attention layer with a known reading."""
     return list(_READINGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderBlock:
+    """How a keras-hub decoder block builds its attention layer's mask.
+
+    Its `mask_method(sequence, padding_mask, *other_masks, cache,
+    cache_update_index)` returns the `[batch, queries, keys]` mask: causal,
+    key padding, and the other masks where given (a caller's own attention
+    mask; Gemma 3's and Gemma 4's image tokens, which attend both ways).
+
+    Args:
+        mask_method: the name of that method.
+        other_masks: how many other masks it takes.
+        attention: the attribute that holds the block's attention layer.
+        reduced_by_attention: whether the attention layer reduces the mask
+            over its keys besides (Gemma's zero the output of a query with
+            no key to attend).
+        window_in_mask: whether the mask holds the attention layer's
+            sliding window (Gemma 4's local layers); else the layer masks
+            it itself.
+    """
+
+    mask_method: str
+    other_masks: int
+    attention: str
+    reduced_by_attention: bool = False
+    window_in_mask: bool = False
+
+
+_GEMMA = DecoderBlock("_compute_attention_mask", 0, "attention", True)
+_GEMMA3 = DecoderBlock("_compute_attention_mask", 1, "attention", True)
+_GEMMA4 = DecoderBlock("_compute_attention_mask", 1, "attention", True, True)
+_TRANSFORMER = DecoderBlock("_compute_self_attention_mask", 1, "_self_attention_layer")
+# keras-hub decoder block class (module, name) -> how it builds its mask.
+DECODER_BLOCKS = {
+    ("keras_hub.src.models.gemma.gemma_decoder_block", "GemmaDecoderBlock"): _GEMMA,
+    ("keras_hub.src.models.gemma3.gemma3_decoder_block", "Gemma3DecoderBlock"): (
+        _GEMMA3
+    ),
+    ("keras_hub.src.models.gemma4.gemma4_decoder_block", "Gemma4TextDecoderBlock"): (
+        _GEMMA4
+    ),
+    ("keras_hub.src.models.llama.llama_decoder", "LlamaTransformerDecoder"): (
+        _TRANSFORMER
+    ),
+    (
+        "keras_hub.src.models.mistral.mistral_transformer_decoder",
+        "MistralTransformerDecoder",
+    ): _TRANSFORMER,
+    ("keras_hub.src.models.mixtral.mixtral_decoder", "MixtralTransformerDecoder"): (
+        _TRANSFORMER
+    ),
+    ("keras_hub.src.models.phi3.phi3_decoder", "Phi3Decoder"): dataclasses.replace(
+        _TRANSFORMER, attention="attention"
+    ),
+    ("keras_hub.src.models.qwen.qwen_decoder", "QwenTransformerDecoder"): (
+        _TRANSFORMER
+    ),
+    ("keras_hub.src.models.qwen3.qwen3_decoder", "Qwen3TransformerDecoder"): (
+        _TRANSFORMER
+    ),
+    ("keras_hub.src.models.qwen_moe.qwen_moe_decoder", "QwenMoeTransformerDecoder"): (
+        _TRANSFORMER
+    ),
+    (
+        "keras_hub.src.models.qwen3_moe.qwen3_moe_decoder",
+        "Qwen3MoeTransformerDecoder",
+    ): _TRANSFORMER,
+    ("keras_hub.src.models.smollm3.smollm3_layers", "SmolLM3DecoderLayer"): (
+        dataclasses.replace(_TRANSFORMER, attention="self_attn")
+    ),
+}
+
+
+def decoder_block(layer) -> DecoderBlock | None:
+    """How `layer` builds its attention mask, or `None` when it is not one
+    of `DECODER_BLOCKS` (exact class: a subclass may build it otherwise)."""
+    kind = type(layer)
+    return DECODER_BLOCKS.get((kind.__module__, kind.__name__))
+
+
+def block_attention_layer(block_layer, block: DecoderBlock):
+    """The attention layer a decoder block's mask is built for."""
+    return getattr(block_layer, block.attention, None)
+
+
+def known_decoder_blocks() -> list[tuple[str, str]]:
+    """The (module, class) of each decoder block in `DECODER_BLOCKS`."""
+    return list(DECODER_BLOCKS)
