@@ -12,6 +12,13 @@ with its own).
   update the `metrics` of `compile` without any sample weight; on a padded
   batch those metrics are updated here with a weight of 1 on each real row
   and 0 on each padded one, which on an unpadded batch equals no weight.
+- After each step Keras' JAX trainer puts the state the step returned back
+  on the variables (`jax_state_sync`, from `Trainer._jax_state`), each with
+  `assign`, which checks the value's sharding against the variable's layout
+  (`distribute_tensor`) where a distribution laid it out: about 2 µs a
+  variable, every step, which a model without a distribution never pays.
+  `layout_checked_state_sync` assigns a value whose sharding is the very
+  object that variable's layout was last checked against as it is.
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ PATCH_FIELDS = (
         _MODEL_LIFETIME,
     ),
     (
+        "layout_checked_state_sync",
+        None,
+        "jax_state_sync",
+        "keras_hub_autodist.training.binding",
+        _MODEL_LIFETIME,
+    ),
+    (
         "kept_state_steps",
         None,
         "<train_function, test_function, predict_function>",
@@ -57,7 +71,11 @@ PATCH_FIELDS = (
 # `_loss_tracker`, `_compile_metrics` (models) and `built`, `build`,
 # `_flatten_y`, `_flat_metrics`, `_flat_weighted_metrics` (`CompileMetrics`):
 # checked on live objects by tests/test_padding_exact.py.
-TOUCHPOINTS = ((_DATA_LIB, "distribute_data_input"),)
+TOUCHPOINTS = (
+    (_DATA_LIB, "distribute_data_input"),
+    ("keras.src.backend.common.stateless_scope", "in_stateless_scope"),
+    ("keras.src.backend.jax.trainer", "JAXTrainer"),
+)
 
 
 def trunk_and_head(task):
@@ -135,3 +153,55 @@ def update_metrics_by_rows(compiled, y_true, y_pred, sample_weight, row_weights)
     ):
         if metric:
             metric.update_state(y_t, y_p, weight)
+
+
+# The state groups of `Trainer._jax_state`, each with the variables it
+# holds the values of, in order.
+_STATE_GROUPS = (
+    ("trainable_variables", lambda model: model.trainable_variables),
+    ("non_trainable_variables", lambda model: model.non_trainable_variables),
+    ("optimizer_variables", lambda model: model.optimizer.variables),
+    ("metrics_variables", lambda model: model.metrics_variables),
+)
+# On a variable: the sharding its layout was last found to hold.
+_CHECKED_SHARDING = "_keras_hub_autodist_checked_sharding"
+
+
+def layout_checked_state_sync(model):
+    """`model.jax_state_sync`, with the layout check of each value skipped
+    where its sharding is the object that variable's layout was last
+    checked against (each step's compiled program returns its outputs with
+    the same sharding objects); every other value goes through `assign`."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    original = model.jax_state_sync
+
+    def sync():
+        state = getattr(model, "_jax_state", None)
+        if not state or model._jax_state_synced or in_stateless_scope():
+            return original()
+        for group, variables_of in _STATE_GROUPS:
+            values = state.get(group)
+            if values:
+                for variable, value in zip(variables_of(model), values):
+                    _assign_checked(variable, value)
+        model._jax_state_synced = True
+
+    return sync
+
+
+def _assign_checked(variable, value) -> None:
+    sharding = getattr(value, "sharding", None)
+    held = variable._value
+    if (
+        sharding is not None
+        and sharding is getattr(variable, _CHECKED_SHARDING, None)
+        and held is not None
+        and value.shape == held.shape
+        and value.dtype == held.dtype
+    ):
+        variable._value = value
+        return
+    variable.assign(value)
+    if sharding is not None and variable._value is value:
+        object.__setattr__(variable, _CHECKED_SHARDING, sharding)

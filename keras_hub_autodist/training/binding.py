@@ -26,6 +26,7 @@ from typing import NamedTuple
 import keras
 
 from keras_hub_autodist import compat
+from keras_hub_autodist.compat import steps as compat_steps
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.fitting.layout_plan import LayoutPlan
 from keras_hub_autodist.loss.chunked_steps import install_chunked_loss
@@ -315,6 +316,13 @@ def bind(model, distribution, plan: LayoutPlan):
             install_chunked_loss(target, plan)
         if padded:
             count_real_rows(target)
+        if hasattr(target, "jax_state_sync"):
+            compat.patch_instance(
+                "layout_checked_state_sync",
+                target,
+                "jax_state_sync",
+                compat_steps.layout_checked_state_sync(target),
+            )
         bound = _Bound(target, distribution, multiple, padded)
         for name, runs in BOUND_METHODS.items():
             method = getattr(target, name, None)
