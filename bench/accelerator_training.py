@@ -59,15 +59,24 @@ def step_seconds(lm, x, y, count, losses=None) -> list[float]:
     return times
 
 
-def fit_seconds(lm, x, y, count) -> float:
-    """Seconds of one `fit` epoch over `count` batches of `x`'s rows (the
-    step is compiled already: `train_on_batch` and `fit` share it)."""
+def fit_seconds(lm, x, y, count, warmup=1) -> float:
+    """Seconds of one `fit` epoch over `count` batches of `x`'s rows, after
+    an untimed epoch of `warmup` batches: `fit` feeds its step a batch of
+    another structure than `train_on_batch` (no sample weights), so its
+    first epoch traces and compiles the step again, and a second process
+    finds that program in the persistent compilation cache."""
     import numpy as np
 
     rows = len(y)
-    xs = {key: np.concatenate([value] * count) for key, value in x.items()}
+
+    def epoch(batches):
+        xs = {key: np.concatenate([value] * batches) for key, value in x.items()}
+        ys = np.concatenate([y] * batches)
+        lm.fit(xs, ys, batch_size=rows, epochs=1, verbose=0)
+
+    epoch(max(warmup, 1))
     start = time.perf_counter()
-    lm.fit(xs, np.concatenate([y] * count), batch_size=rows, epochs=1, verbose=0)
+    epoch(count)
     return time.perf_counter() - start
 
 
@@ -112,9 +121,10 @@ def _answers(path, lora_rank, batch, seq, local_check, remat=None) -> dict:
     return row
 
 
-def _measure(lm, recorded, batch, seq, steps, warmup) -> dict:
+def _measure(lm, recorded, batch, seq, steps, warmup, time_fit=True) -> dict:
     """One rung: `warmup + steps` `train_on_batch` calls of `batch`
-    sequences; the program's memory, or what the device refused."""
+    sequences; the program's memory, or what the device refused; with
+    `time_fit`, `fit`'s tokens/s over `steps` batches too."""
     import numpy as np
 
     from bench import accelerator_program
@@ -137,7 +147,9 @@ def _measure(lm, recorded, batch, seq, steps, warmup) -> dict:
         return row
     row.update(accelerator_program.program_memory(recorded))
     try:  # keras-hub's `fit` needs grain or tensorflow to batch arrays
-        row["fit_tokens_per_s"] = batch * seq * steps / fit_seconds(lm, x, y, steps)
+        if time_fit:
+            seconds = fit_seconds(lm, x, y, steps, warmup)
+            row["fit_tokens_per_s"] = batch * seq * steps / seconds
     except ImportError as error:
         row["fit_error"] = str(error)[:200]
     peak, final = device_memory()
@@ -235,7 +247,9 @@ def child_train(
             row = dict(load_s=load_s)
             if variant == "autodist":
                 row.update(_answers(path, lora_rank, batch, seq, local_check, remat))
-            row.update(_measure(lm, recorded, batch, seq, steps, warmup))
+            # `fit` compiles its own step: timed on the first rung only.
+            first = batch == batches[0]
+            row.update(_measure(lm, recorded, batch, seq, steps, warmup, first))
             emit(row)
             return row
 

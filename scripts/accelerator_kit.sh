@@ -9,7 +9,8 @@
 # kagglehub is left out (without kagglesdk it fails keras-hub's import, and
 # keras-hub imports fine without it). keras-hub's `fit` batches arrays with
 # grain (or tensorflow, which the machine lacks): grain and what it imports
-# come too, numpy aside (the machine's). Versions default to the ones tried on
+# come too, numpy aside (the machine's), and pytest for the chip's own tests
+# (`scripts/accelerator_tests.sh`). Versions default to the ones tried on
 # the chip: `KERAS=3.15.1 KERAS_HUB=0.32.0 bash scripts/accelerator_kit.sh`.
 #
 # On the machine, with .whl carried along, one command installs the kit
@@ -45,6 +46,7 @@ PACKAGES=(
     markdown-it-py mdurl safetensors tokenizers sentencepiece
     grain array-record cloudpickle etils fsspec importlib_resources
     portpicker protobuf psutil zipp
+    pytest pluggy iniconfig
 )
 
 rm -rf "$WHEELS"

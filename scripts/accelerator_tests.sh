@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The chip's own tests (`pytest -m tpu`, tests/test_on_tpu.py), run on the
+# TPU machine with the kit of scripts/accelerator_kit.sh carried along (the
+# `run` tool, carry [".whl"]): a load into shards, a step's loss against
+# keras-hub's, splash in the program, the target compile against the
+# chip's own. Run it whenever a device path changes. The report goes to
+# $OUT/tpu-tests.xml and $OUT/tpu-tests.txt.
+#
+#   bash scripts/accelerator_tests.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tpu-tests-out}
+SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT"
+PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index \
+    --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .whl/*.whl || exit 1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:$SITE
+# The chip is JAX's backend here (conftest.py defaults it to the CPU).
+export KERAS_BACKEND=jax JAX_PLATFORMS=tpu,cpu PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
+timeout --signal=INT --kill-after=15 540 \
+    python3 -m pytest -m tpu tests/test_on_tpu.py -p no:cacheprovider -q \
+    --junitxml="$OUT/tpu-tests.xml" 2>&1 | tee "$OUT/tpu-tests.txt"
+exit "${PIPESTATUS[0]}"

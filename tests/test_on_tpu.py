@@ -1,0 +1,109 @@
+"""On a real TPU chip (`pytest -m tpu`; skipped elsewhere): a load
+straight into shards, a training step whose loss is keras-hub's, its
+attention in the splash kernel with padding per row, and the target
+compile's memory against the chip's own compile of the same step.
+
+Run on the machine with `bash scripts/accelerator_tests.sh` (the kit of
+`scripts/accelerator_kit.sh` carried along): every time a device path
+changes (attention, loss, loading, the trainer's steps). A small Gemma 3
+of real head size (128, which splash lays in lanes) at 8,192 tokens, the
+length from which every mesh attends with splash on a TPU; in float32, so
+that the loss of splash and of XLA's attention agree to 1e-3.
+"""
+
+import jax
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tiny_presets
+
+import keras_hub_autodist
+from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
+
+pytestmark = [
+    pytest.mark.tpu,
+    pytest.mark.skipif(jax.devices()[0].platform != "tpu", reason="needs a TPU chip"),
+]
+
+SEQUENCE = EVERY_MESH_MIN_TOKENS
+ONE_DEVICE = {"batch": 1, "model": 1}
+CONFIG = dict(
+    tiny_presets.GEMMA3_TEXT,
+    vocabulary_size=4096,
+    num_layers=2,
+    num_query_heads=2,
+    num_key_value_heads=1,
+    hidden_dim=512,
+    intermediate_dim=1024,
+    head_dim=128,
+    sliding_window_size=1024,
+)
+
+
+@pytest.fixture(scope="module")
+def preset(tmp_path_factory):
+    return tiny_presets.save_preset(
+        tmp_path_factory.mktemp("tpu") / "gemma3",
+        keras_hub.models.Gemma3Backbone,
+        CONFIG,
+        task_class=keras_hub.models.Gemma3CausalLM,
+    )
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, CONFIG["vocabulary_size"], (2, SEQUENCE)).astype("int32")
+    padding = np.ones_like(ids)
+    padding[0, :100] = 0  # left padding: its first queries have no key
+    padding[1, SEQUENCE - 3000 :] = 0  # right padding
+    return {"token_ids": ids, "padding_mask": padding}, np.roll(ids, -1, 1), padding
+
+
+def _trained(preset, **kwargs):
+    from bench import accelerator_program
+
+    lm = keras_hub.models.Gemma3CausalLM.from_preset(
+        preset, preprocessor=None, dtype="float32", **kwargs
+    )
+    lm.compile(optimizer=keras.optimizers.Adam(1e-3))
+    x, y, padding = _batch()
+    with accelerator_program.recording_steps() as recorded:
+        logs = lm.train_on_batch(x, y, padding.astype("float32"), return_dict=True)
+        program = accelerator_program.program_memory(recorded)
+    return lm, float(logs["loss"]), program
+
+
+def test_a_load_goes_straight_into_shards_on_the_chip(preset):
+    plain = keras_hub.models.Gemma3CausalLM.from_preset(preset, preprocessor=None)
+    bound = keras_hub.models.Gemma3CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh=ONE_DEVICE
+    )
+    chip = jax.devices()[0]
+    for ours, theirs in zip(bound.weights, plain.weights):
+        assert ours.path == theirs.path
+        assert ours.value.devices() == {chip}, ours.path
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value))
+
+
+def test_a_step_takes_keras_hubs_loss_and_attends_with_splash(preset):
+    _, theirs, their_program = _trained(preset)
+    _, ours, our_program = _trained(preset, device_mesh=ONE_DEVICE)
+    # The same cross-entropy, through splash against XLA's attention.
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3)
+    assert our_program["attention"] == "splash"
+    assert their_program["attention"] != "splash"
+
+
+def test_the_target_compile_is_the_chips_own_compile(preset):
+    """`compiled_memory(..., device="v5e")` (on a v5e) against the memory
+    of the step `train_on_batch` ran on the chip: within 5%."""
+    if "v5" not in jax.devices()[0].device_kind.lower():
+        pytest.skip("the committed target is a v5e")
+    _, _, program = _trained(preset, device_mesh=ONE_DEVICE)
+    plan = keras_hub_autodist.plan(preset, ONE_DEVICE, dtype="float32")
+    compiled = keras_hub_autodist.compiled_memory(plan, 2, SEQUENCE, device="v5e")
+    assert not compiled.out_of_memory
+    ratio = compiled.peak_bytes / program["program_bytes"]
+    assert 0.95 <= ratio <= 1.05, (compiled.peak_bytes, program)
+    assert compiled.attention == program["attention"] == "splash"
