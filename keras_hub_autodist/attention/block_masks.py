@@ -26,6 +26,7 @@ import inspect
 import threading
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 
 from keras_hub_autodist.compat.attention import DecoderBlock
@@ -70,7 +71,7 @@ class Handoff:
         return masks
 
 
-def valid_keys(padding):
+def valid_keys(padding) -> jax.Array:
     """`[batch, keys]` bool: the keys a padding mask leaves, counted as the
     decoder block counts them (merged as int32, kept above 0.5 by keras'
     `Softmax`)."""
@@ -80,7 +81,7 @@ def valid_keys(padding):
     return padding.astype(jnp.int32) > 0
 
 
-def query_has_key(padding, window: int | None):
+def query_has_key(padding, window: int | None) -> jax.Array:
     """`[batch, queries, 1]` int32: whether each query has a key to attend
     under a causal mask with `padding`'s key padding (and `window`: keys
     `window` or more positions before the query masked) — what a layer's
@@ -93,7 +94,7 @@ def query_has_key(padding, window: int | None):
     return (seen > 0).astype(jnp.int32)[:, :, None]
 
 
-def whole_mask(masks: BlockMasks, queries: int, keys: int):
+def whole_mask(masks: BlockMasks, queries: int, keys: int) -> jax.Array:
     """`[batch, queries, keys]` int32: the mask the block would have built
     (causal, key padding, and its window) for a layer that must take its own
     path after all."""
@@ -111,7 +112,7 @@ def mask_method(
     handoff: Handoff,
     attends_per_device: Callable[[int], bool],
     window: int | None,
-):
+) -> Callable[..., object]:
     """`layer`'s mask method, wrapped to `put` its `BlockMasks` for its
     attention layer; where that layer reduces the mask and
     `attends_per_device(sequence_length)`, it returns `query_has_key`'s

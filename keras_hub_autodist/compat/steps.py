@@ -23,6 +23,8 @@ with its own).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 _DATA_LIB = "keras.src.backend.jax.distribution_lib"
 _FEEDING = "while a bound model's method feeds batches"
 _MODEL_LIFETIME = "for the life of the bound model"
@@ -167,7 +169,7 @@ _STATE_GROUPS = (
 _CHECKED_SHARDING = "_keras_hub_autodist_checked_sharding"
 
 
-def layout_checked_state_sync(model):
+def layout_checked_state_sync(model) -> Callable[[], None]:
     """`model.jax_state_sync`, with the layout check of each value skipped
     where its sharding is the object that variable's layout was last
     checked against (each step's compiled program returns its outputs with
