@@ -148,13 +148,10 @@ def _hand_over_block_masks(layers) -> dict[int, block_masks.Handoff]:
 def _attends_whole_sequences(reading, layer, sequence: int) -> bool:
     """Whether `layer` will attend per device a whole sequence of
     `sequence` tokens, without a cache, in the current distribution."""
-    distribution = keras.distribution.distribution()
     if reading.dropout or distribution_lib.is_decoding():
         return False
-    if isinstance(distribution, distribution_lib.ContextParallel):
-        return True
-    kernel = _every_mesh_kernel(distribution, reading, sequence, layer.head_dim)
-    return kernel is not None
+    distribution = keras.distribution.distribution()
+    return any(_kernel_choice(distribution, reading, sequence, layer.head_dim))
 
 
 def _argument(args, kwargs, index, name, default):
@@ -174,12 +171,9 @@ def _compute_attention(
     cache_index = _argument(args, kwargs, 5, "cache_update_index", 0)
     masks = handoff.take() if handoff is not None else None
     distribution = keras.distribution.distribution()
-    context = isinstance(distribution, distribution_lib.ContextParallel)
-    kernel = None
-    if not context:
-        kernel = _every_mesh_kernel(
-            distribution, reading, query.shape[1], query.shape[-1]
-        )
+    context, kernel = _kernel_choice(
+        distribution, reading, query.shape[1], query.shape[-1]
+    )
     own_path = (
         not (context or kernel)
         or distribution_lib.is_decoding()
@@ -228,6 +222,18 @@ def _with_mask(args, kwargs, mask):
     if len(args) > 3:
         return (*args[:3], mask, *args[4:]), kwargs
     return args, {**kwargs, "attention_mask": mask}
+
+
+def _kernel_choice(
+    distribution, reading, sequence: int, head_dim: int
+) -> tuple[bool, str | None]:
+    """`(context, kernel)`: whether `distribution` is a context mesh, where
+    a layer attends per device, and off one the kernel of
+    `EVERY_MESH_KERNELS` it attends a whole sequence with, or None (its own
+    attention). The block's mask method and the layer decide with it alike."""
+    if isinstance(distribution, distribution_lib.ContextParallel):
+        return True, None
+    return False, _every_mesh_kernel(distribution, reading, sequence, head_dim)
 
 
 def _every_mesh_kernel(
