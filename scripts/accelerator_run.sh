@@ -19,15 +19,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/bench-out}
-SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT"
-PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index \
-    --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    .whl/*.whl || exit 1
-# The checkout first: its package, not the kit's wheel of it, is measured
-# (the children put it first too); the kit after the machine's own paths.
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:$SITE
-export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
+# The checkout's package is measured (the children put it first too).
+source scripts/accelerator_site.sh
 # A program compiled once is not compiled again by a later process.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0

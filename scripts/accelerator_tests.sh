@@ -10,14 +10,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tpu-tests-out}
-SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT"
-PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index \
-    --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    .whl/*.whl || exit 1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:$SITE
+source scripts/accelerator_site.sh
 # The chip is JAX's backend here (conftest.py defaults it to the CPU).
-export KERAS_BACKEND=jax JAX_PLATFORMS=tpu,cpu PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
+export JAX_PLATFORMS=tpu,cpu
 timeout --signal=INT --kill-after=15 540 \
     python3 -m pytest -m tpu tests/test_on_tpu.py -p no:cacheprovider -q \
     --junitxml="$OUT/tpu-tests.xml" 2>&1 | tee "$OUT/tpu-tests.txt"

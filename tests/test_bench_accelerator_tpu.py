@@ -253,9 +253,13 @@ def test_the_kit_brings_what_keras_hub_imports_for_python_3_11():
     assert "kagglehub" not in names
     assert "PYTHON_VERSION=3.11" in script
     assert "--only-binary=:all:" in script and "--implementation cp" in script
-    run = (ROOT / "scripts" / "accelerator_run.sh").read_text()
-    # The run installs the same folder the kit fills, which git ignores.
-    assert "WHEELS=${WHEELS:-.whl}" in script and ".whl/*.whl" in run
+    site = (ROOT / "scripts" / "accelerator_site.sh").read_text()
+    # The run and the chip's tests install the same folder the kit fills,
+    # which git ignores.
+    assert "WHEELS=${WHEELS:-.whl}" in script and ".whl/*.whl" in site
+    for command in ("accelerator_run.sh", "accelerator_tests.sh"):
+        text = (ROOT / "scripts" / command).read_text()
+        assert "source scripts/accelerator_site.sh" in text, command
     assert ".whl/" in (ROOT / ".gitignore").read_text().split()
 
 
