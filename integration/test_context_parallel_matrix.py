@@ -261,15 +261,7 @@ def test_compiled_peak_is_linear_in_the_sequence(tmp_path, strategy):
     path = tiny_presets.save_preset(
         tmp_path / "gemma_shaped",
         keras_hub.models.GemmaBackbone,
-        dict(
-            vocabulary_size=32768,
-            num_layers=2,
-            num_query_heads=4,
-            num_key_value_heads=1,
-            hidden_dim=256,
-            intermediate_dim=1024,
-            head_dim=64,
-        ),
+        tiny_presets.GEMMA_SHAPED,
     )
     plan = keras_hub_autodist.plan(
         path, {"batch": 1, "context": 8}, context_parallel_strategy=strategy

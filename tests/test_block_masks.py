@@ -45,18 +45,24 @@ def _gemma3_block(window: int):
     return layer
 
 
+def _keras_hub_mask(padding, window):
+    """The mask a Gemma 3 block builds for its attention layer (causal and
+    key padding), with `window` masked into it as Gemma 4's blocks do."""
+    layer = _gemma3_block(window or 4)
+    x = np.zeros((3, SEQUENCE, 16), "float32")
+    mask = layer._compute_attention_mask(x, padding, None, None, 0)
+    if window is not None:
+        mask = layer.attention._mask_sliding_window(mask)
+    return np.asarray(mask)
+
+
 @pytest.mark.parametrize("window", [None, 4])
 def test_the_compact_mask_answers_the_layers_reduction(window):
     """Gemma's layers zero a query whose row of the mask is all zeros: the
     compact mask gives each query the same answer, with the window in the
     mask (Gemma 4's local layers) and without (Gemma, Gemma 3)."""
     padding = _padding()
-    layer = _gemma3_block(window or 4)
-    x = np.zeros((3, SEQUENCE, 16), "float32")
-    whole = layer._compute_attention_mask(x, padding, None, None, 0)
-    if window is not None:
-        whole = layer.attention._mask_sliding_window(whole)
-    no_key = np.all(np.asarray(whole) == 0, axis=-1, keepdims=True)
+    no_key = np.all(_keras_hub_mask(padding, window) == 0, axis=-1, keepdims=True)
     compact = block_masks.query_has_key(padding, window)
     assert compact.shape == (3, SEQUENCE, 1)
     compact_no_key = np.all(np.asarray(compact) == 0, axis=-1, keepdims=True)
@@ -67,16 +73,10 @@ def test_the_compact_mask_answers_the_layers_reduction(window):
 @pytest.mark.parametrize("window", [None, 4])
 def test_the_whole_mask_is_rebuilt_as_the_block_builds_it(window):
     padding = _padding()
-    layer = _gemma3_block(window or 4)
-    x = np.zeros((3, SEQUENCE, 16), "float32")
-    expected = layer._compute_attention_mask(x, padding, None, None, 0)
-    if window is not None:
-        expected = layer.attention._mask_sliding_window(expected)
+    expected = _keras_hub_mask(padding, window)
     masks = block_masks.BlockMasks(padding, False, compact=True, window=window)
     rebuilt = block_masks.whole_mask(masks, SEQUENCE, SEQUENCE)
-    np.testing.assert_array_equal(
-        np.asarray(rebuilt) > 0.5, np.asarray(expected).astype(bool)
-    )
+    np.testing.assert_array_equal(np.asarray(rebuilt) > 0.5, expected.astype(bool))
 
 
 def test_a_layer_on_its_own_path_gets_the_whole_mask_back():
@@ -138,15 +138,7 @@ def test_each_block_hands_its_attention_layer_the_padding(tiny_presets_dir):
     [
         (
             keras_hub.models.GemmaBackbone,
-            dict(
-                vocabulary_size=256,
-                num_layers=2,
-                num_query_heads=4,
-                num_key_value_heads=1,
-                hidden_dim=256,
-                intermediate_dim=1024,
-                head_dim=64,
-            ),
+            dict(tiny_presets.GEMMA_SHAPED, vocabulary_size=256),
         ),
         (
             keras_hub.models.Gemma3Backbone,

@@ -73,6 +73,17 @@ GEMMA2_GQA = dict(
     use_sliding_window_attention=True,
     sliding_window_size=4,
 )
+# A Gemma of small width but long-context proportions (4 query heads, one
+# key/value head of 64, a 32k vocabulary): the context-parallel memory curves.
+GEMMA_SHAPED = dict(
+    vocabulary_size=32768,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=256,
+    intermediate_dim=1024,
+    head_dim=64,
+)
 GEMMA3_TEXT = dict(
     vocabulary_size=100,
     num_layers=2,
