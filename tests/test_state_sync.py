@@ -108,3 +108,35 @@ def test_a_value_of_another_sharding_gets_the_variables_layout(bound_lm):
     assert variable.value.sharding.is_equivalent_to(expected, 2)
     assert not variable.value.sharding.is_equivalent_to(replicated.sharding, 2)
     np.testing.assert_array_equal(np.asarray(variable.value), np.asarray(replicated))
+
+
+def test_a_one_device_mesh_compiles_each_step_once(tiny_presets_dir, monkeypatch):
+    # Keras resets the metrics before each epoch, each on one device where
+    # the mesh has one; the step returns them on the mesh. A step called
+    # with both traced and compiled twice in the first epoch of two batches.
+    import keras_hub
+
+    lm = keras_hub.models.CausalLM.from_preset(
+        tiny_presets_dir["gemma_mqa"],
+        preprocessor=None,
+        device_mesh=keras.distribution.DeviceMesh(
+            (1, 1), ("batch", "model"), jax.devices()[:1]
+        ),
+    )
+    lm.compile(optimizer=keras.optimizers.Adam(1e-2))
+    traced = {"train_step": 0, "test_step": 0}
+    for name in traced:
+        step = getattr(lm, name)
+
+        def counting(*args, step=step, name=name):
+            traced[name] += 1  # the step's Python runs as it is traced
+            return step(*args)
+
+        monkeypatch.setattr(lm, name, counting)
+    x, y = _batch(lm)
+    for rows in (1, 4, 4):
+        lm.fit(x, y, batch_size=1, steps_per_epoch=rows, epochs=2, verbose=0)
+        lm.evaluate(x, y, batch_size=1, steps=rows, verbose=0)
+    assert traced == {"train_step": 1, "test_step": 1}
+    for variable in lm.metrics_variables + lm.optimizer.variables:
+        assert isinstance(variable.value.sharding, NamedSharding), variable.path

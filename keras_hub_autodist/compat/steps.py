@@ -39,6 +39,13 @@ PATCH_FIELDS = (
         _FEEDING,
     ),
     (
+        "values_kept_on_mesh",
+        _DATA_LIB,
+        "distribute_tensor",
+        "keras_hub_autodist.training.placement",
+        _FEEDING,
+    ),
+    (
         "padded_steps",
         None,
         "<train_step, test_step, compute_loss, compute_metrics, and the "
@@ -75,6 +82,7 @@ PATCH_FIELDS = (
 # checked on live objects by tests/test_padding_exact.py.
 TOUCHPOINTS = (
     (_DATA_LIB, "distribute_data_input"),
+    (_DATA_LIB, "distribute_tensor"),
     ("keras.src.backend.common.stateless_scope", "in_stateless_scope"),
     ("keras.src.backend.jax.trainer", "JAXTrainer"),
 )

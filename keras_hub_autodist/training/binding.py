@@ -49,6 +49,7 @@ from keras_hub_autodist.training.drawn_batches import checking_drawn_batches
 from keras_hub_autodist.training.keeping import keeping_state
 from keras_hub_autodist.training.keeping import record_steps
 from keras_hub_autodist.training.padded_steps import count_real_rows
+from keras_hub_autodist.training.placement import keeping_values_on_mesh
 from keras_hub_autodist.training.placement import place_state
 from keras_hub_autodist.training.restore import note_compiled
 from keras_hub_autodist.training.restore import restore
@@ -116,6 +117,7 @@ def _loop(name, bound, args, kwargs):
     with (
         keeping_state(bound.model, name),
         checking_drawn_batches(bound.distribution, name),
+        keeping_values_on_mesh(bound.distribution),
         bound.distribution.scope(),
     ):
         yield

@@ -14,15 +14,34 @@ variables when the step is made. Two kinds of variables fall off the mesh:
 
 `place_state` gives each such variable a lasting layout (replicated over the
 mesh when it had none) and a mesh-aware value.
+
+The same skip recurs on every `assign` between steps: Keras resets the
+metrics before each epoch of `fit` or `evaluate` and before each
+`*_on_batch` call, so their first step gets single-device values, while the
+next step gets the mesh-aware values the first returned. The step's cache
+keys differ, so a one-device mesh traced and compiled the step twice in the
+first epoch of at least two batches. While a bound model's method runs,
+`keeping_values_on_mesh` makes such an `assign` hold the same buffer as an
+array of the variable's own sharding.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+
 import jax
 import keras
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import SingleDeviceSharding
 
 from keras_hub_autodist import compat
+
+# Whether this thread runs a bound model's method on a one-device mesh.
+_KEEPING = contextvars.ContextVar("keras_hub_autodist_keeping_mesh", default=False)
 
 
 def state_variables(model) -> list:
@@ -98,3 +117,62 @@ def build_optimizer(model) -> None:
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, keras.optimizers.Optimizer) and not optimizer.built:
         optimizer.build(model.trainable_variables)
+
+
+def on_mesh(value, sharding):
+    """`value` as an array of `sharding` where `value` is one device's
+    array equivalent to it (a mesh of that one device), holding the same
+    buffer; else `value` itself.
+
+    Args:
+        value: an array, or anything else (returned as it is).
+        sharding: a `jax.sharding.Sharding`, or a Keras `TensorLayout`.
+
+    Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+    >>> sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    >>> type(on_mesh(jnp.zeros(()), sharding).sharding).__name__
+    'NamedSharding'
+    """
+    sharding = getattr(sharding, "backend_layout", sharding)
+    if not (
+        isinstance(sharding, NamedSharding)
+        and sharding.mesh.size == 1
+        and isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and isinstance(value.sharding, SingleDeviceSharding)
+        and value.sharding.is_equivalent_to(sharding, value.ndim)
+    ):
+        return value
+    return jax.make_array_from_single_device_arrays(value.shape, sharding, [value])
+
+
+def _keeping_on_mesh(distribute):
+    @functools.wraps(distribute)
+    def call(tensor, layout, *args, **kwargs):
+        value = distribute(tensor, layout, *args, **kwargs)
+        return on_mesh(value, layout) if _KEEPING.get() else value
+
+    return call
+
+
+@contextlib.contextmanager
+def keeping_values_on_mesh(distribution) -> Iterator[None]:
+    """For the block's duration in this thread, on a one-device mesh, every
+    value Keras lays out for a variable (`assign`) stays an array of the
+    variable's sharding (`on_mesh`), as the values a step returns are; on
+    a larger mesh, nothing changes.
+
+    Args:
+        distribution: the bound model's `keras.distribution.Distribution`.
+    """
+    if distribution.device_mesh.backend_mesh.size != 1:
+        yield
+        return
+    token = _KEEPING.set(True)
+    try:
+        with compat.patched({"values_kept_on_mesh": _keeping_on_mesh}):
+            yield
+    finally:
+        _KEEPING.reset(token)
