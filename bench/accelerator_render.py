@@ -286,6 +286,36 @@ def _attention_lines(results) -> list[str]:
     return lines
 
 
+def _speed_lines(results) -> list[str]:
+    rows = results.get("speed") or []
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### Speed (`train_on_batch` and `fit`, processes alternated)",
+        "",
+        "Each variant in fresh processes, in turns first (keras-hub, "
+        "autodist, then autodist, keras-hub); in each, the median of the "
+        "timed `train_on_batch` steps, and one `fit` epoch of as many "
+        "batches after an untimed one. The targets take each variant's "
+        "median over its processes.",
+        "",
+        "| step | round | variant | s/step | tokens/s | `fit` tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r['step']} | {r['round']} | {r['variant']} |"
+        if "error" in r or r.get("refused"):
+            lines.append(f"{head} {_failure(r)} | | |")
+            continue
+        fit = r.get("fit_tokens_per_s")
+        lines.append(
+            f"{head} {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
+            f"{'' if fit is None else f'{fit:,.0f}'} |"
+        )
+    return lines
+
+
 def title(results) -> str:
     """The section's title: a TPU chip's run has its own section beside the
     GPU's.
@@ -332,11 +362,12 @@ def render(results, predictions=None) -> str:
     lines += _memory_lines(results, predictions)
     lines += _long_lines(results)
     lines += _attention_lines(results)
+    lines += _speed_lines(results)
     lines += accelerator_targets.table(results, predictions)
     return "\n".join(lines) + "\n"
 
 
-MEASUREMENTS = ("loading", "training", "long_context", "attention")
+MEASUREMENTS = ("loading", "training", "long_context", "attention", "speed")
 
 
 def merge(runs: list[dict]) -> dict:

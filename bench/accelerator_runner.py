@@ -324,6 +324,58 @@ def _train(step, path, clock, results, save):
         save()
 
 
+def speed_order(rounds: int) -> list[tuple[int, str]]:
+    """`(round, variant)` in the order the part `speed` runs them: each
+    round pairs keras-hub and autodist, in turns first.
+
+    Example:
+    >>> speed_order(2)
+    [(0, 'keras-hub'), (0, 'autodist'), (1, 'autodist'), (1, 'keras-hub')]
+    """
+    pair = ["keras-hub", "autodist"]
+    return [
+        (i, variant)
+        for i in range(rounds)
+        for variant in (pair if i % 2 == 0 else pair[::-1])
+    ]
+
+
+def _speed(step, path, clock, results, save):
+    """The part `speed`: `step`'s batches in `SPEED_ROUNDS` alternated
+    pairs of processes, `train_on_batch` and `fit` timed in each."""
+    for round_, variant in speed_order(accelerator_steps.SPEED_ROUNDS):
+        what = f"speed {step.label} {variant} round {round_}"
+        if path is None or _skip(clock, results, what):
+            continue
+        print(f"{what}: batches {step.batches}", flush=True)
+        rows = run_child(
+            "train",
+            path,
+            variant,
+            step.lora_rank,
+            ",".join(map(str, step.batches)),
+            step.sequence,
+            step.steps,
+            step.warmup,
+            0,
+            0,
+            step.remat or "-",
+            timeout=clock.child_limit(),
+        )
+        for row in (r for r in rows if not r.get("done")):
+            batch = row.get("batch") or step.batches[0]
+            results["speed"].append(
+                dict(
+                    step=step.name(batch),
+                    label=step.label,
+                    variant=variant,
+                    round=round_,
+                    **row,
+                )
+            )
+        save()
+
+
 def probe() -> dict:
     """The machine's device, read by a child (`child_probe`): platform
     "cpu" where the child failed."""
@@ -356,6 +408,10 @@ def run(
     load_model = choices.LOAD_MODEL[family]
     steps = accelerator_steps.steps_of(family, tiny) if "train" in parts else []
     steps = [s for s in steps if models is None or s.model in models]
+    speed_steps = (
+        accelerator_steps.speed_steps_of(family, tiny) if "speed" in parts else []
+    )
+    speed_steps = [s for s in speed_steps if models is None or s.model in models]
     results = dict(
         versions=versions(),
         date=datetime.date.today().isoformat(),
@@ -369,6 +425,7 @@ def run(
         training=[],
         long_context=[],
         attention=[],
+        speed=[],
         skipped=[],
     )
 
@@ -380,7 +437,7 @@ def run(
     long_steps = (
         accelerator_steps.long_steps_of(family, tiny) if "long" in parts else []
     )
-    needed = [step.model for step in steps]
+    needed = [step.model for step in steps + speed_steps]
     if "load" in parts:
         needed.append(load_model)
     if "long" in parts:
@@ -416,6 +473,9 @@ def run(
                     )
                 elif part == "attention":
                     _attention(family, tiny, clock, results, save)
+                elif part == "speed":
+                    for step in speed_steps:
+                        _speed(step, presets.path(step.model), clock, results, save)
         finally:
             presets.close()
         results["preset_s"] = presets.seconds

@@ -203,6 +203,19 @@ TPU_TINY_STEPS = [
     Step("tiny llama", "llama3.2_1b", 0, (2,), 32, 2, 2, pair=True),
 ]
 STEPS = {"gpu": (GPU_STEPS, GPU_TINY_STEPS), "tpu": (TPU_STEPS, TPU_TINY_STEPS)}
+# The part `speed`: autodist's tokens/s against keras-hub's, each variant in
+# `SPEED_ROUNDS` fresh processes alternated (keras-hub, autodist, then
+# autodist, keras-hub), so that the ratio is of two medians over processes
+# and the order cancels. The speed targets are half a percent; one process
+# each, with five steps, moved by as much between two runs (0.995 and 0.998
+# for the same Gemma 2B step).
+SPEED_ROUNDS = 2
+TPU_SPEED_STEPS = [
+    Step("gemma_2b", "gemma_2b", 8, (4,), 1024, 12, 2, pair=True),
+    Step("llama3.2_1b untied", "llama3.2_1b", 0, (2,), 1024, 12, 2, pair=True),
+]
+TPU_TINY_SPEED_STEPS = [Step("tiny llama", "llama3.2_1b", 0, (2,), 32, 3, 1, pair=True)]
+SPEED_STEPS = {"tpu": (TPU_SPEED_STEPS, TPU_TINY_SPEED_STEPS)}
 # The part `long` of a family measured as training steps (a GPU's is
 # `accelerator_children.child_long`'s, Gemma 2B at 32k tokens).
 LONG_STEPS = {"tpu": TPU_LONG_STEPS}
@@ -211,6 +224,12 @@ LONG_STEPS = {"tpu": TPU_LONG_STEPS}
 def steps_of(family: str, tiny: bool) -> list[Step]:
     """The steps measured for an accelerator `family` ("gpu" or "tpu")."""
     full, small = STEPS[family]
+    return small if tiny else full
+
+
+def speed_steps_of(family: str, tiny: bool) -> list[Step]:
+    """The steps of the part `speed` for `family` ([] where it has none)."""
+    full, small = SPEED_STEPS.get(family, ([], []))
     return small if tiny else full
 
 
