@@ -34,6 +34,7 @@ from keras_hub_autodist.planning.distribution import decoding
 from keras_hub_autodist.saving.atomic import save_atomically
 from keras_hub_autodist.saving.gathering import save_from_every_process
 from keras_hub_autodist.saving.gathering import several_processes
+from keras_hub_autodist.training.batch_placement import placing_each_array_once
 from keras_hub_autodist.training.batches import check_batch
 from keras_hub_autodist.training.batches import feeding_rows
 from keras_hub_autodist.training.batches import generate_padded
@@ -117,7 +118,7 @@ def _loop(name, bound, args, kwargs):
     with (
         keeping_state(bound.model, name),
         checking_drawn_batches(bound.distribution, name),
-        keeping_values_on_mesh(bound.distribution),
+        keeping_values_on_mesh(bound.distribution, name),
         bound.distribution.scope(),
     ):
         yield
@@ -147,11 +148,12 @@ def _on_batch(name, method, bound, args, kwargs):
     """`train_on_batch`/`test_on_batch`: `_feeding`; a padded task's batch
     (marked, `padded_steps`) goes to Keras' own method, as keras-hub's
     would after preprocessing it, but with the mark kept whole."""
-    if not bound.padded:
-        return _feeding(name, method, bound, args, kwargs)
-    _warn_padding(name, bound, args, kwargs)
-    with _loop(name, bound, args, kwargs):
-        return on_padded_batch(bound.model, name, *args, **kwargs)
+    with placing_each_array_once():
+        if not bound.padded:
+            return _feeding(name, method, bound, args, kwargs)
+        _warn_padding(name, bound, args, kwargs)
+        with _loop(name, bound, args, kwargs):
+            return on_padded_batch(bound.model, name, *args, **kwargs)
 
 
 def _fitting(name, method, bound, args, kwargs):

@@ -21,6 +21,7 @@ import keras
 from keras_hub_autodist import compat
 from keras_hub_autodist.errors import BatchSizeError
 from keras_hub_autodist.planning.distribution import ContextParallel
+from keras_hub_autodist.training.batch_placement import place
 
 # (distribution, method) of the bound method feeding batches in this thread.
 _FEEDING = contextvars.ContextVar("keras_hub_autodist_feeding", default=None)
@@ -81,7 +82,13 @@ def _checked_distribute(distribute):
             distribution, method = feeding
             check_drawn_rows(distribution, method, shape)
             check_sequence(distribution, method, shape)
-        return distribute(per_process_batch, layout, *args, **kwargs)
+        if feeding is None:
+            return distribute(per_process_batch, layout, *args, **kwargs)
+        return place(
+            per_process_batch,
+            layout,
+            lambda batch, layout: distribute(batch, layout, *args, **kwargs),
+        )
 
     return call
 

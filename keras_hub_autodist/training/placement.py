@@ -158,16 +158,22 @@ def _keeping_on_mesh(distribute):
 
 
 @contextlib.contextmanager
-def keeping_values_on_mesh(distribution) -> Iterator[None]:
+def keeping_values_on_mesh(distribution, method: str) -> Iterator[None]:
     """For the block's duration in this thread, on a one-device mesh, every
     value Keras lays out for a variable (`assign`) stays an array of the
-    variable's sharding (`on_mesh`), as the values a step returns are; on
-    a larger mesh, nothing changes.
+    variable's sharding (`on_mesh`), as the values a step returns are.
+
+    Nothing changes on a larger mesh, nor for a `*_on_batch` call: Keras
+    resets the metrics before each such call's only step, so that step is
+    always called with the values of a reset, and keeping them costs host
+    time on every call.
 
     Args:
         distribution: the bound model's `keras.distribution.Distribution`.
+        method: the bound method running (`"fit"`, `"train_on_batch"`, ...).
     """
-    if distribution.device_mesh.backend_mesh.size != 1:
+    mesh_size = distribution.device_mesh.backend_mesh.size
+    if mesh_size != 1 or method.endswith("_on_batch"):
         yield
         return
     token = _KEEPING.set(True)
