@@ -173,7 +173,8 @@ def speed_ratios(results) -> list[tuple[str, str, float]]:
             ratio = statistics.median(figures["autodist"]) / statistics.median(
                 figures["keras-hub"]
             )
-            found.append((target, f"{step} ({count} processes each)", ratio))
+            processes = "process" if count == 1 else "processes"
+            found.append((target, f"{step} ({count} {processes} each)", ratio))
     return found
 
 

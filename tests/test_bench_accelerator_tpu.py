@@ -305,3 +305,53 @@ def test_two_runs_merge_and_what_the_second_measured_is_not_skipped():
     assert [r["step"] for r in merged["training"]] == ["a", "b"]
     assert merged["skipped"] == ["load autodist dtype=None"]
     assert [r["parts"] for r in merged["runs"]] == ["train", "train,load"]
+
+
+def test_the_speed_part_alternates_the_variants_and_decides_the_speed_targets():
+    from bench import accelerator_targets
+
+    order = accelerator_runner.speed_order(accelerator_steps.SPEED_ROUNDS)
+    assert order[:4] == [
+        (0, "keras-hub"),
+        (0, "autodist"),
+        (1, "autodist"),
+        (1, "keras-hub"),
+    ]
+    assert "speed" in choices.ALL_PARTS and "speed" not in choices.PARTS["tpu"]
+    named = {s.name(b) for s in accelerator_steps.TPU_SPEED_STEPS for b in s.batches}
+    assert named == {"gemma_2b lora8 4x1024", "llama3.2_1b untied full 2x1024"}
+
+    def row(variant, tokens, **more):
+        return dict(
+            step="s",
+            variant=variant,
+            tokens_per_s=tokens,
+            fit_tokens_per_s=tokens,
+            **more,
+        )
+
+    # The ladder's one process each says 0.98; the alternated ones 1.0.
+    results = dict(
+        loading=[],
+        training=[row("keras-hub", 100.0), row("autodist", 98.0)],
+        speed=[
+            row("keras-hub", 100.0, round=0),
+            row("autodist", 99.0, round=0),
+            row("autodist", 101.0, round=1),
+            row("keras-hub", 100.0, round=1),
+        ],
+    )
+    speed = {
+        target: ratio
+        for target, _, ratio, _ in accelerator_targets.verdicts(results, {})
+        if "tokens/s" in target
+    }
+    assert speed == {
+        "autodist's training tokens/s / keras-hub's": 1.0,
+        "autodist's `fit` tokens/s / keras-hub's": 1.0,
+    }
+    results["speed"] = []
+    ladder = [
+        v for v in accelerator_targets.verdicts(results, {}) if "tokens/s" in v[0]
+    ]
+    assert [round(v[2], 2) for v in ladder] == [0.98, 0.98]
