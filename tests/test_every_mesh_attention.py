@@ -1,7 +1,8 @@
 """Attention per device off a context mesh: on a batch and model mesh and on
 one device, each layer attends its rows' whole sequences with the
 platform's kernel (`EVERY_MESH_KERNELS`: splash on a TPU, checked here in
-Pallas' interpreter, or the blockwise kernel), padding per row, sliding
+Pallas' interpreter, cuDNN's call on a GPU, checked here in XLA's
+implementation, or the blockwise kernel), padding per row, sliding
 windows and soft caps as keras-hub computes them, against the same model on
 one device without the plugin; `generate` keeps the layer's cached path."""
 
@@ -39,6 +40,13 @@ def kernel_calls(monkeypatch):
         return attend(*args, **kwargs)
 
     monkeypatch.setattr(context_attention.splash_attention, "attend", counting_splash)
+    cudnn = context_attention.cudnn_attention.attend
+
+    def counting_cudnn(*args, **kwargs):
+        calls.append("cudnn")
+        return cudnn(*args, **kwargs)
+
+    monkeypatch.setattr(context_attention.cudnn_attention, "attend", counting_cudnn)
     return calls
 
 
@@ -79,6 +87,9 @@ CASES = {
     "gemma3-splash-one-device": ("gemma3", "splash", "one device"),
     "gemma2-blockwise-model8": ("gemma2", "blockwise", {"batch": 1, "model": 8}),
     "gemma2-splash-batch4-model2": ("gemma2", "splash", {"batch": 4, "model": 2}),
+    # cuDNN's call as a GPU makes it, run by XLA here (no soft cap: Gemma 3).
+    "gemma3-cudnn-batch2-model4": ("gemma3", "cudnn", {"batch": 2, "model": 4}),
+    "gemma3-cudnn-one-device": ("gemma3", "cudnn", "one device"),
 }
 FAMILIES = {
     "gemma3": (
@@ -88,6 +99,10 @@ FAMILIES = {
     ),
     "gemma2": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM, GEMMA2),
 }
+
+
+def _any_device(device, head_dim, dtype, soft_cap):
+    return soft_cap is None
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -100,6 +115,9 @@ def test_each_device_attends_with_the_kernel_as_one_device_does(
     reference = _train(path, task_class)
     monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": kernel})
     monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    # This CPU stands for a GPU that cuDNN's kernel takes.
+    monkeypatch.setattr(context_attention.cudnn_attention, "applies", _any_device)
+    monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: True)
     if mesh == "one device":
         devices = keras.distribution.list_devices()[:1]
         mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)

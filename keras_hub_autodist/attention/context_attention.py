@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.attention import block_masks
+from keras_hub_autodist.attention import cudnn_attention
 from keras_hub_autodist.attention import splash_attention
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
@@ -72,8 +73,12 @@ FUSED_KERNELS = {"tpu": "splash"}
 # not named here keeps the layer's own attention (XLA's on a CPU).
 # keras-hub's own path never reaches splash on a TPU inside a step: its mask
 # is a traced tensor there, and Keras falls back to XLA's attention, which
-# holds every `[sequence, sequence]` score.
-EVERY_MESH_KERNELS = {platform: "splash" for platform in EVERY_MESH_PLATFORMS}
+# holds every `[sequence, sequence]` score. On a GPU it hands cuDNN that
+# mask as a `[batch, heads, sequence, sequence]` bias, or takes XLA's
+# attention where cuDNN refuses it; `cudnn_attention` passes each row's
+# padding as a number of keys instead.
+_PLATFORM_KERNELS = {"tpu": "splash", "gpu": "cudnn"}
+EVERY_MESH_KERNELS = {p: _PLATFORM_KERNELS[p] for p in EVERY_MESH_PLATFORMS}
 
 # On a causal sequence, each device attends the queries of two half blocks,
 # one from each end of the sequence (`_balanced`), so that every device
@@ -151,7 +156,10 @@ def _attends_whole_sequences(reading, layer, sequence: int) -> bool:
     if reading.dropout or distribution_lib.is_decoding():
         return False
     distribution = keras.distribution.distribution()
-    return any(_kernel_choice(distribution, reading, sequence, layer.head_dim))
+    choice = _kernel_choice(
+        distribution, reading, sequence, layer.head_dim, layer.compute_dtype
+    )
+    return any(choice)
 
 
 def _argument(args, kwargs, index, name, default):
@@ -172,7 +180,7 @@ def _compute_attention(
     masks = handoff.take() if handoff is not None else None
     distribution = keras.distribution.distribution()
     context, kernel = _kernel_choice(
-        distribution, reading, query.shape[1], query.shape[-1]
+        distribution, reading, query.shape[1], query.shape[-1], query.dtype
     )
     own_path = (
         not (context or kernel)
@@ -225,7 +233,7 @@ def _with_mask(args, kwargs, mask):
 
 
 def _kernel_choice(
-    distribution, reading, sequence: int, head_dim: int
+    distribution, reading, sequence: int, head_dim: int, dtype
 ) -> tuple[bool, str | None]:
     """`(context, kernel)`: whether `distribution` is a context mesh, where
     a layer attends per device, and off one the kernel of
@@ -233,11 +241,11 @@ def _kernel_choice(
     attention). The block's mask method and the layer decide with it alike."""
     if isinstance(distribution, distribution_lib.ContextParallel):
         return True, None
-    return False, _every_mesh_kernel(distribution, reading, sequence, head_dim)
+    return False, _every_mesh_kernel(distribution, reading, sequence, head_dim, dtype)
 
 
 def _every_mesh_kernel(
-    distribution, reading, sequence: int, head_dim: int
+    distribution, reading, sequence: int, head_dim: int, dtype
 ) -> str | None:
     """Off a context mesh, the kernel of `EVERY_MESH_KERNELS` this layer's
     devices attend a whole sequence with, or None (the layer's own
@@ -246,9 +254,14 @@ def _every_mesh_kernel(
         return None
     if sequence < EVERY_MESH_MIN_TOKENS:
         return None
-    mesh = distribution.device_mesh.backend_mesh
-    kernel = EVERY_MESH_KERNELS.get(mesh.devices.flat[0].platform)
+    device = distribution.device_mesh.backend_mesh.devices.flat[0]
+    kernel = EVERY_MESH_KERNELS.get(device.platform)
     if kernel == "splash" and not applies(head_dim, sequence, sequence, 1):
+        return None
+    if kernel == "cudnn" and not (
+        cudnn_attention.applies(device, head_dim, dtype, reading.soft_cap)
+        and cudnn_attention.available()
+    ):
         return None
     return kernel
 
@@ -310,10 +323,12 @@ def attention_per_device(
         strategy: how keys and values reach each device (`STRATEGIES`):
             `"all_gather"` (the whole sequence's at once) or `"ring"`
             (block by block, `ring_attention`).
-        kernel: `"splash"` or `"blockwise"`; `None`: the fused kernel of
-            the mesh's platform (`FUSED_KERNELS`) where it applies, else
-            `"blockwise"`. Splash off a TPU runs in Pallas' interpreter;
-            the ring attends each block with `"blockwise"`.
+        kernel: `"splash"`, `"cudnn"` or `"blockwise"`; `None`: the fused
+            kernel of the mesh's platform (`FUSED_KERNELS`) where it
+            applies, else `"blockwise"`. Splash off a TPU runs in Pallas'
+            interpreter, cuDNN's call off a GPU in XLA; cuDNN attends
+            whole sequences (no context axis); the ring attends each block
+            with `"blockwise"`.
 
     Returns:
         `[batch, sequence, heads, head_dim]`, split as `query`.
@@ -344,8 +359,13 @@ def attention_per_device(
     )
     sequence, block = query.shape[1], query.shape[1] // contexts
     kernel = kernel or FUSED_KERNELS.get(mesh.devices.flat[0].platform, "blockwise")
-    if strategy == "ring" or not applies(head_dim, block, sequence, contexts):
+    if kernel == "splash" and (
+        strategy == "ring" or not applies(head_dim, block, sequence, contexts)
+    ):
         kernel = "blockwise"
+    if kernel == "cudnn" and contexts > 1:
+        kernel = "blockwise"
+    on_gpu = mesh.devices.flat[0].platform == "gpu"
     fused = ()
     if kernel == "splash":
         local_kv = 1 if slice_kv else (kv_heads // models if kv_axis else kv_heads)
@@ -380,6 +400,13 @@ def attention_per_device(
                 value,
                 key_valid,
             )
+        elif kernel == "cudnn":
+            outputs = [
+                cudnn_attention.attend(
+                    rule, q, key, value, key_valid, "cudnn" if on_gpu else "xla"
+                )
+                for q in grouped
+            ]
         elif fused:
             lengths = np.cumsum([q.shape[1] for q in grouped])[:-1].tolist()
             output = splash_attention.attend(

@@ -131,3 +131,17 @@ def answering(platform: str, device_kind: str = "") -> Iterator[None]:
         yield
     finally:
         _DEVICE.reset(token)
+
+
+@functools.cache
+def cudnn_version() -> int | None:
+    """The version of the cuDNN that JAX lowers its fused attention with, or
+    None where JAX finds none: a GPU machine has it (JAX's CUDA wheels); a
+    compile for a named GPU elsewhere has it with the `nvidia-cudnn-cu12`
+    wheel installed."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    try:
+        return int(fused_attention_stablehlo.check_cudnn_version())
+    except (RuntimeError, ImportError):
+        return None
