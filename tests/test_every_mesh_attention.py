@@ -157,6 +157,16 @@ def test_short_sequences_and_platforms_without_a_kernel_keep_the_layers_own(
     assert SEQUENCE < context_attention.EVERY_MESH_MIN_TOKENS
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
+    # cuDNN's kernel takes every length where it applies.
+    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "cudnn"})
+    monkeypatch.setattr(context_attention.cudnn_attention, "applies", _any_device)
+    monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: True)
+    _train(path, task_class, {"batch": 2, "model": 4})
+    assert kernel_calls and set(kernel_calls) == {"cudnn"}
+    kernel_calls.clear()
+    monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: False)
+    _train(path, task_class, {"batch": 2, "model": 4})
+    assert kernel_calls == []
 
 
 def test_splash_is_left_where_its_lanes_do_not_fit_the_heads(

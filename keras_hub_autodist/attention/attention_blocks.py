@@ -15,6 +15,10 @@ EVERY_MESH_PLATFORMS = ("tpu", "gpu")
 # memory to the byte (Gemma 2B at 1024 tokens, Gemma 3 1B at 4096); from
 # 8192 tokens XLA's scores outgrow a 16 GiB chip, where splash ran.
 EVERY_MESH_MIN_TOKENS = 8192
+# ... except these kernels, which take every sequence: on a GPU keras-hub's
+# own path hands cuDNN its mask as a `[batch, heads, sequence, sequence]`
+# bias, or takes XLA's attention where cuDNN refuses it.
+EVERY_LENGTH_KERNELS = ("cudnn",)
 
 # Keys per block: the scores held at once are `[batch, heads, queries,
 # KEY_BLOCK]` in float32.

@@ -51,6 +51,7 @@ from keras_hub_autodist import compat
 from keras_hub_autodist.attention import block_masks
 from keras_hub_autodist.attention import cudnn_attention
 from keras_hub_autodist.attention import splash_attention
+from keras_hub_autodist.attention.attention_blocks import EVERY_LENGTH_KERNELS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
 from keras_hub_autodist.attention.attention_blocks import applies
@@ -69,7 +70,8 @@ STRATEGIES = CONTEXT_PARALLEL_STRATEGIES
 FUSED_KERNELS = {"tpu": "splash"}
 # Off a context mesh (a batch, model or fsdp mesh, or one device), the
 # kernel each device attends its whole sequences with, by platform, where it
-# applies and the sequence has `EVERY_MESH_MIN_TOKENS` or more; a platform
+# applies and the sequence has `EVERY_MESH_MIN_TOKENS` or more (any length
+# for `EVERY_LENGTH_KERNELS`); a platform
 # not named here keeps the layer's own attention (XLA's on a CPU).
 # keras-hub's own path never reaches splash on a TPU inside a step: its mask
 # is a traced tensor there, and Keras falls back to XLA's attention, which
@@ -252,10 +254,10 @@ def _every_mesh_kernel(
     attention)."""
     if distribution is None or not hasattr(distribution, "batch_dim_name"):
         return None
-    if sequence < EVERY_MESH_MIN_TOKENS:
-        return None
     device = distribution.device_mesh.backend_mesh.devices.flat[0]
     kernel = EVERY_MESH_KERNELS.get(device.platform)
+    if kernel not in EVERY_LENGTH_KERNELS and sequence < EVERY_MESH_MIN_TOKENS:
+        return None
     if kernel == "splash" and not applies(head_dim, sequence, sequence, 1):
         return None
     if kernel == "cudnn" and not (
