@@ -298,20 +298,29 @@ def _speed_lines(results) -> list[str]:
         "autodist, then autodist, keras-hub); in each, the median of the "
         "timed `train_on_batch` steps, and one `fit` epoch of as many "
         "batches after an untimed one. The targets take each variant's "
-        "median over its processes.",
+        "median over its processes. Host phases: medians of as many more "
+        "steps, timed around the jitted step (after the call: the device's "
+        "time, the state put back, the logs read).",
         "",
-        "| step | round | variant | s/step | tokens/s | `fit` tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| step | round | variant | s/step | tokens/s | `fit` tokens/s | "
+        "host ms before / in / after the call |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| {r['step']} | {r['round']} | {r['variant']} |"
         if "error" in r or r.get("refused"):
-            lines.append(f"{head} {_failure(r)} | | |")
+            lines.append(f"{head} {_failure(r)} | | | |")
             continue
         fit = r.get("fit_tokens_per_s")
+        phases = r.get("host_phases") or {}
+        shown = " / ".join(
+            f"{phases[key]:.2f}"
+            for key in ("before_ms", "call_ms", "after_ms")
+            if key in phases
+        )
         lines.append(
             f"{head} {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
-            f"{'' if fit is None else f'{fit:,.0f}'} |"
+            f"{'' if fit is None else f'{fit:,.0f}'} | {shown} |"
         )
     return lines
 

@@ -59,6 +59,40 @@ def step_seconds(lm, x, y, count, losses=None) -> list[float]:
     return times
 
 
+def host_phases(lm, x, y, count) -> dict:
+    """Median milliseconds of `count` `train_on_batch` calls, by phase:
+    before the jitted step is called (checks, data placement, state
+    gathering), the call itself (dispatch: it returns before the device
+    ends), and after it (the device's time, the state put back, the logs
+    read). Each call is waited for, as `step_seconds` does; nothing else
+    is waited for, so the phases add up to the step."""
+    import jax
+
+    step = lm.train_function
+    called = {}
+
+    def timed(state, data):
+        called["start"] = time.perf_counter()
+        outputs = step(state, data)
+        called["end"] = time.perf_counter()
+        return outputs
+
+    object.__setattr__(lm, "train_function", timed)
+    phases = {"before_ms": [], "call_ms": [], "after_ms": []}
+    try:
+        for _ in range(count):
+            start = time.perf_counter()
+            logs = lm.train_on_batch(x, y, return_dict=True)
+            jax.block_until_ready(logs["loss"])
+            end = time.perf_counter()
+            phases["before_ms"].append(called["start"] - start)
+            phases["call_ms"].append(called["end"] - called["start"])
+            phases["after_ms"].append(end - called["end"])
+    finally:
+        object.__setattr__(lm, "train_function", step)
+    return {key: statistics.median(v) * 1e3 for key, v in phases.items()}
+
+
 def fit_seconds(lm, x, y, count, warmup=1) -> float:
     """Seconds of one `fit` epoch over `count` batches of `x`'s rows, after
     an untimed epoch of `warmup` batches: `fit` feeds its step a batch of
@@ -146,6 +180,8 @@ def _measure(lm, recorded, batch, seq, steps, warmup, time_fit=True) -> dict:
         row["error"] = [str(error).strip().splitlines()[0][:400]]
         return row
     row.update(accelerator_program.program_memory(recorded))
+    # After the timed steps, so that they run as a user's do.
+    row["host_phases"] = host_phases(lm, x, y, steps)
     try:  # keras-hub's `fit` needs grain or tensorflow to batch arrays
         if time_fit:
             seconds = fit_seconds(lm, x, y, steps, warmup)
