@@ -37,6 +37,7 @@ RULES = {
     "window": AttentionRule(scale=0.25, window=9),
     "keyless-mean": AttentionRule(scale=0.25, keyless_mean=True),
     "bidirectional": AttentionRule(scale=0.25, causal=False),
+    "bidirectional-window": AttentionRule(scale=0.25, causal=False, window=9),
 }
 
 

@@ -121,7 +121,12 @@ def attend(rule: AttentionRule, query, key, value, key_valid, implementation: st
             rule, query, key, value, positions, positions, key_valid
         ).astype(query.dtype)
 
-    output = jax.lax.cond(one_run, fused, blockwise, query, key, value)
+    if rule.window is not None and not rule.causal:
+        # A window on the keys before a query only, with every key after
+        # it: cuDNN takes a right window only with a causal mask.
+        output = blockwise(query, key, value)
+    else:
+        output = jax.lax.cond(one_run, fused, blockwise, query, key, value)
     has_key = rows_with_a_key(rule, positions, key_valid)[:, :, None, None, None]
     keyless = jnp.zeros((), output.dtype)
     if rule.keyless_mean:
