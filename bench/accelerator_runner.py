@@ -276,6 +276,27 @@ def _skip(clock, results, what) -> bool:
     return False
 
 
+def _train_child(step, path, variant, clock, timing_only=False) -> list[dict]:
+    """`step`'s ladder trained by `variant` in a fresh process
+    (`accelerator_training.child_train`); `timing_only` leaves out its
+    `generate` timing and its local compile."""
+    generate, local_check = (0, 0) if timing_only else (step.generate, step.local_check)
+    return run_child(
+        "train",
+        path,
+        variant,
+        step.lora_rank,
+        ",".join(map(str, step.batches)),
+        step.sequence,
+        step.steps,
+        step.warmup,
+        generate,
+        int(local_check),
+        step.remat or "-",
+        timeout=clock.child_limit(),
+    )
+
+
 def _train(step, path, clock, results, save):
     variants = (["keras-hub"] if step.pair else []) + ["autodist"]
     # autodist first: the package's own rows matter most if time runs out.
@@ -293,20 +314,7 @@ def _train(step, path, clock, results, save):
         if _skip(clock, results, what):
             continue
         print(f"{what}: batches {step.batches}", flush=True)
-        rows = run_child(
-            "train",
-            path,
-            variant,
-            step.lora_rank,
-            ",".join(map(str, step.batches)),
-            step.sequence,
-            step.steps,
-            step.warmup,
-            step.generate,
-            int(step.local_check),
-            step.remat or "-",
-            timeout=clock.child_limit(),
-        )
+        rows = _train_child(step, path, variant, clock)
         rungs, generated = [], {}
         for row in rows:
             if "generate_tokens_per_s" in row and "load_s" not in row:
@@ -348,20 +356,7 @@ def _speed(step, path, clock, results, save):
         if path is None or _skip(clock, results, what):
             continue
         print(f"{what}: batches {step.batches}", flush=True)
-        rows = run_child(
-            "train",
-            path,
-            variant,
-            step.lora_rank,
-            ",".join(map(str, step.batches)),
-            step.sequence,
-            step.steps,
-            step.warmup,
-            0,
-            0,
-            step.remat or "-",
-            timeout=clock.child_limit(),
-        )
+        rows = _train_child(step, path, variant, clock, timing_only=True)
         for row in (r for r in rows if not r.get("done")):
             batch = row.get("batch") or step.batches[0]
             results["speed"].append(
