@@ -2,7 +2,7 @@
 one device, each layer attends its rows' whole sequences with the
 platform's kernel (`EVERY_MESH_KERNELS`: splash on a TPU, checked here in
 Pallas' interpreter, cuDNN's call on a GPU, checked here in XLA's
-implementation, or the blockwise kernel), padding per row, sliding
+implementation, the blockwise kernel on this CPU), padding per row, sliding
 windows and soft caps as keras-hub computes them, against the same model on
 one device without the plugin; `generate` keeps the layer's cached path."""
 
@@ -144,17 +144,39 @@ def test_each_device_attends_with_the_kernel_as_one_device_does(
     assert len(kernel_calls) == calls
 
 
+def test_a_cpu_attends_blockwise_from_the_threshold_as_one_device_does(
+    tmp_path, monkeypatch, kernel_calls
+):
+    backbone_class, task_class, config = FAMILIES["gemma3"]
+    path = _preset(tmp_path, backbone_class, task_class, config)
+    reference = _train(path, task_class)
+    # The platform's own kernel (no kernel table patched), from a threshold
+    # this short sequence reaches.
+    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    ours = _train(path, task_class, {"batch": 2, "model": 4})
+    assert kernel_calls and set(kernel_calls) == {"blockwise"}
+    for got, want in zip(ours[1], reference[1]):
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ours[2], reference[2], rtol=2e-3, atol=2e-3)
+
+
 def test_short_sequences_and_platforms_without_a_kernel_keep_the_layers_own(
     tmp_path, monkeypatch, kernel_calls
 ):
-    assert "cpu" not in context_attention.EVERY_MESH_KERNELS
     backbone_class, task_class, config = FAMILIES["gemma3"]
     path = _preset(tmp_path, backbone_class, task_class, config)
+    # This CPU's kernel, but a sequence under the threshold.
+    assert context_attention.EVERY_MESH_KERNELS["cpu"] == "blockwise"
+    assert SEQUENCE < context_attention.EVERY_MESH_MIN_TOKENS
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
-    # A kernel for the platform, but a sequence under the threshold.
     monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "splash"})
-    assert SEQUENCE < context_attention.EVERY_MESH_MIN_TOKENS
+    _train(path, task_class, {"batch": 2, "model": 4})
+    assert kernel_calls == []
+    # A platform without a kernel, at any length.
+    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {})
+    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
     # cuDNN's kernel takes every length where it applies.

@@ -8,8 +8,9 @@ from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES  # n
 
 # The platforms whose devices attend per device off a context mesh too, with
 # their fused kernel where its shapes apply (`context_attention`'s
-# `EVERY_MESH_KERNELS`): splash on a TPU, cuDNN's on a GPU.
-EVERY_MESH_PLATFORMS = ("tpu", "gpu")
+# `EVERY_MESH_KERNELS`): splash on a TPU, cuDNN's on a GPU, and the
+# blockwise kernel on a CPU, which has no fused one.
+EVERY_MESH_PLATFORMS = ("tpu", "gpu", "cpu")
 # ... for sequences of at least this many tokens. Shorter ones keep the
 # layer's own attention, which ran on a v5e chip at keras-hub's speed and
 # memory to the byte (Gemma 2B at 1024 tokens, Gemma 3 1B at 4096); from

@@ -22,9 +22,10 @@ read instead: a token always sees itself unless it is padding.
 
 Off a context mesh (a batch, model or fsdp mesh, or one device) the same
 runs with no context axis: each device attends its rows' whole sequences,
-its query heads split over the model axis, with the fused kernel of its
-platform (`EVERY_MESH_KERNELS`: splash on a TPU) and padding per row as a
-segment id, never one row's mask for the batch.
+its query heads split over the model axis, with the kernel of its
+platform (`EVERY_MESH_KERNELS`: splash on a TPU, cuDNN's on a GPU,
+blockwise on a CPU) and padding per row, never one row's mask for the
+batch.
 
 `install_per_device_attention` replaces `_compute_attention` on each known
 attention layer of a planned model (`compat.patch_instance`, the
@@ -71,15 +72,16 @@ FUSED_KERNELS = {"tpu": "splash"}
 # Off a context mesh (a batch, model or fsdp mesh, or one device), the
 # kernel each device attends its whole sequences with, by platform, where it
 # applies and the sequence has `EVERY_MESH_MIN_TOKENS` or more (any length
-# for `EVERY_LENGTH_KERNELS`); a platform
-# not named here keeps the layer's own attention (XLA's on a CPU).
+# for `EVERY_LENGTH_KERNELS`); a platform not named here keeps the layer's
+# own attention. A CPU has no fused kernel: there the blockwise one holds
+# a block of keys' scores at a time, where XLA's would hold them all.
 # keras-hub's own path never reaches splash on a TPU inside a step: its mask
 # is a traced tensor there, and Keras falls back to XLA's attention, which
 # holds every `[sequence, sequence]` score. On a GPU it hands cuDNN that
 # mask as a `[batch, heads, sequence, sequence]` bias, or takes XLA's
 # attention where cuDNN refuses it; `cudnn_attention` passes each row's
 # padding as a number of keys instead.
-_PLATFORM_KERNELS = {"tpu": "splash", "gpu": "cudnn"}
+_PLATFORM_KERNELS = {"tpu": "splash", "gpu": "cudnn", "cpu": "blockwise"}
 EVERY_MESH_KERNELS = {p: _PLATFORM_KERNELS[p] for p in EVERY_MESH_PLATFORMS}
 
 # On a causal sequence, each device attends the queries of two half blocks,
