@@ -100,13 +100,20 @@ def test_chunk_counts_divide_each_part_of_a_split_sequence():
     gib, mib = 2**30, 2**20
     count = chunk_rule.chunk_count
     # A large head (Gemma 3 1B's, 0.6 GiB): Keras' own step up to 4 GiB of
-    # float32 logits a device, then chunks of at most 256 MiB, each
-    # dividing a device's part of the sequence.
+    # float32 logits a device, then chunks of 512 tokens (512 MiB of
+    # Gemma's logits, more than the 256 MiB floor), each dividing a
+    # device's part of the sequence; past 16 GiB, chunks of 256 MiB.
     head = {"head_bytes": 600 * mib}
     assert count(1, 32768, 262144, **head) == 128
-    assert count(1, 32768, 262144, splits=4, **head) == 32
-    assert count(1, 8192, 262144, **head) == 32
+    assert count(1, 16384, 262144, **head) == 32
+    assert count(1, 32768, 262144, splits=4, **head) == 16
+    assert count(1, 8192, 262144, **head) == 16
     assert count(1, 4096, 262144, **head) == 1
+    # Gemma 2B's 8 x 1024 tokens: 16 chunks of 512 tokens (8 of each row).
+    assert count(8, 1024, 256000, head_bytes=gib) == 16
+    # A smaller vocabulary's chunks hold 256 MiB of logits, more tokens.
+    assert count(1, 8192, 32768, head_bytes=600 * mib) == 1
+    assert count(2, 32768, 32768, head_bytes=600 * mib) == 32
     # A head of 64 MiB may be read four times more.
     assert count(1, 4096, 262144, head_bytes=64 * mib) == 4
     # A trained head of 0.5 GiB (Llama 3.2 1B's): chunks of up to 1 GiB

@@ -5,14 +5,29 @@ with it)."""
 from __future__ import annotations
 
 # A step whose float32 logits take at most this on each device keeps Keras'
-# own step, whole logits and all, unless its head is small (below): cutting
-# a large head's loss costs time (each chunk reads the head's weights again;
-# 1.8% of a Gemma 2B LoRA step of 4 x 1024 tokens on a v5e chip), and below
-# this the whole logits fit beside the step (Gemma 3 1B at 4,096 tokens on
-# one 16 GiB chip: 4 GiB).
+# own step, whole logits and all, unless its head is small (below). Cutting
+# below it was measured and not taken: Gemma 2B's LoRA step of 4 x 1024
+# tokens (3.9 GiB of logits) ran 1.005x as fast in 8 chunks on a v5e chip,
+# in 1.65 GiB less, but compiled for an H200 it held only 1.8 GB less, where
+# the closed form would count 4 GB less, and its full step's two chunks held
+# 2 GB more (the trained head's float32 gradient they add to).
 WHOLE_LOGITS_BYTES = 4 * 2**30
-# The float32 logits one chunk may hold on each device.
+# The float32 logits one chunk may hold on each device...
 CHUNK_LOGITS_BYTES = 256 * 2**20
+# ... or, where that is more, those of this many tokens, while a device's
+# whole logits take at most `LONG_LOGITS_BYTES`. Each chunk reads the
+# head's bfloat16 weights again and makes, per byte of them, as many flops
+# as it has tokens: at 512 that is above a v5e's ratio of compute to memory
+# bandwidth (about 240 flops a byte; an H100's is about 300), so the head's
+# matmul stays bound by compute. On a v5e chip, Gemma 2B's LoRA step of
+# 8 x 1024 tokens ran at 0.990x whole logits' tokens/s in chunks of 256
+# tokens, and at 1.018x in chunks of 512.
+FEWEST_TOKENS = 512
+# Past this much whole logits on a device the sequences are long, memory is
+# what limits them, and a chunk keeps to `CHUNK_LOGITS_BYTES`: Gemma 3 1B's
+# 32,768 tokens on a v5e compile to 14.67 GiB in chunks of 256 tokens and
+# to 15.74 GiB, the chip's edge, in chunks of 512.
+LONG_LOGITS_BYTES = 16 * 2**30
 # Where memory asks for fewer, a step's tokens are still cut into this many
 # chunks: a chunk's logits, their float32 copy and their gradient then hold
 # a tenth of the whole logits...
@@ -36,8 +51,9 @@ def chunk_count(
     """The number of chunks a step's sequences are cut into, on a device
     holding `rows` of them and `vocabulary` logits per token: where they
     take more than `WHOLE_LOGITS_BYTES`, the fewest, dividing `sequence //
-    splits`, whose float32 logits fit `CHUNK_LOGITS_BYTES` (or twice
-    `trained_head_bytes` where that is more: a trained head's gradient
+    splits`, whose float32 logits fit `CHUNK_LOGITS_BYTES` (or, where that
+    is more, those of `FEWEST_TOKENS` tokens up to `LONG_LOGITS_BYTES` of
+    whole logits, or twice `trained_head_bytes`: a trained head's gradient
     costs that anyway); and, off a context axis, at least `FEWEST_CHUNKS`
     where the head's weights are small enough to read that often
     (`SPARE_HEAD_TRAFFIC_BYTES`). 1 is the whole logits, Keras' own step.
@@ -59,6 +75,8 @@ def chunk_count(
     Example:
     >>> chunk_count(1, 32768, 262144, head_bytes=2**30)
     128
+    >>> chunk_count(1, 8192, 262144, head_bytes=2**30)
+    16
     >>> chunk_count(1, 4096, 262144, head_bytes=2**30)
     1
     >>> chunk_count(2, 256, 8192, head_bytes=2**20, trained_head_bytes=2**20)
@@ -66,7 +84,10 @@ def chunk_count(
     """
     part = sequence // splits if sequence % splits == 0 else sequence
     whole = rows * part * vocabulary * 4
-    budget = max(CHUNK_LOGITS_BYTES, 2 * trained_head_bytes)
+    fewest_tokens = FEWEST_TOKENS if whole <= LONG_LOGITS_BYTES else 0
+    budget = max(
+        CHUNK_LOGITS_BYTES, fewest_tokens * vocabulary * 4, 2 * trained_head_bytes
+    )
     needed = 1 if whole <= WHOLE_LOGITS_BYTES else -(-whole // budget)
     traffic = head_bytes + 2 * trained_head_bytes  # read, and gradient added
     affordable = SPARE_HEAD_TRAFFIC_BYTES // max(traffic, 1)
