@@ -8,7 +8,8 @@ peak is that measurement's own:
   serves one process at a time);
 - `load`: `Backbone.from_preset`, keras-hub or autodist, or a raw read;
 - `long`: one long LoRA sequence and the attention kernel XLA chose;
-- `attention`: causal attention alone, fused kernel against blockwise.
+- `attention`: causal attention alone, fused kernel against blockwise;
+- `chunks`: the loss whole and in chunks (`accelerator_chunks`).
 
 A child prints JSON lines; the last is its result (a training child prints
 one per rung).
@@ -23,6 +24,7 @@ import statistics
 import time
 import warnings
 
+from bench.accelerator_chunks import child_chunks
 from bench.accelerator_training import ONE_DEVICE
 from bench.accelerator_training import child_train
 from bench.accelerator_training import device_memory
@@ -248,7 +250,7 @@ def _none(text):
 
 def child_rows(kind, *args) -> dict | None:
     """Run the child `kind` with its command-line `args`; its result, or
-    None for training, whose rows are printed as they come."""
+    None for training and `chunks`, whose rows are printed as they come."""
     if kind == "probe":
         return child_probe()
     if kind == "load":
@@ -260,6 +262,11 @@ def child_rows(kind, *args) -> dict | None:
     if kind == "long":
         path, variant, seq, steps = args
         return child_long(path, variant, int(seq), int(steps))
+    if kind == "chunks":
+        path, lora, batch, seq, steps, warmup = args
+        sizes = (int(lora), int(batch), int(seq), int(steps), int(warmup))
+        child_chunks(path, *sizes, emit=lambda row: print(json.dumps(row), flush=True))
+        return None
     if kind == "train":
         path, variant, lora, batches, seq, steps, warmup, generate, check, remat = args
         batches = [int(b) for b in batches.split(",")]

@@ -21,9 +21,10 @@ PARTS = {
     "gpu": ("load", "train", "long", "attention"),
     "tpu": ("train", "load", "attention"),
 }
-# `speed` (autodist against keras-hub in alternated processes) runs when
-# asked: on a TPU it takes a whole command.
-ALL_PARTS = ("load", "train", "long", "attention", "speed")
+# `speed` (autodist against keras-hub in alternated processes) and `chunks`
+# (the loss whole and in chunks, in one process) run when asked: on a TPU
+# each takes a whole command.
+ALL_PARTS = ("load", "train", "long", "attention", "speed", "chunks")
 # family -> part -> seconds it may start measurements in (a measurement
 # started inside its part's time runs to its end, cut at the per-child
 # limit). None: no limit. The TPU's add to 430 s of measurements, beside
@@ -35,8 +36,16 @@ BUDGET_S = {
         "long": None,
         "attention": None,
         "speed": None,
+        "chunks": None,
     },
-    "tpu": {"train": 300, "load": 90, "attention": 40, "long": 60, "speed": 450},
+    "tpu": {
+        "train": 300,
+        "load": 90,
+        "attention": 40,
+        "long": 60,
+        "speed": 450,
+        "chunks": 450,
+    },
 }
 # family -> seconds after which no measurement starts (None: no limit): a
 # TPU command may run 10 minutes.

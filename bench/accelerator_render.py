@@ -5,6 +5,7 @@ before it (`accelerator_steps.read_predictions`)."""
 from __future__ import annotations
 
 import pathlib
+import statistics
 
 from bench import accelerator_targets
 
@@ -325,6 +326,47 @@ def _speed_lines(results) -> list[str]:
     return lines
 
 
+def _chunk_lines(results) -> list[str]:
+    rows = results.get("chunks") or []
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### The loss whole and in chunks (one process per batch)",
+        "",
+        "One autodist model per batch, its step compiled again under each "
+        "chunk rule in turn (`bench/accelerator_chunks.py`), the odd rounds "
+        "in reverse; each round's median `train_on_batch` step. The ratio is "
+        "of each rule's median over its rounds to whole logits'.",
+        "",
+        "| step | rule | chunks | s/step by round | tokens/s vs whole logits "
+        "| program |",
+        "|---|---|---|---|---|---|",
+    ]
+    for step in dict.fromkeys(r["step"] for r in rows):
+        mine = [r for r in rows if r["step"] == step]
+        medians = {
+            variant: statistics.median(
+                r["step_s"] for r in mine if r["variant"] == variant and "step_s" in r
+            )
+            for variant in dict.fromkeys(r["variant"] for r in mine if "step_s" in r)
+        }
+        whole = medians.get("whole logits")
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            runs = [r for r in mine if r["variant"] == variant]
+            failed = [r for r in runs if "error" in r]
+            if failed:
+                lines.append(f"| {step} | {variant} | {_failure(failed[0])} | | | |")
+                continue
+            times = ", ".join(f"{r['step_s']:.4f}" for r in runs)
+            ratio = f"{whole / medians[variant]:.3f}" if whole else ""
+            lines.append(
+                f"| {step} | {variant} | {runs[0]['chunks']} | {times} | {ratio} "
+                f"| {_gib(runs[0].get('program_bytes'))} |"
+            )
+    return lines
+
+
 def title(results) -> str:
     """The section's title: a TPU chip's run has its own section beside the
     GPU's.
@@ -372,11 +414,12 @@ def render(results, predictions=None) -> str:
     lines += _long_lines(results)
     lines += _attention_lines(results)
     lines += _speed_lines(results)
+    lines += _chunk_lines(results)
     lines += accelerator_targets.table(results, predictions)
     return "\n".join(lines) + "\n"
 
 
-MEASUREMENTS = ("loading", "training", "long_context", "attention", "speed")
+MEASUREMENTS = ("loading", "training", "long_context", "attention", "speed", "chunks")
 
 
 def merge(runs: list[dict]) -> dict:

@@ -371,6 +371,30 @@ def _speed(step, path, clock, results, save):
         save()
 
 
+def _chunks(step, path, clock, results, save):
+    """The part `chunks`: a process per batch of `step`, largest first (its
+    logits are cut most), each timing every chunk rule in turn
+    (`accelerator_chunks.child_chunks`)."""
+    for batch in sorted(step.batches, reverse=True):
+        what = f"chunks {step.name(batch)}"
+        if path is None or _skip(clock, results, what):
+            continue
+        print(what, flush=True)
+        rows = run_child(
+            "chunks",
+            path,
+            step.lora_rank,
+            batch,
+            step.sequence,
+            step.steps,
+            step.warmup,
+            timeout=clock.child_limit(),
+        )
+        for row in (r for r in rows if not r.get("done")):
+            results["chunks"].append(dict(step=step.name(batch), **row))
+        save()
+
+
 def probe() -> dict:
     """The machine's device, read by a child (`child_probe`): platform
     "cpu" where the child failed."""
@@ -407,6 +431,10 @@ def run(
         accelerator_steps.speed_steps_of(family, tiny) if "speed" in parts else []
     )
     speed_steps = [s for s in speed_steps if models is None or s.model in models]
+    chunk_steps = (
+        accelerator_steps.chunk_steps_of(family, tiny) if "chunks" in parts else []
+    )
+    chunk_steps = [s for s in chunk_steps if models is None or s.model in models]
     results = dict(
         versions=versions(),
         date=datetime.date.today().isoformat(),
@@ -421,6 +449,7 @@ def run(
         long_context=[],
         attention=[],
         speed=[],
+        chunks=[],
         skipped=[],
     )
 
@@ -432,7 +461,7 @@ def run(
     long_steps = (
         accelerator_steps.long_steps_of(family, tiny) if "long" in parts else []
     )
-    needed = [step.model for step in steps + speed_steps]
+    needed = [step.model for step in steps + speed_steps + chunk_steps]
     if "load" in parts:
         needed.append(load_model)
     if "long" in parts:
@@ -471,6 +500,9 @@ def run(
                 elif part == "speed":
                     for step in speed_steps:
                         _speed(step, presets.path(step.model), clock, results, save)
+                elif part == "chunks":
+                    for step in chunk_steps:
+                        _chunks(step, presets.path(step.model), clock, results, save)
         finally:
             presets.close()
         results["preset_s"] = presets.seconds

@@ -216,6 +216,12 @@ TPU_SPEED_STEPS = [
 ]
 TPU_TINY_SPEED_STEPS = [Step("tiny llama", "llama3.2_1b", 0, (2,), 32, 3, 1, pair=True)]
 SPEED_STEPS = {"tpu": (TPU_SPEED_STEPS, TPU_TINY_SPEED_STEPS)}
+# The part `chunks` (`accelerator_chunks`): one process per batch, each
+# timing every chunk rule; Gemma's 256k vocabulary is where the chunks'
+# size matters.
+TPU_CHUNK_STEPS = [Step("gemma_2b", "gemma_2b", 8, (4, 8), 1024, 6, 1)]
+TPU_TINY_CHUNK_STEPS = [Step("tiny gemma", "gemma_2b", 8, (2,), 32, 2, 1)]
+CHUNK_STEPS = {"tpu": (TPU_CHUNK_STEPS, TPU_TINY_CHUNK_STEPS)}
 # The part `long` of a family measured as training steps (a GPU's is
 # `accelerator_children.child_long`'s, Gemma 2B at 32k tokens).
 LONG_STEPS = {"tpu": TPU_LONG_STEPS}
@@ -230,6 +236,12 @@ def steps_of(family: str, tiny: bool) -> list[Step]:
 def speed_steps_of(family: str, tiny: bool) -> list[Step]:
     """The steps of the part `speed` for `family` ([] where it has none)."""
     full, small = SPEED_STEPS.get(family, ([], []))
+    return small if tiny else full
+
+
+def chunk_steps_of(family: str, tiny: bool) -> list[Step]:
+    """The steps of the part `chunks` for `family` ([] where it has none)."""
+    full, small = CHUNK_STEPS.get(family, ([], []))
     return small if tiny else full
 
 
