@@ -51,6 +51,7 @@ from keras_hub_autodist.errors import DemoError  # noqa: E402
 from keras_hub_autodist.errors import DeviceMeshTypeError  # noqa: E402
 from keras_hub_autodist.errors import DTypeError  # noqa: E402
 from keras_hub_autodist.errors import ExtraMissingError  # noqa: E402
+from keras_hub_autodist.errors import KeptAttentionWarning  # noqa: E402
 from keras_hub_autodist.errors import LayoutMismatchError  # noqa: E402
 from keras_hub_autodist.errors import MeshError  # noqa: E402
 from keras_hub_autodist.errors import ModelClassError  # noqa: E402
@@ -115,6 +116,7 @@ __all__ = [
     "ExtraMissingError",
     "from_preset",
     "get_layout_map",
+    "KeptAttentionWarning",
     "LayoutMismatchError",
     "LayoutPlan",
     "load_stats",

@@ -178,6 +178,12 @@ class WholeLogitsWarning(UserWarning):
     chunk of tokens at a time. Said once per model and reason."""
 
 
+class KeptAttentionWarning(UserWarning):
+    """Off a context mesh, a long sequence's attention layers keep their own
+    (XLA's) attention, every score held, because the platform's fused
+    kernel doesn't take them. Said once per reason."""
+
+
 class PaddingWarning(UserWarning):
     """A bound model pads a batch (or prompts) to a multiple of the batch
     axis: results are those of the real rows, the padded ones cost compute.

@@ -13,6 +13,7 @@ import pytest
 import tiny_presets
 
 from keras_hub_autodist.attention import context_attention
+from keras_hub_autodist.errors import KeptAttentionWarning
 
 SEQUENCE = 256
 # Splash lays its head dimension in lanes of 128; windows shorter than the
@@ -194,14 +195,46 @@ def test_short_sequences_and_platforms_without_a_kernel_keep_the_layers_own(
 def test_splash_is_left_where_its_lanes_do_not_fit_the_heads(
     tmp_path, monkeypatch, kernel_calls
 ):
-    # A head dimension of 8: splash does not apply, the layer's own runs.
+    # A head dimension of 8: splash does not apply, the layer's own runs,
+    # and a sequence past the threshold is told why, once.
     monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "splash"})
     monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(context_attention, "_SAID_KEPT", set())
     path = _preset(
         tmp_path,
         keras_hub.models.GemmaBackbone,
         keras_hub.models.GemmaCausalLM,
         tiny_presets.GEMMA_MQA,
     )
-    _train(path, keras_hub.models.GemmaCausalLM, {"batch": 2, "model": 4})
+    with pytest.warns(KeptAttentionWarning) as caught:
+        _train(path, keras_hub.models.GemmaCausalLM, {"batch": 2, "model": 4})
     assert kernel_calls == []
+    kept = [str(w.message) for w in caught if w.category is KeptAttentionWarning]
+    assert len(kept) == 1, kept
+    assert "splash kernel doesn't take a head dimension of 8" in kept[0]
+    assert f"attend {SEQUENCE} tokens" in kept[0]
+
+
+def test_a_gpu_that_cudnn_refuses_says_why_once_and_keeps_the_layers_own(
+    tmp_path, monkeypatch, kernel_calls
+):
+    class T4:
+        platform, compute_capability = "gpu", "7.5"
+
+    cudnn = context_attention.cudnn_attention
+    why_not, applies = cudnn.why_not, cudnn.applies
+    # This CPU stands for a T4, whose compute capability cuDNN's flash
+    # attention refuses.
+    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "cudnn"})
+    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(context_attention, "_SAID_KEPT", set())
+    monkeypatch.setattr(cudnn, "applies", lambda _, *shape: applies(T4, *shape))
+    monkeypatch.setattr(cudnn, "why_not", lambda _, *shape: why_not(T4, *shape))
+    backbone_class, task_class, config = FAMILIES["gemma3"]
+    path = _preset(tmp_path, backbone_class, task_class, config)
+    with pytest.warns(KeptAttentionWarning) as caught:
+        _train(path, task_class, {"batch": 2, "model": 4})
+    assert kernel_calls == []
+    kept = [str(w.message) for w in caught if w.category is KeptAttentionWarning]
+    assert kept == [kept[0]] and "compute capability is 7.5" in kept[0], kept
+    assert "context" in kept[0]  # what to do instead

@@ -52,15 +52,19 @@ from keras_hub_autodist import compat
 from keras_hub_autodist.attention import block_masks
 from keras_hub_autodist.attention import cudnn_attention
 from keras_hub_autodist.attention import splash_attention
+from keras_hub_autodist.attention.attention_blocks import BLOCK_SIZES
 from keras_hub_autodist.attention.attention_blocks import EVERY_LENGTH_KERNELS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
+from keras_hub_autodist.attention.attention_blocks import HEAD_DIM_MULTIPLE
 from keras_hub_autodist.attention.attention_blocks import applies
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import blockwise_attention
 from keras_hub_autodist.attention.causal_balance import owner
 from keras_hub_autodist.attention.ring_attention import ring_attention
 from keras_hub_autodist.compat import attention as compat_attention
+from keras_hub_autodist.errors import KeptAttentionWarning
+from keras_hub_autodist.errors import warn
 from keras_hub_autodist.planning import distribution as distribution_lib
 from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES
 
@@ -260,14 +264,46 @@ def _every_mesh_kernel(
     kernel = EVERY_MESH_KERNELS.get(device.platform)
     if kernel not in EVERY_LENGTH_KERNELS and sequence < EVERY_MESH_MIN_TOKENS:
         return None
+    refusal = None
     if kernel == "splash" and not applies(head_dim, sequence, sequence, 1):
-        return None
-    if kernel == "cudnn" and not (
-        cudnn_attention.applies(device, head_dim, dtype, reading.soft_cap)
-        and cudnn_attention.available()
-    ):
-        return None
-    return kernel
+        refusal = (
+            f"the splash kernel doesn't take a head dimension of {head_dim} "
+            f"at {sequence} tokens (it lays heads in lanes of "
+            f"{HEAD_DIM_MULTIPLE}, sequences in blocks of {min(BLOCK_SIZES)})"
+        )
+    if kernel == "cudnn":
+        if not cudnn_attention.applies(device, head_dim, dtype, reading.soft_cap):
+            refusal = cudnn_attention.why_not(device, head_dim, dtype, reading.soft_cap)
+        elif not cudnn_attention.available():
+            refusal = (
+                "JAX finds no cuDNN library to lower cuDNN's flash attention "
+                "with (on a machine without a GPU, install nvidia-cudnn-cu12)"
+            )
+    if refusal is None:
+        return kernel
+    if sequence >= EVERY_MESH_MIN_TOKENS:
+        _say_kept_attention(sequence, refusal)
+    return None
+
+
+# The reasons a layer kept its own attention that were said, once each.
+_SAID_KEPT = set()
+
+
+def _say_kept_attention(sequence: int, refusal: str) -> None:
+    """Warn, once per reason, that a long sequence is attended by the layer's
+    own (XLA's) attention, which holds every score."""
+    if refusal in _SAID_KEPT:
+        return
+    _SAID_KEPT.add(refusal)
+    warn(
+        f"keras_hub_autodist: the attention layers attend {sequence} tokens "
+        "with their own (XLA's) attention, which holds every "
+        f"[sequence, sequence] score of each head, because {refusal}. A "
+        "context axis (device_mesh={..., 'context': N}) splits each sequence "
+        "and attends one block of keys at a time on any device.",
+        KeptAttentionWarning,
+    )
 
 
 def key_padding(mask, masks, batch: int, length: int):

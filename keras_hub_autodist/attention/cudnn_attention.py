@@ -45,17 +45,42 @@ def applies(device, head_dim: int, dtype, soft_cap: float | None) -> bool:
     >>> applies(H100, 256, "bfloat16", None), applies(H100, 64, "float32", None)
     (False, False)
     """
+    return why_not(device, head_dim, dtype, soft_cap) is None
+
+
+def why_not(device, head_dim: int, dtype, soft_cap: float | None) -> str | None:
+    """Why cuDNN's flash attention doesn't take this layer on `device`, in
+    words a user can act on; None where it does.
+
+    Example:
+    >>> class T4: platform, compute_capability = "gpu", "7.5"
+    >>> why_not(T4, 128, "bfloat16", None)
+    "the GPU's compute capability is 7.5, under cuDNN's flash attention's 8.0"
+    """
     capability = getattr(device, "compute_capability", None)
-    if getattr(device, "platform", None) != "gpu" or not capability:
-        return False
+    platform = getattr(device, "platform", None)
+    if platform != "gpu" or not capability:
+        return f"the device is not a GPU (platform {platform!r})"
     version = tuple(int(part) for part in str(capability).split(".")[:2])
-    return (
-        version >= MIN_COMPUTE_CAPABILITY
-        and head_dim <= MAX_HEAD_DIM
-        and head_dim % HEAD_DIM_MULTIPLE == 0
-        and jnp.dtype(dtype).name in DTYPES
-        and soft_cap is None
-    )
+    if version < MIN_COMPUTE_CAPABILITY:
+        least = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        return (
+            f"the GPU's compute capability is {capability}, under cuDNN's "
+            f"flash attention's {least}"
+        )
+    if head_dim > MAX_HEAD_DIM or head_dim % HEAD_DIM_MULTIPLE:
+        return (
+            f"the head dimension is {head_dim}; cuDNN's flash attention takes "
+            f"multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+        )
+    if jnp.dtype(dtype).name not in DTYPES:
+        return (
+            f"the layers compute in {jnp.dtype(dtype).name}; cuDNN's flash "
+            "attention takes bfloat16 or float16 (load with dtype='bfloat16')"
+        )
+    if soft_cap is not None:
+        return "the attention logits are soft-capped, which cuDNN's kernel can't do"
+    return None
 
 
 def available() -> bool:
