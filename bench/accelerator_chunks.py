@@ -123,12 +123,13 @@ def child_chunks(path, lora_rank, batch, seq, steps, warmup, emit) -> None:
             row["error"] = [f"{type(error).__name__}: {error}"[:400]]
             emit(row)
             continue
+        step = statistics.median(times[warmup:])
         row.update(
             chunks=counts[-1] if counts else 1,
             first_step_s=times[0],
             first_loss=losses[0],
-            step_s=statistics.median(times[warmup:]),
-            tokens_per_s=batch * seq / statistics.median(times[warmup:]),
+            step_s=step,
+            tokens_per_s=batch * seq / step,
             seconds=time.perf_counter() - started,
         )
         emit(row)

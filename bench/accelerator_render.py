@@ -343,27 +343,26 @@ def _chunk_lines(results) -> list[str]:
         "| program |",
         "|---|---|---|---|---|---|",
     ]
-    for step in dict.fromkeys(r["step"] for r in rows):
-        mine = [r for r in rows if r["step"] == step]
-        medians = {
-            variant: statistics.median(
-                r["step_s"] for r in mine if r["variant"] == variant and "step_s" in r
-            )
-            for variant in dict.fromkeys(r["variant"] for r in mine if "step_s" in r)
-        }
-        whole = medians.get("whole logits")
-        for variant in dict.fromkeys(r["variant"] for r in mine):
-            runs = [r for r in mine if r["variant"] == variant]
-            failed = [r for r in runs if "error" in r]
-            if failed:
-                lines.append(f"| {step} | {variant} | {_failure(failed[0])} | | | |")
-                continue
-            times = ", ".join(f"{r['step_s']:.4f}" for r in runs)
-            ratio = f"{whole / medians[variant]:.3f}" if whole else ""
-            lines.append(
-                f"| {step} | {variant} | {runs[0]['chunks']} | {times} | {ratio} "
-                f"| {_gib(runs[0].get('program_bytes'))} |"
-            )
+    runs = {}  # (step, variant) -> its rows, in the order measured
+    for r in rows:
+        runs.setdefault((r["step"], r["variant"]), []).append(r)
+
+    def median_step(step, variant):
+        timed = [r["step_s"] for r in runs.get((step, variant), ()) if "step_s" in r]
+        return statistics.median(timed) if timed else None
+
+    for (step, variant), mine in runs.items():
+        failed = [r for r in mine if "error" in r]
+        if failed:
+            lines.append(f"| {step} | {variant} | {_failure(failed[0])} | | | |")
+            continue
+        whole = median_step(step, "whole logits")
+        times = ", ".join(f"{r['step_s']:.4f}" for r in mine)
+        ratio = f"{whole / median_step(step, variant):.3f}" if whole else ""
+        lines.append(
+            f"| {step} | {variant} | {mine[0]['chunks']} | {times} | {ratio} "
+            f"| {_gib(mine[0].get('program_bytes'))} |"
+        )
     return lines
 
 

@@ -103,7 +103,9 @@ FAMILIES = {
 
 
 def _any_device(device, head_dim, dtype, soft_cap):
-    return soft_cap is None
+    """`cudnn_attention.why_not` for a GPU that takes every layer but a
+    soft-capped one."""
+    return None if soft_cap is None else "soft-capped"
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -117,7 +119,7 @@ def test_each_device_attends_with_the_kernel_as_one_device_does(
     monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": kernel})
     monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     # This CPU stands for a GPU that cuDNN's kernel takes.
-    monkeypatch.setattr(context_attention.cudnn_attention, "applies", _any_device)
+    monkeypatch.setattr(context_attention.cudnn_attention, "why_not", _any_device)
     monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: True)
     if mesh == "one device":
         devices = keras.distribution.list_devices()[:1]
@@ -182,7 +184,7 @@ def test_short_sequences_and_platforms_without_a_kernel_keep_the_layers_own(
     assert kernel_calls == []
     # cuDNN's kernel takes every length where it applies.
     monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "cudnn"})
-    monkeypatch.setattr(context_attention.cudnn_attention, "applies", _any_device)
+    monkeypatch.setattr(context_attention.cudnn_attention, "why_not", _any_device)
     monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: True)
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls and set(kernel_calls) == {"cudnn"}
@@ -222,13 +224,12 @@ def test_a_gpu_that_cudnn_refuses_says_why_once_and_keeps_the_layers_own(
         platform, compute_capability = "gpu", "7.5"
 
     cudnn = context_attention.cudnn_attention
-    why_not, applies = cudnn.why_not, cudnn.applies
+    why_not = cudnn.why_not
     # This CPU stands for a T4, whose compute capability cuDNN's flash
     # attention refuses.
     monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "cudnn"})
     monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     monkeypatch.setattr(context_attention, "_SAID_KEPT", set())
-    monkeypatch.setattr(cudnn, "applies", lambda _, *shape: applies(T4, *shape))
     monkeypatch.setattr(cudnn, "why_not", lambda _, *shape: why_not(T4, *shape))
     backbone_class, task_class, config = FAMILIES["gemma3"]
     path = _preset(tmp_path, backbone_class, task_class, config)

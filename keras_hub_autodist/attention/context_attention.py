@@ -272,9 +272,8 @@ def _every_mesh_kernel(
             f"{HEAD_DIM_MULTIPLE}, sequences in blocks of {min(BLOCK_SIZES)})"
         )
     if kernel == "cudnn":
-        if not cudnn_attention.applies(device, head_dim, dtype, reading.soft_cap):
-            refusal = cudnn_attention.why_not(device, head_dim, dtype, reading.soft_cap)
-        elif not cudnn_attention.available():
+        refusal = cudnn_attention.why_not(device, head_dim, dtype, reading.soft_cap)
+        if refusal is None and not cudnn_attention.available():
             refusal = (
                 "JAX finds no cuDNN library to lower cuDNN's flash attention "
                 "with (on a machine without a GPU, install nvidia-cudnn-cu12)"
