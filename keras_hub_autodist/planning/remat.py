@@ -146,7 +146,13 @@ def recomputed_in_backward(function, *arrays):
         return forward_only(inputs)
 
     def forward(inputs):
-        return forward_only(inputs), inputs
+        # The outputs pass a barrier: without one the TPU compiler fuses the
+        # residual stream's elementwise sums through every block into the
+        # consumer after the last (the head, and in the backward pass the
+        # first block's recomputation), so each block's float32 pieces stay
+        # live until then. Gemma 3 1B, LoRA, 32k tokens, compiled for a
+        # v5p: 15.02 GiB without the barrier, 5.98 GiB with it.
+        return jax.lax.optimization_barrier(forward_only(inputs)), inputs
 
     def backward(inputs, cotangent):
         cotangents = [
