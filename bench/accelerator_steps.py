@@ -193,7 +193,8 @@ TPU_STEPS = [
 # block recomputed where the sequence is longest. keras-hub was refused at
 # 8192 tokens of Gemma 3 1B (30.68 GiB) and of the Gemma 2B shape (27.32).
 TPU_LONG_STEPS = [
-    Step("gemma_2b_16k", "gemma_2b", 8, (1,), 16384, 2, 1, remat="full"),
+    Step("gemma3_1b_64k", "gemma3_1b", 8, (1,), 65536, 2, 1, remat="full"),
+    Step("gemma_2b_32k", "gemma_2b", 8, (1,), 32768, 2, 1, remat="full"),
     Step("gemma3_1b_32k", "gemma3_1b", 8, (1,), 32768, 2, 1, remat="full"),
     Step("gemma3_1b_8k", "gemma3_1b", 8, (1,), 8192, 3, 1),
 ]
