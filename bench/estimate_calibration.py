@@ -228,7 +228,7 @@ def measure(
         closed_form=closed,
         calibrated=estimate.total_bytes,
         state=estimate.weights + estimate.optimizer_state + estimate.gradients,
-        terms=step_memory.activation_terms(plan, batch, seq),
+        terms=step_memory.activation_terms(plan, batch, seq, compiled.platform),
         itemsize=2 if dtype == "bfloat16" else 4,
     )
 

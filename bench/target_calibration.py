@@ -113,6 +113,23 @@ GRID = {
 }
 
 
+# Long sequences on one chip, per target: where each device attends with
+# splash (from `EVERY_MESH_MIN_TOKENS` tokens) and the loss is taken in
+# chunks, with and without `remat="full"` (the eighth field): the steps
+# the v5e chip ran (docs/long-context.md).
+LONG_GRID = {
+    "v5e": (
+        ("gemma3_1b", (1, 1), "tp", 8, "bfloat16", 1, 8192),
+        ("gemma3_1b", (1, 1), "tp", 8, "bfloat16", 1, 16384, "full"),
+        ("gemma3_1b", (1, 1), "tp", 8, "bfloat16", 1, 32768, "full"),
+        ("gemma3_1b", (1, 1), "tp", 8, "bfloat16", 1, 65536, "full"),
+        ("gemma_2b", (1, 1), "tp", 8, "bfloat16", 1, 16384, "full"),
+        ("gemma_2b", (1, 1), "tp", 8, "bfloat16", 1, 32768, "full"),
+        ("llama3.2_1b", (1, 1), "tp", 8, "bfloat16", 1, 8192),
+    ),
+}
+
+
 # Cases the factors were not fitted to, per target: other configs (Llama 2
 # 7B, Qwen1.5-MoE), meshes and lengths, to check the fit holds beyond its
 # own cases (`--check`).
@@ -147,7 +164,7 @@ CHECK_GRID = {
 }
 
 
-def case_plan(target, config, shape, strategy, lora_rank, dtype):
+def case_plan(target, config, shape, strategy, lora_rank, dtype, remat=None):
     """The plan of one case, made for `target`'s memory."""
     import keras_hub_autodist
 
@@ -158,11 +175,14 @@ def case_plan(target, config, shape, strategy, lora_rank, dtype):
         dtype=dtype,
         lora_rank=lora_rank,
         device_memory=target,
+        remat=remat,
     )
 
 
-def case_fields(target, config, shape, strategy, lora_rank, dtype, batch, seq):
-    """What names a case in its stored row."""
+def case_fields(
+    target, config, shape, strategy, lora_rank, dtype, batch, seq, remat=None
+):
+    """What names a case in its stored row (`remat` only where it has one)."""
     return dict(
         target=target,
         config=config,
@@ -172,19 +192,24 @@ def case_fields(target, config, shape, strategy, lora_rank, dtype, batch, seq):
         dtype=dtype,
         batch=batch,
         seq=seq,
+        **({"remat": remat} if remat else {}),
     )
 
 
-def measure(target, config, shape, strategy, lora_rank, dtype, batch, seq) -> dict:
+def measure(
+    target, config, shape, strategy, lora_rank, dtype, batch, seq, remat=None
+) -> dict:
     """One case: the plan for `target`, its compiled step and closed form."""
     import keras_hub_autodist
 
-    plan = case_plan(target, config, shape, strategy, lora_rank, dtype)
+    plan = case_plan(target, config, shape, strategy, lora_rank, dtype, remat)
     started = time.perf_counter()
     compiled = keras_hub_autodist.compiled_memory(plan, batch, seq, "adam")
     seconds = time.perf_counter() - started
     row = dict(
-        case_fields(target, config, shape, strategy, lora_rank, dtype, batch, seq),
+        case_fields(
+            target, config, shape, strategy, lora_rank, dtype, batch, seq, remat
+        ),
         device_kind=compiled.device_kind,
         peak=compiled.peak_bytes,
         argument=compiled.argument_bytes,
@@ -205,7 +230,7 @@ def closed_form(plan, row) -> dict:
         state=estimate.state_bytes,
         planned_state=estimate.weights + estimate.optimizer_state,
         estimate=estimate.total_bytes,
-        terms=step_memory.activation_terms(plan, batch, seq),
+        terms=step_memory.activation_terms(plan, batch, seq, row["target"]),
         sizes=step_memory.term_sizes(plan, row["target"]),
     )
 
@@ -223,6 +248,7 @@ def estimated_again(row) -> dict:
         row["strategy"],
         row["lora_rank"],
         row["dtype"],
+        row.get("remat"),
     )
     return {**row, **closed_form(plan, row)}
 
@@ -301,6 +327,8 @@ def table(rows) -> str:
     ]
     for r in rows:
         training = f"LoRA r{r['lora_rank']}" if r["lora_rank"] else "full"
+        if r.get("remat"):
+            training += f", remat {r['remat']}"
         if "refused" in r:
             lines.append(
                 f"| {r['config']} | {r['mesh']}, {r['strategy']} | {training} | "
@@ -339,6 +367,11 @@ def main(argv=None) -> int:
         help="compile the cases of CHECK_GRID, which the factors were not fitted to",
     )
     parser.add_argument(
+        "--long",
+        action="store_true",
+        help="compile the cases of LONG_GRID (long sequences on one chip)",
+    )
+    parser.add_argument(
         "--fit",
         nargs="?",
         const=",".join(FIT_TERMS),
@@ -355,7 +388,7 @@ def main(argv=None) -> int:
     rows = []
     if args.rows:
         rows += stored_rows(args.rows)
-    grid = CHECK_GRID if args.check else GRID
+    grid = CHECK_GRID if args.check else LONG_GRID if args.long else GRID
     for target in args.target or ():
         for case in grid.get(target, ()):
             try:

@@ -13,6 +13,7 @@ import pytest
 import keras_hub_autodist
 from bench import target_calibration
 from keras_hub_autodist.fitting import step_memory
+from keras_hub_autodist.fitting import verdicts
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_COPY_TERMS
 from keras_hub_autodist.fitting.step_memory import StepEstimate
 
@@ -118,3 +119,60 @@ def test_capped_logits_count_where_the_vocabulary_is_whole_on_a_device():
     gemma = _plan("gemma_2b", "bfloat16")
     assert gemma.final_logit_soft_cap is None
     assert step_memory.activation_terms(gemma, 2, 128)["logits_soft_cap"] == 0
+
+
+def _one_chip(config, remat=None):
+    return keras_hub_autodist.plan(
+        str(PRESETS / config),
+        {"batch": 1, "model": 1},
+        dtype="bfloat16",
+        lora_rank=8,
+        remat=remat,
+        device_memory="v5e",
+    )
+
+
+def test_the_estimate_names_the_kernel_each_platform_attends_long_sequences_with():
+    gemma3 = _one_chip("gemma3_1b")  # heads of 256: splash takes them
+    llama = _one_chip("llama3.2_1b")  # heads of 64: splash refuses them
+    kernel = step_memory.per_device_kernel
+    assert kernel(gemma3, 32768, "v5e") == "splash"
+    assert kernel(gemma3, 4096, "v5e") is None  # the layer's own below 8192
+    assert kernel(llama, 32768, "v5e") is None
+    assert kernel(gemma3, 32768, "cpu") == "blockwise"
+    # Whether cuDNN takes a layer depends on the GPU and its library.
+    assert kernel(gemma3, 32768, "h100") is None
+    context = keras_hub_autodist.plan(
+        str(PRESETS / "gemma3_1b"), {"batch": 1, "context": 8}, dtype="bfloat16"
+    )
+    assert kernel(context, 32768, "v5e") == "splash"
+    assert kernel(context, 32768, "h100") == "blockwise"
+
+
+def test_splash_off_a_context_mesh_holds_memory_linear_in_the_sequence():
+    plan = _one_chip("gemma3_1b")
+    short = step_memory.activation_terms(plan, 1, 32768, "v5e")
+    long = step_memory.activation_terms(plan, 1, 65536, "v5e")
+    for name in ("scores", "masks", "kernel_residuals", "stream", "mlp"):
+        assert long[name] == 2 * short[name] > 0, name
+    # XLA's attention, where a GPU's kernel is not known, holds every score.
+    h100 = step_memory.activation_terms(plan, 1, 65536, "h100")
+    at_half = step_memory.activation_terms(plan, 1, 32768, "h100")
+    assert h100["scores"] == 4 * at_half["scores"]
+    assert h100["kernel_residuals"] == 0
+
+
+def test_the_closed_form_never_refuses_a_long_step_the_v5e_chip_ran():
+    """The chip's long steps (docs/long-context.md): the default answer,
+    without the TPU compiler, is never "no" for them."""
+    ran = [
+        ("gemma3_1b", None, 8192),
+        ("gemma3_1b", "full", 32768),
+        ("gemma3_1b", "full", 65536),
+        ("gemma_2b", "full", 16384),
+    ]
+    for config, remat, tokens in ran:
+        verdict = verdicts.step_verdict(
+            _one_chip(config, remat), 1, tokens, "adam", platform="v5e"
+        )
+        assert verdict.answer != verdicts.NO, (config, remat, tokens, verdict)

@@ -11,6 +11,8 @@ from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES  # n
 # `EVERY_MESH_KERNELS`): splash on a TPU, cuDNN's on a GPU, and the
 # blockwise kernel on a CPU, which has no fused one.
 EVERY_MESH_PLATFORMS = ("tpu", "gpu", "cpu")
+# The kernel each of those platforms' devices attends a whole sequence with.
+PLATFORM_KERNELS = {"tpu": "splash", "gpu": "cudnn", "cpu": "blockwise"}
 # ... for sequences of at least this many tokens. Shorter ones keep the
 # layer's own attention, which ran on a v5e chip at keras-hub's speed and
 # memory to the byte (Gemma 2B at 1024 tokens, Gemma 3 1B at 4096); from
@@ -24,6 +26,12 @@ EVERY_LENGTH_KERNELS = ("cudnn",)
 # Keys per block: the scores held at once are `[batch, heads, queries,
 # KEY_BLOCK]` in float32.
 KEY_BLOCK = 512
+# The kernels whose buffers the memory estimate counts as one block of keys
+# a device at a time. cuDNN's is left out: whether it takes a layer depends
+# on the GPU's compute capability and on JAX finding the cuDNN library,
+# which the estimate can't see, so it counts XLA's scores there, the most
+# the step can hold.
+BLOCK_KERNELS = ("splash", "blockwise")
 
 # The planner's architectures whose attention layers run per device on a
 # context mesh (`compat.attention` reads their layers).
@@ -44,6 +52,9 @@ PER_DEVICE_ARCHITECTURES = (
 
 # The kernel's head dimension is laid out in lanes of 128 values.
 HEAD_DIM_MULTIPLE = 128
+# Splash keeps each query's log-sum-exp for the backward pass, in float32,
+# broadcast over this many lanes (`[heads, queries, 128]` a layer).
+SPLASH_RESIDUAL_LANES = 128
 
 # The query and key blocks tried, largest first: the first that divides a
 # device's queries and the whole sequence is taken.

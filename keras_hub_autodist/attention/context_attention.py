@@ -57,6 +57,7 @@ from keras_hub_autodist.attention.attention_blocks import EVERY_LENGTH_KERNELS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
 from keras_hub_autodist.attention.attention_blocks import HEAD_DIM_MULTIPLE
+from keras_hub_autodist.attention.attention_blocks import PLATFORM_KERNELS
 from keras_hub_autodist.attention.attention_blocks import applies
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import blockwise_attention
@@ -85,8 +86,7 @@ FUSED_KERNELS = {"tpu": "splash"}
 # mask as a `[batch, heads, sequence, sequence]` bias, or takes XLA's
 # attention where cuDNN refuses it; `cudnn_attention` passes each row's
 # padding as a number of keys instead.
-_PLATFORM_KERNELS = {"tpu": "splash", "gpu": "cudnn", "cpu": "blockwise"}
-EVERY_MESH_KERNELS = {p: _PLATFORM_KERNELS[p] for p in EVERY_MESH_PLATFORMS}
+EVERY_MESH_KERNELS = {p: PLATFORM_KERNELS[p] for p in EVERY_MESH_PLATFORMS}
 
 # On a causal sequence, each device attends the queries of two half blocks,
 # one from each end of the sequence (`_balanced`), so that every device

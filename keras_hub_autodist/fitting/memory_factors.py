@@ -67,6 +67,7 @@ ACTIVATION_FACTORS = {
         "attention": 2,
         "scores": 1.5,
         "scores_one_block": 2,
+        "kernel_residuals": 1,
         "masks": 1,
         "mlp": 2,
         "experts": 1,
@@ -81,12 +82,14 @@ ACTIVATION_FACTORS = {
         "gathered_float32": 1,
         "experts_relayout": 1,
         "chunked_head_gradient": 1.5,
+        "chunked_head_copy": 0,
     },
     "gpu": {
         "stream": 2,
         "attention": 2,
         "scores": 1,
         "scores_one_block": 0,
+        "kernel_residuals": 1,
         "masks": 0,
         "mlp": 1.5,
         "experts": 1,
@@ -101,12 +104,14 @@ ACTIVATION_FACTORS = {
         "gathered_float32": 0,
         "experts_relayout": 0,
         "chunked_head_gradient": 1.5,
+        "chunked_head_copy": 0,
     },
     "t4": {
         "stream": 2,
         "attention": 2,
         "scores": 1.5,
         "scores_one_block": 0,
+        "kernel_residuals": 1,
         "masks": 0,
         "mlp": 1,
         "experts": 1,
@@ -121,12 +126,14 @@ ACTIVATION_FACTORS = {
         "gathered_float32": 0,
         "experts_relayout": 0,
         "chunked_head_gradient": 1.5,
+        "chunked_head_copy": 0,
     },
     "tpu": {
         "stream": 2,
         "attention": 2,
         "scores": 0.84,
         "scores_one_block": 0,
+        "kernel_residuals": 1,
         "masks": 0,
         "mlp": 0.59,
         "experts": 1,
@@ -141,8 +148,21 @@ ACTIVATION_FACTORS = {
         "gathered_float32": 0,
         "experts_relayout": 0,
         "chunked_head_gradient": 1.5,
+        "chunked_head_copy": 1,
     },
 }
+# Where each device attends a whole sequence with splash (a TPU off a
+# context mesh, from `EVERY_MESH_MIN_TOKENS` tokens), the factors that
+# differ from its calibration's. Read from the buffers live at the peak of
+# Gemma 3 1B's LoRA step of 8,192 tokens compiled for a v5p (where nothing
+# is rematerialized for room): the TPU compiler keeps both MLP
+# up-projections' outputs whole, each block's two post-norm outputs in
+# float32 (four 16-bit streams), little of the projections, and no scores;
+# a block differentiated holds a third MLP buffer (its activation's
+# output), so `mlp` is 1.5 a row. The long steps of
+# `bench.target_calibration --long` (Gemma 3 1B and Gemma 2B, 8k to 64k
+# tokens, with and without `remat="full"`) land at 0.96-1.10x with them.
+SPLASH_FACTORS = {"tpu": {"stream": 4, "attention": 0.5, "scores": 0, "mlp": 1.5}}
 # Bytes the optimizer's update keeps beside the state, per trained byte,
 # when the state is donated (as Keras' JAX trainer does): on CPU, Adam's
 # new moments and weights are computed before they replace the old ones
@@ -212,4 +232,5 @@ WEIGHT_TERMS = (
     "gathered_float32",
     "experts_relayout",
     "chunked_head_gradient",
+    "chunked_head_copy",
 )

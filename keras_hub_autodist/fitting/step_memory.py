@@ -22,6 +22,13 @@ tokens (the batch over the batch axis):
   expert's output before the routing sum;
 - for the one block being differentiated: `scores_one_block·b·H·s²`, the
   gradients of its probabilities and scores, live one block at a time;
+- where each device attends one block of keys at a time
+  (`per_device_kernel`: on a context mesh, and off one from
+  `EVERY_MESH_MIN_TOKENS` tokens with splash on a TPU or the blockwise
+  kernel on a CPU), the scores and masks of one block of `KEY_BLOCK` keys
+  in place of `s` keys, and with splash `kernel_residuals·b·H·s·128` per
+  block in float32, each query's log-sum-exp that the kernel keeps for its
+  backward pass;
 - after the blocks: `final·b·s·d` and the logits, `logits·b·s·V` in the
   model's dtype (`logits_whole·b·s·V` more where the model axis does not
   split the vocabulary) and `logits_float32·b·s·V` in float32 (Keras
@@ -59,8 +66,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from keras_hub_autodist.attention.attention_blocks import BLOCK_KERNELS
+from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import KEY_BLOCK
 from keras_hub_autodist.attention.attention_blocks import PER_DEVICE_ARCHITECTURES
+from keras_hub_autodist.attention.attention_blocks import PLATFORM_KERNELS
+from keras_hub_autodist.attention.attention_blocks import SPLASH_RESIDUAL_LANES
+from keras_hub_autodist.attention.attention_blocks import applies
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.device_profiles import device_key
@@ -72,6 +84,7 @@ from keras_hub_autodist.fitting.memory_factors import FLOAT32_COMPUTE
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_COPY_TERMS
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_SCORES
 from keras_hub_autodist.fitting.memory_factors import GRADIENTS_AT_PEAK
+from keras_hub_autodist.fitting.memory_factors import SPLASH_FACTORS
 from keras_hub_autodist.fitting.memory_factors import UPDATE_TEMPORARIES
 from keras_hub_autodist.fitting.memory_factors import WEIGHT_TERMS
 from keras_hub_autodist.fitting.trained_state import optimizer_spec
@@ -160,6 +173,54 @@ def per_device_attention(plan) -> bool:
     return plan.architecture in PER_DEVICE_ARCHITECTURES
 
 
+def per_device_kernel(plan, sequence_length: int, platform: str = "gpu") -> str | None:
+    """The kernel each device of `plan` attends one block of keys at a time
+    with on the devices of `platform` (a platform or a named device), as
+    `context_attention` chooses it, or None where the layers keep XLA's
+    attention (or the estimate can't tell: `BLOCK_KERNELS`).
+
+    On a context mesh: splash on a TPU where its shapes apply, else the
+    blockwise kernel. Off one, from `EVERY_MESH_MIN_TOKENS` tokens: splash
+    on a TPU where its shapes apply, the blockwise kernel on a CPU.
+
+    Example:
+    ```python
+    per_device_kernel(plan, 32768, "v5e")  # "splash" (Gemma's heads of 256)
+    per_device_kernel(plan, 32768, "h100")  # None: XLA's counted
+    ```
+    """
+    query = next((r for r in plan.rows if _gives_head_shape(r)), None)
+    if not per_device_attention(plan) or query is None:
+        return None
+    head_dim = query.shape[query.logical_axes.index("head_dim")]
+    axes = plan.mesh_axes
+    contexts = axes.size(axes.context_axis)
+    on_tpu = platform_of(platform) == "tpu"
+    if contexts > 1:
+        queries = sequence_length // contexts
+        splash = on_tpu and applies(head_dim, queries, sequence_length, contexts)
+        return "splash" if splash else "blockwise"
+    kernel = PLATFORM_KERNELS.get(platform_of(platform))
+    if kernel not in BLOCK_KERNELS or sequence_length < EVERY_MESH_MIN_TOKENS:
+        return None
+    if kernel == "splash" and not applies(
+        head_dim, sequence_length, sequence_length, 1
+    ):
+        return None
+    return kernel
+
+
+def platform_of(platform: str) -> str:
+    """The platform of a platform or a named device (`DEVICE_PROFILES`).
+
+    Example:
+    >>> platform_of("V5E"), platform_of("cpu")
+    ('tpu', 'cpu')
+    """
+    key = device_key(platform)
+    return DEVICE_PROFILES[key].platform if key in DEVICE_PROFILES else key
+
+
 def loss_chunks(
     plan, rows: int, sequence_length: int, vocabulary: int, output, trained: bool
 ) -> int:
@@ -178,22 +239,24 @@ def loss_chunks(
     )
 
 
-def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, float]:
+def activation_terms(
+    plan, batch_size: int, sequence_length: int, platform: str = "gpu"
+) -> dict[str, float]:
     """Elements per device of each term of `ACTIVATION_FACTORS`, unweighted
-    (bytes for the terms of weights: `WEIGHT_TERMS`).
+    (bytes for the terms of weights: `WEIGHT_TERMS`), on the devices of
+    `platform` (a platform or a named device).
 
     The logits are those of one chunk of tokens (`loss_chunks`): a bound
-    causal LM's step never holds more. Off a context mesh the scores stay
-    `b·H·s²` where a TPU's layers attend with splash too: the step still
-    holds buffers that grow with the square of the sequence there
-    (keras-hub's `[batch, sequence, sequence]` masks among them; on a v5e
-    chip a Gemma 3 1B step grew by about 5 bytes per `s²` from 32k to 64k
-    tokens), and the scores' term, calibrated on XLA's attention, keeps
-    the verdict on the safe side of them.
+    causal LM's step never holds more. Where the devices attend one block
+    of keys at a time (`per_device_kernel`: on a context mesh, and off one
+    with splash on a TPU or the blockwise kernel on a CPU) the scores and
+    masks are one block's, `b·H·s·KEY_BLOCK` and `b·s·KEY_BLOCK`, none kept
+    for the backward pass; elsewhere XLA's `b·H·s²` per block.
 
     Example:
     ```python
     activation_terms(plan, 8, 2048)["scores"]  # b·H·s² / shards of H
+    activation_terms(plan, 1, 32768, "v5e")["scores"]  # b·H·s·512
     ```
     """
     # The step a bound model runs: refused unless the context axis divides
@@ -278,11 +341,18 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
 
     scores = layers * b * heads * s * whole / shards(query, {"heads"})
     keys_held = whole
-    if axes.size(axes.context_axis) > 1 and per_device_attention(plan):
+    kernel = per_device_kernel(plan, whole, platform)
+    if kernel is not None:
         # Attention per device holds one block of keys' scores at a time and
         # keeps none for the backward pass.
         keys_held = min(whole, KEY_BLOCK)
         scores = b * heads * s * keys_held / shards(query, {"heads"})
+    # Splash keeps each query's log-sum-exp for its backward pass, in float32
+    # over a lane of values.
+    kernel_residuals = 0
+    if kernel == "splash":
+        kernel_residuals = layers * b * heads * s * SPLASH_RESIDUAL_LANES
+        kernel_residuals /= shards(query, {"heads"})
     # The device's shares of the 16-bit float weights, and their float32 copies.
     upcast = [row for row in plan.rows if row.dtype in FLOAT16_DTYPES]
 
@@ -295,6 +365,7 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         * (b * s * heads * h / q_shards + b * whole * kv_width / kv_shards),
         "scores": scores,
         "scores_one_block": scores / layers if keys_held == whole else scores,
+        "kernel_residuals": kernel_residuals,
         "masks": layers * b * s * keys_held,
         "mlp": sum(b * s * dim(r, "mlp") * experts(r) / shards(r) for r in ups),
         "experts": sum(
@@ -331,6 +402,9 @@ def activation_terms(plan, batch_size: int, sequence_length: int) -> dict[str, f
         "chunked_head_gradient": float32_bytes(output)
         if chunks > 1 and head_trained
         else 0,
+        # A chunked loss's scan holds the output embedding among its loop's
+        # operands: the TPU compiler copies it there.
+        "chunked_head_copy": output.device_bytes if chunks > 1 else 0,
     }
 
 
@@ -447,7 +521,15 @@ def num_blocks(plan) -> int:
 
 # The terms of each decoder block, kept per block without rematerialization
 # (`scores_one_block` is one block's already), and those of the head.
-BLOCK_TERMS = ("stream", "attention", "scores", "masks", "mlp", "experts")
+BLOCK_TERMS = (
+    "stream",
+    "attention",
+    "scores",
+    "kernel_residuals",
+    "masks",
+    "mlp",
+    "experts",
+)
 HEAD_TERMS = ("final", "logits", "logits_whole", "logits_float32", "logits_soft_cap")
 
 
@@ -457,11 +539,15 @@ def _rematerialized(
     """The activation bytes under full rematerialization: every block keeps
     its input (`input_bytes` in all); the backward pass holds either the
     head's buffers (before it reaches the blocks) or one block's recomputed
-    activations and score gradients (after the head's are freed), the larger
-    of the two; gathered weights as without."""
+    activations and score gradients, beside the final states' gradient
+    (after the head's are freed), the larger of the two; gathered weights
+    and copies as without."""
+    # The blocks are differentiated with the head's gradient of the final
+    # states beside them.
     one_block = (
         sum(weighted[name] for name in BLOCK_TERMS) / layers
         + weighted["scores_one_block"]
+        + weighted["final"]
     )
     head = sum(weighted[name] for name in HEAD_TERMS)
     kept = weighted.keys() - set(BLOCK_TERMS) - set(HEAD_TERMS) - {"scores_one_block"}
@@ -496,6 +582,7 @@ def term_sizes(plan, platform: str = "gpu") -> dict[str, int]:
         "scores_one_block": scores,
         "logits_float32": FLOAT32_BYTES,
         "logits_soft_cap": FLOAT32_BYTES,
+        "kernel_residuals": FLOAT32_BYTES,
         **dict.fromkeys(WEIGHT_TERMS, 1),
         # No float32 copies of 16-bit weights where they are computed as such.
         **({} if in_float32 else dict.fromkeys(FLOAT32_COPY_TERMS, 0)),
@@ -516,8 +603,15 @@ def activation_bytes(
     activation_bytes(plan, 1, 1024, "t4")
     ```
     """
-    factors = ACTIVATION_FACTORS[calibration_of(platform)[0]]
-    terms = activation_terms(plan, batch_size, sequence_length)
+    calibration = calibration_of(platform)[0]
+    factors = ACTIVATION_FACTORS[calibration]
+    axes = plan.mesh_axes
+    if (
+        axes.size(axes.context_axis) == 1
+        and per_device_kernel(plan, sequence_length, platform) == "splash"
+    ):
+        factors = {**factors, **SPLASH_FACTORS.get(calibration, {})}
+    terms = activation_terms(plan, batch_size, sequence_length, platform)
     sizes = term_sizes(plan, platform)
     weighted = {
         name: factors[name] * count * sizes[name] for name, count in terms.items()

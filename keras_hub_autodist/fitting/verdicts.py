@@ -100,7 +100,7 @@ def least_activation_bytes(
     least_activation_bytes(plan, 8, 1024, "v5e")
     ```
     """
-    terms = step_memory.activation_terms(plan, batch_size, sequence_length)
+    terms = step_memory.activation_terms(plan, batch_size, sequence_length, platform)
     sizes = step_memory.term_sizes(plan, platform)
     layers = step_memory.num_blocks(plan)
     inputs = terms["stream"] * sizes["stream"]
