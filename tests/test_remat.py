@@ -1,6 +1,7 @@
 """`remat="full"`: each decoder block recomputed in the backward pass."""
 
 import json
+import pathlib
 
 import keras
 import keras_hub
@@ -15,26 +16,16 @@ from keras_hub_autodist import compiled_memory
 from keras_hub_autodist.planning.remat import block_paths
 
 MESH = {"batch": 2, "model": 4}
-# A small Gemma 3 text model in Hugging Face's config, heads of 128 (the
+PRESETS = pathlib.Path(__file__).parent / "data" / "presets"
+# Gemma 3 1B's Hugging Face config, made small, with heads of 128 (the
 # TPU's lanes).
 GEMMA3_TEXT = {
-    "architectures": ["Gemma3ForCausalLM"],
-    "model_type": "gemma3_text",
+    **json.loads((PRESETS / "gemma3_1b" / "config.json").read_text()),
     "vocab_size": 2048,
     "num_attention_heads": 2,
-    "num_key_value_heads": 1,
     "intermediate_size": 1024,
     "head_dim": 128,
     "query_pre_attn_scalar": 128,
-    "sliding_window": 512,
-    "sliding_window_pattern": 6,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000.0,
-    "rope_local_base_freq": 10000.0,
-    "max_position_embeddings": 32768,
-    "torch_dtype": "bfloat16",
-    "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": True,
 }
 
 

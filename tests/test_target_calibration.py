@@ -147,6 +147,14 @@ def test_the_estimate_names_the_kernel_each_platform_attends_long_sequences_with
     )
     assert kernel(context, 32768, "v5e") == "splash"
     assert kernel(context, 32768, "h100") == "blockwise"
+    # A ring passes blocks of keys around: the blockwise kernel attends them.
+    ring = keras_hub_autodist.plan(
+        str(PRESETS / "gemma3_1b"),
+        {"batch": 1, "context": 8},
+        dtype="bfloat16",
+        context_parallel_strategy="ring",
+    )
+    assert kernel(ring, 32768, "v5e") == "blockwise"
 
 
 def test_splash_off_a_context_mesh_holds_memory_linear_in_the_sequence():

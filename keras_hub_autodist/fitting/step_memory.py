@@ -179,9 +179,10 @@ def per_device_kernel(plan, sequence_length: int, platform: str = "gpu") -> str 
     `context_attention` chooses it, or None where the layers keep XLA's
     attention (or the estimate can't tell: `BLOCK_KERNELS`).
 
-    On a context mesh: splash on a TPU where its shapes apply, else the
-    blockwise kernel. Off one, from `EVERY_MESH_MIN_TOKENS` tokens: splash
-    on a TPU where its shapes apply, the blockwise kernel on a CPU.
+    On a context mesh: splash on a TPU where its shapes apply and the keys
+    are gathered (`"all_gather"`), else the blockwise kernel. Off one, from
+    `EVERY_MESH_MIN_TOKENS` tokens: splash on a TPU where its shapes apply,
+    the blockwise kernel on a CPU.
 
     Example:
     ```python
@@ -195,12 +196,15 @@ def per_device_kernel(plan, sequence_length: int, platform: str = "gpu") -> str 
     head_dim = query.shape[query.logical_axes.index("head_dim")]
     axes = plan.mesh_axes
     contexts = axes.size(axes.context_axis)
-    on_tpu = platform_of(platform) == "tpu"
+    kernel = PLATFORM_KERNELS.get(platform_of(platform))
     if contexts > 1:
         queries = sequence_length // contexts
-        splash = on_tpu and applies(head_dim, queries, sequence_length, contexts)
+        splash = (
+            kernel == "splash"
+            and plan.context_parallel_strategy != "ring"
+            and applies(head_dim, queries, sequence_length, contexts)
+        )
         return "splash" if splash else "blockwise"
-    kernel = PLATFORM_KERNELS.get(platform_of(platform))
     if kernel not in BLOCK_KERNELS or sequence_length < EVERY_MESH_MIN_TOKENS:
         return None
     if kernel == "splash" and not applies(
