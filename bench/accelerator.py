@@ -82,6 +82,12 @@ def main(argv=None) -> int:
         "steps alone (e.g. gemma3_1b,llama3.2_1b)",
     )
     parser.add_argument(
+        "--labels",
+        default=None,
+        help="comma-separated labels of accelerator_steps' steps: measure "
+        "those alone (e.g. gemma3_1b_32k)",
+    )
+    parser.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -128,6 +134,7 @@ def main(argv=None) -> int:
             scale=args.time_scale,
             probed=probe,
             models=None if args.models is None else args.models.split(","),
+            labels=None if args.labels is None else args.labels.split(","),
         )
     target = results.get("target") or "h200"
     predictions = accelerator_steps.read_predictions(target, results["tiny"])

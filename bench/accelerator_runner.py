@@ -414,27 +414,30 @@ def run(
     scale=1.0,
     probed=None,
     models=None,
+    labels=None,
 ):
     """Make the presets and measure `parts` (the target family's by
     default) for `target`; the results are saved to `out/accelerator.json`
     after every measurement, so that a run cut short keeps what it
     measured. `probed` is the machine's device where already read;
-    `models` (keys of `accelerator_steps.MODELS`) keeps the training steps
-    of those models alone."""
+    `models` (keys of `accelerator_steps.MODELS`) keeps the steps of those
+    models alone, and `labels` (`Step.label`) the steps so labelled, in
+    every part."""
+
+    def chosen(candidates):
+        return accelerator_steps.chosen(candidates, models, labels)
+
     family = choices.family_of(target)
     parts = parts or choices.PARTS[family]
     clock = Clock(family, parts, scale)
     load_model = choices.LOAD_MODEL[family]
-    steps = accelerator_steps.steps_of(family, tiny) if "train" in parts else []
-    steps = [s for s in steps if models is None or s.model in models]
-    speed_steps = (
+    steps = chosen(accelerator_steps.steps_of(family, tiny) if "train" in parts else [])
+    speed_steps = chosen(
         accelerator_steps.speed_steps_of(family, tiny) if "speed" in parts else []
     )
-    speed_steps = [s for s in speed_steps if models is None or s.model in models]
-    chunk_steps = (
+    chunk_steps = chosen(
         accelerator_steps.chunk_steps_of(family, tiny) if "chunks" in parts else []
     )
-    chunk_steps = [s for s in chunk_steps if models is None or s.model in models]
     results = dict(
         versions=versions(),
         date=datetime.date.today().isoformat(),
@@ -443,6 +446,7 @@ def run(
         family=family,
         parts=list(parts),
         models=None if models is None else list(models),
+        labels=None if labels is None else list(labels),
         load_model=load_model,
         loading=[],
         training=[],
@@ -458,7 +462,7 @@ def run(
         if out is not None:
             (out / "accelerator.json").write_text(json.dumps(results, indent=1))
 
-    long_steps = (
+    long_steps = chosen(
         accelerator_steps.long_steps_of(family, tiny) if "long" in parts else []
     )
     needed = [step.model for step in steps + speed_steps + chunk_steps]

@@ -228,6 +228,24 @@ CHUNK_STEPS = {"tpu": (TPU_CHUNK_STEPS, TPU_TINY_CHUNK_STEPS)}
 LONG_STEPS = {"tpu": TPU_LONG_STEPS}
 
 
+def chosen(steps: list[Step], models=None, labels=None) -> list[Step]:
+    """The `steps` of `models` (keys of `MODELS`) and `labels` alone; None
+    keeps every one.
+
+    Example:
+    >>> [s.label for s in chosen(TPU_LONG_STEPS, labels=["gemma_2b_32k"])]
+    ['gemma_2b_32k']
+    >>> [s.label for s in chosen(TPU_LONG_STEPS, models=["gemma_2b"])]
+    ['gemma_2b_32k']
+    """
+    return [
+        step
+        for step in steps
+        if (models is None or step.model in models)
+        and (labels is None or step.label in labels)
+    ]
+
+
 def steps_of(family: str, tiny: bool) -> list[Step]:
     """The steps measured for an accelerator `family` ("gpu" or "tpu")."""
     full, small = STEPS[family]

@@ -68,6 +68,16 @@ def test_the_tpu_steps_hold_the_steps_measured_on_the_chip_by_hand():
     assert llama["tie_word_embeddings"] is False
 
 
+def test_one_long_step_is_chosen_by_its_label_or_its_model():
+    long = accelerator_steps.long_steps_of("tpu", tiny=False)
+    one = accelerator_steps.chosen(long, labels=["gemma3_1b_32k"])
+    assert [s.label for s in one] == ["gemma3_1b_32k"]
+    gemma_2b = accelerator_steps.chosen(long, models=["gemma_2b"])
+    assert [s.label for s in gemma_2b] == ["gemma_2b_32k"]
+    assert accelerator_steps.chosen(long) == long
+    assert accelerator_steps.chosen(long, ["gemma_2b"], ["gemma3_1b_32k"]) == []
+
+
 def test_the_ladder_stops_at_the_first_refusal_or_failure():
     measured = []
 
