@@ -1,6 +1,6 @@
 """Attention per device off a context mesh: on a batch and model mesh and on
 one device, each layer attends its rows' whole sequences with the
-platform's kernel (`EVERY_MESH_KERNELS`: splash on a TPU, checked here in
+platform's kernel (`PLATFORM_KERNELS`: splash on a TPU, checked here in
 Pallas' interpreter, cuDNN's call on a GPU, checked here in XLA's
 implementation, the blockwise kernel on this CPU), padding per row, sliding
 windows and soft caps as keras-hub computes them, against the same model on
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tiny_presets
 
+from keras_hub_autodist.attention import attention_blocks
 from keras_hub_autodist.attention import context_attention
 from keras_hub_autodist.errors import KeptAttentionWarning
 
@@ -116,8 +117,8 @@ def test_each_device_attends_with_the_kernel_as_one_device_does(
     backbone_class, task_class, config = FAMILIES[family]
     path = _preset(tmp_path, backbone_class, task_class, config)
     reference = _train(path, task_class)
-    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": kernel})
-    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": kernel})
+    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     # This CPU stands for a GPU that cuDNN's kernel takes.
     monkeypatch.setattr(context_attention.cudnn_attention, "why_not", _any_device)
     monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: True)
@@ -155,7 +156,7 @@ def test_a_cpu_attends_blockwise_from_the_threshold_as_one_device_does(
     reference = _train(path, task_class)
     # The platform's own kernel (no kernel table patched), from a threshold
     # this short sequence reaches.
-    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     ours = _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls and set(kernel_calls) == {"blockwise"}
     for got, want in zip(ours[1], reference[1]):
@@ -170,20 +171,20 @@ def test_short_sequences_and_platforms_without_a_kernel_keep_the_layers_own(
     backbone_class, task_class, config = FAMILIES["gemma3"]
     path = _preset(tmp_path, backbone_class, task_class, config)
     # This CPU's kernel, but a sequence under the threshold.
-    assert context_attention.EVERY_MESH_KERNELS["cpu"] == "blockwise"
-    assert SEQUENCE < context_attention.EVERY_MESH_MIN_TOKENS
+    assert attention_blocks.PLATFORM_KERNELS["cpu"] == "blockwise"
+    assert SEQUENCE < attention_blocks.EVERY_MESH_MIN_TOKENS
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
-    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "splash"})
+    monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "splash"})
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
     # A platform without a kernel, at any length.
-    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {})
-    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {})
+    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
     # cuDNN's kernel takes every length where it applies.
-    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "cudnn"})
+    monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "cudnn"})
     monkeypatch.setattr(context_attention.cudnn_attention, "why_not", _any_device)
     monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: True)
     _train(path, task_class, {"batch": 2, "model": 4})
@@ -199,8 +200,8 @@ def test_splash_is_left_where_its_lanes_do_not_fit_the_heads(
 ):
     # A head dimension of 8: splash does not apply, the layer's own runs,
     # and a sequence past the threshold is told why, once.
-    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "splash"})
-    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "splash"})
+    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     monkeypatch.setattr(context_attention, "_SAID_KEPT", set())
     path = _preset(
         tmp_path,
@@ -227,8 +228,8 @@ def test_a_gpu_that_cudnn_refuses_says_why_once_and_keeps_the_layers_own(
     why_not = cudnn.why_not
     # This CPU stands for a T4, whose compute capability cuDNN's flash
     # attention refuses.
-    monkeypatch.setattr(context_attention, "EVERY_MESH_KERNELS", {"cpu": "cudnn"})
-    monkeypatch.setattr(context_attention, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "cudnn"})
+    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     monkeypatch.setattr(context_attention, "_SAID_KEPT", set())
     monkeypatch.setattr(cudnn, "why_not", lambda _, *shape: why_not(T4, *shape))
     backbone_class, task_class, config = FAMILIES["gemma3"]

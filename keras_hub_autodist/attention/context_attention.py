@@ -23,8 +23,8 @@ read instead: a token always sees itself unless it is padding.
 Off a context mesh (a batch, model or fsdp mesh, or one device) the same
 runs with no context axis: each device attends its rows' whole sequences,
 its query heads split over the model axis, with the kernel of its
-platform (`EVERY_MESH_KERNELS`: splash on a TPU, cuDNN's on a GPU,
-blockwise on a CPU) and padding per row, never one row's mask for the
+platform (`attention_blocks.PLATFORM_KERNELS`: splash on a TPU, cuDNN's on a
+GPU, blockwise on a CPU) and padding per row, never one row's mask for the
 batch.
 
 `install_per_device_attention` replaces `_compute_attention` on each known
@@ -35,7 +35,7 @@ with one that hands the layer its padding (`block_masks.mask_method`, the
 while decoding, with a cache, for dropout on the attention weights, where
 the block merges a mask other than causal and padding into the layer's,
 outside the plan's distribution, or off a context mesh where the platform
-has no kernel of `EVERY_MESH_KERNELS` that applies.
+has no kernel of `attention_blocks.PLATFORM_KERNELS` that applies.
 """
 
 from __future__ import annotations
@@ -49,16 +49,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from keras_hub_autodist import compat
+from keras_hub_autodist.attention import attention_blocks
 from keras_hub_autodist.attention import block_masks
 from keras_hub_autodist.attention import cudnn_attention
 from keras_hub_autodist.attention import splash_attention
-from keras_hub_autodist.attention.attention_blocks import BLOCK_SIZES
-from keras_hub_autodist.attention.attention_blocks import EVERY_LENGTH_KERNELS
-from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
-from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_PLATFORMS
-from keras_hub_autodist.attention.attention_blocks import HEAD_DIM_MULTIPLE
-from keras_hub_autodist.attention.attention_blocks import PLATFORM_KERNELS
-from keras_hub_autodist.attention.attention_blocks import applies
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import blockwise_attention
 from keras_hub_autodist.attention.causal_balance import owner
@@ -71,23 +65,6 @@ from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES
 
 STRATEGIES = CONTEXT_PARALLEL_STRATEGIES
 
-# The kernel each device attends with, by the platform of the mesh's
-# devices: the fused one where it applies, else `blockwise_attention`.
-FUSED_KERNELS = {"tpu": "splash"}
-# Off a context mesh (a batch, model or fsdp mesh, or one device), the
-# kernel each device attends its whole sequences with, by platform, where it
-# applies and the sequence has `EVERY_MESH_MIN_TOKENS` or more (any length
-# for `EVERY_LENGTH_KERNELS`); a platform not named here keeps the layer's
-# own attention. A CPU has no fused kernel: there the blockwise one holds
-# a block of keys' scores at a time, where XLA's would hold them all.
-# keras-hub's own path never reaches splash on a TPU inside a step: its mask
-# is a traced tensor there, and Keras falls back to XLA's attention, which
-# holds every `[sequence, sequence]` score. On a GPU it hands cuDNN that
-# mask as a `[batch, heads, sequence, sequence]` bias, or takes XLA's
-# attention where cuDNN refuses it; `cudnn_attention` passes each row's
-# padding as a number of keys instead.
-EVERY_MESH_KERNELS = {p: PLATFORM_KERNELS[p] for p in EVERY_MESH_PLATFORMS}
-
 # On a causal sequence, each device attends the queries of two half blocks,
 # one from each end of the sequence (`_balanced`), so that every device
 # computes the same number of unmasked score blocks.
@@ -98,9 +75,9 @@ def install_per_device_attention(model, plan) -> int:
     """Replace `_compute_attention` on every known keras-hub attention layer
     of `model` with the attention run per device; return how many layers
     changed. On a context mesh every such layer attends per device; on any
-    other mesh a layer does where its devices' platform has a kernel of
-    `EVERY_MESH_KERNELS` that applies to its shapes, else it keeps its own
-    attention (decided as the step is traced).
+    other mesh a layer does where its devices' platform has a kernel
+    (`attention_blocks.PLATFORM_KERNELS`) that applies to its shapes, else
+    it keeps its own attention (decided as the step is traced).
 
     Args:
         model: a keras-hub Backbone or Task, built.
@@ -244,9 +221,9 @@ def _kernel_choice(
     distribution, reading, sequence: int, head_dim: int, dtype
 ) -> tuple[bool, str | None]:
     """`(context, kernel)`: whether `distribution` is a context mesh, where
-    a layer attends per device, and off one the kernel of
-    `EVERY_MESH_KERNELS` it attends a whole sequence with, or None (its own
-    attention). The block's mask method and the layer decide with it alike."""
+    a layer attends per device, and off one the kernel it attends a whole
+    sequence with (`_every_mesh_kernel`), or None (its own attention). The
+    block's mask method and the layer decide with it alike."""
     if isinstance(distribution, distribution_lib.ContextParallel):
         return True, None
     return False, _every_mesh_kernel(distribution, reading, sequence, head_dim, dtype)
@@ -255,22 +232,15 @@ def _kernel_choice(
 def _every_mesh_kernel(
     distribution, reading, sequence: int, head_dim: int, dtype
 ) -> str | None:
-    """Off a context mesh, the kernel of `EVERY_MESH_KERNELS` this layer's
-    devices attend a whole sequence with, or None (the layer's own
-    attention)."""
+    """Off a context mesh, the kernel this layer's devices attend a whole
+    sequence with (`attention_blocks.every_mesh_kernel`, and for cuDNN's
+    this GPU and its library), or None (the layer's own attention)."""
     if distribution is None or not hasattr(distribution, "batch_dim_name"):
         return None
     device = distribution.device_mesh.backend_mesh.devices.flat[0]
-    kernel = EVERY_MESH_KERNELS.get(device.platform)
-    if kernel not in EVERY_LENGTH_KERNELS and sequence < EVERY_MESH_MIN_TOKENS:
-        return None
-    refusal = None
-    if kernel == "splash" and not applies(head_dim, sequence, sequence, 1):
-        refusal = (
-            f"the splash kernel doesn't take a head dimension of {head_dim} "
-            f"at {sequence} tokens (it lays heads in lanes of "
-            f"{HEAD_DIM_MULTIPLE}, sequences in blocks of {min(BLOCK_SIZES)})"
-        )
+    kernel, refusal = attention_blocks.every_mesh_kernel(
+        device.platform, head_dim, sequence
+    )
     if kernel == "cudnn":
         refusal = cudnn_attention.why_not(device, head_dim, dtype, reading.soft_cap)
         if refusal is None and not cudnn_attention.available():
@@ -280,7 +250,7 @@ def _every_mesh_kernel(
             )
     if refusal is None:
         return kernel
-    if sequence >= EVERY_MESH_MIN_TOKENS:
+    if sequence >= attention_blocks.EVERY_MESH_MIN_TOKENS:
         _say_kept_attention(sequence, refusal)
     return None
 
@@ -363,7 +333,7 @@ def attention_per_device(
             `"all_gather"` (the whole sequence's at once) or `"ring"`
             (block by block, `ring_attention`).
         kernel: `"splash"`, `"cudnn"` or `"blockwise"`; `None`: the fused
-            kernel of the mesh's platform (`FUSED_KERNELS`) where it
+            kernel of the mesh's platform (`attention_blocks.context_kernel`) where it
             applies, else `"blockwise"`. Splash off a TPU runs in Pallas'
             interpreter, cuDNN's call off a GPU in XLA; cuDNN attends
             whole sequences (no context axis); the ring attends each block
@@ -397,13 +367,9 @@ def attention_per_device(
         and query.shape[1] % (2 * contexts) == 0
     )
     sequence, block = query.shape[1], query.shape[1] // contexts
-    kernel = kernel or FUSED_KERNELS.get(mesh.devices.flat[0].platform, "blockwise")
-    if kernel == "splash" and (
-        strategy == "ring" or not applies(head_dim, block, sequence, contexts)
-    ):
-        kernel = "blockwise"
-    if kernel == "cudnn" and contexts > 1:
-        kernel = "blockwise"
+    kernel = attention_blocks.context_kernel(
+        mesh.devices.flat[0].platform, head_dim, sequence, contexts, strategy, kernel
+    )
     on_gpu = mesh.devices.flat[0].platform == "gpu"
     fused = ()
     if kernel == "splash":

@@ -67,12 +67,11 @@ import dataclasses
 import math
 
 from keras_hub_autodist.attention.attention_blocks import BLOCK_KERNELS
-from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 from keras_hub_autodist.attention.attention_blocks import KEY_BLOCK
 from keras_hub_autodist.attention.attention_blocks import PER_DEVICE_ARCHITECTURES
-from keras_hub_autodist.attention.attention_blocks import PLATFORM_KERNELS
 from keras_hub_autodist.attention.attention_blocks import SPLASH_RESIDUAL_LANES
-from keras_hub_autodist.attention.attention_blocks import applies
+from keras_hub_autodist.attention.attention_blocks import context_kernel
+from keras_hub_autodist.attention.attention_blocks import every_mesh_kernel
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.device_profiles import device_key
@@ -175,14 +174,10 @@ def per_device_attention(plan) -> bool:
 
 def per_device_kernel(plan, sequence_length: int, platform: str = "gpu") -> str | None:
     """The kernel each device of `plan` attends one block of keys at a time
-    with on the devices of `platform` (a platform or a named device), as
-    `context_attention` chooses it, or None where the layers keep XLA's
-    attention (or the estimate can't tell: `BLOCK_KERNELS`).
-
-    On a context mesh: splash on a TPU where its shapes apply and the keys
-    are gathered (`"all_gather"`), else the blockwise kernel. Off one, from
-    `EVERY_MESH_MIN_TOKENS` tokens: splash on a TPU where its shapes apply,
-    the blockwise kernel on a CPU.
+    with on the devices of `platform` (a platform or a named device), by
+    the layers' own rule (`attention_blocks.context_kernel` on a context
+    mesh, `every_mesh_kernel` off one), or None where the layers keep XLA's
+    attention or the estimate can't tell (`BLOCK_KERNELS`: cuDNN's).
 
     Example:
     ```python
@@ -196,22 +191,17 @@ def per_device_kernel(plan, sequence_length: int, platform: str = "gpu") -> str 
     head_dim = query.shape[query.logical_axes.index("head_dim")]
     axes = plan.mesh_axes
     contexts = axes.size(axes.context_axis)
-    kernel = PLATFORM_KERNELS.get(platform_of(platform))
+    platform = platform_of(platform)
     if contexts > 1:
-        queries = sequence_length // contexts
-        splash = (
-            kernel == "splash"
-            and plan.context_parallel_strategy != "ring"
-            and applies(head_dim, queries, sequence_length, contexts)
+        return context_kernel(
+            platform,
+            head_dim,
+            sequence_length,
+            contexts,
+            plan.context_parallel_strategy,
         )
-        return "splash" if splash else "blockwise"
-    if kernel not in BLOCK_KERNELS or sequence_length < EVERY_MESH_MIN_TOKENS:
-        return None
-    if kernel == "splash" and not applies(
-        head_dim, sequence_length, sequence_length, 1
-    ):
-        return None
-    return kernel
+    kernel, _ = every_mesh_kernel(platform, head_dim, sequence_length)
+    return kernel if kernel in BLOCK_KERNELS else None
 
 
 def platform_of(platform: str) -> str:
