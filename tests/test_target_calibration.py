@@ -178,9 +178,56 @@ def test_the_closed_form_never_refuses_a_long_step_the_v5e_chip_ran():
         ("gemma3_1b", "full", 32768),
         ("gemma3_1b", "full", 65536),
         ("gemma_2b", "full", 16384),
+        ("gemma_2b", "full", 32768),
     ]
     for config, remat, tokens in ran:
         verdict = verdicts.step_verdict(
             _one_chip(config, remat), 1, tokens, "adam", platform="v5e"
         )
         assert verdict.answer != verdicts.NO, (config, remat, tokens, verdict)
+
+
+def _v5e_8(config, mesh, remat=None):
+    return keras_hub_autodist.plan(
+        str(PRESETS / config),
+        mesh,
+        dtype="bfloat16",
+        lora_rank=8,
+        remat=remat,
+        device_memory="v5e",
+    )
+
+
+def test_a_context_mesh_step_the_compiler_fits_by_rematerializing_is_a_maybe():
+    """Llama 3 8B, LoRA 8, on a v5e-8's `{"model": 2, "context": 4}` with
+    `remat="full"`, compiled for it (docs/long-context.md): 65,536 tokens
+    fit in 14.30 GiB, which the compiler reaches by rematerializing, and
+    131,072 are refused at 25.84 GiB."""
+    mesh = {"batch": 1, "model": 2, "context": 4}
+    plan = _v5e_8("llama3_8b", mesh, "full")
+    fits = verdicts.step_verdict(plan, 1, 65536, "adam", platform="v5e")
+    refused = verdicts.step_verdict(plan, 1, 131072, "adam", platform="v5e")
+    assert fits.answer == verdicts.MAYBE, fits
+    assert refused.answer == verdicts.NO, refused
+
+
+def test_rematerialized_blocks_on_a_tpu_context_mesh_keep_two_streams_each(
+    monkeypatch,
+):
+    """On a TPU context mesh a rematerialized block keeps its input as two
+    16-bit buffers' worth (`CONTEXT_REMAT_STREAMS`); off one, one."""
+    context = _v5e_8("gemma3_1b", {"batch": 1, "model": 2, "context": 4}, "full")
+    one_chip = _v5e_8("gemma3_1b", {"batch": 1, "model": 1}, "full")
+    # Every block's bfloat16 input, on a device holding a quarter of the
+    # sequence.
+    blocks = step_memory.num_blocks(context)
+    stream = blocks * 32768 * 1152 * 2
+    kept = {}
+    for streams in ({"tpu": 2}, {}):
+        monkeypatch.setattr(step_memory, "CONTEXT_REMAT_STREAMS", streams)
+        for name, plan in (("context", context), ("one chip", one_chip)):
+            kept[name, len(streams)] = step_memory.activation_bytes(
+                plan, 1, 131072, "v5e"
+            )
+    assert kept["context", 1] - kept["context", 0] == stream
+    assert kept["one chip", 1] == kept["one chip", 0]

@@ -61,6 +61,13 @@ update keeps beside the state, and where each factor was measured.
 #   compiled step without the term, 0.91 and 0.85x with it, and a tiny
 #   SmolLM3 on a context mesh of 8 (1.17x at 2); no target's compile has
 #   a chunked step with a trained head yet.
+# - "chunked_unattributed" (a TPU): the long steps compiled for a v5e
+#   (`target_calibration --long`, Gemma 3 1B and Gemma 2B, 8k to 64k
+#   tokens) hold about one output embedding's bytes more than the other
+#   terms count, with the loss taken in chunks. It is not a copy of the
+#   embedding: the compiled programs have none, and halving Gemma 3 1B's
+#   vocabulary moves its 16k step's peak by the embedding argument's bytes
+#   alone (0.28 GiB). Fitted, 1 on a TPU; unknown elsewhere, so 0.
 ACTIVATION_FACTORS = {
     "cpu": {
         "stream": 4,
@@ -82,7 +89,7 @@ ACTIVATION_FACTORS = {
         "gathered_float32": 1,
         "experts_relayout": 1,
         "chunked_head_gradient": 1.5,
-        "chunked_head_copy": 0,
+        "chunked_unattributed": 0,
     },
     "gpu": {
         "stream": 2,
@@ -104,7 +111,7 @@ ACTIVATION_FACTORS = {
         "gathered_float32": 0,
         "experts_relayout": 0,
         "chunked_head_gradient": 1.5,
-        "chunked_head_copy": 0,
+        "chunked_unattributed": 0,
     },
     "t4": {
         "stream": 2,
@@ -126,7 +133,7 @@ ACTIVATION_FACTORS = {
         "gathered_float32": 0,
         "experts_relayout": 0,
         "chunked_head_gradient": 1.5,
-        "chunked_head_copy": 0,
+        "chunked_unattributed": 0,
     },
     "tpu": {
         "stream": 2,
@@ -148,7 +155,7 @@ ACTIVATION_FACTORS = {
         "gathered_float32": 0,
         "experts_relayout": 0,
         "chunked_head_gradient": 1.5,
-        "chunked_head_copy": 1,
+        "chunked_unattributed": 1,
     },
 }
 # Where each device attends a whole sequence with splash (a TPU off a
@@ -163,6 +170,16 @@ ACTIVATION_FACTORS = {
 # `bench.target_calibration --long` (Gemma 3 1B and Gemma 2B, 8k to 64k
 # tokens, with and without `remat="full"`) land at 0.96-1.10x with them.
 SPLASH_FACTORS = {"tpu": {"stream": 4, "attention": 0.5, "scores": 0, "mlp": 1.5}}
+# Under `remat="full"` on a context mesh, how many residual-stream buffers
+# each block keeps for its recomputation, by calibration (1 elsewhere).
+# Fitted on the steps compiled for a TPU v5e-8 (`bench.target_calibration
+# --long`: Gemma 3 1B, Gemma 2B and Llama 3 8B, 131,072 tokens on
+# `{"model": 2, "context": 4}`), which one buffer a block left at 0.62-0.77x
+# and two bring to 0.91-1.03x: the block's input kept as two 16-bit
+# buffers' worth (in float32, as the post-norm outputs splash's steps keep
+# are), not yet read from the program's buffers.
+CONTEXT_REMAT_STREAMS = {"tpu": 2}
+CONTEXT_SPLASH_FACTORS = {"tpu": {"attention": 0.5}}
 # Bytes the optimizer's update keeps beside the state, per trained byte,
 # when the state is donated (as Keras' JAX trainer does): on CPU, Adam's
 # new moments and weights are computed before they replace the old ones
@@ -232,5 +249,5 @@ WEIGHT_TERMS = (
     "gathered_float32",
     "experts_relayout",
     "chunked_head_gradient",
-    "chunked_head_copy",
+    "chunked_unattributed",
 )

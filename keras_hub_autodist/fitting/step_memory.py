@@ -77,6 +77,8 @@ from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.device_profiles import device_key
 from keras_hub_autodist.fitting.memory_factors import ACTIVATION_FACTORS
 from keras_hub_autodist.fitting.memory_factors import ACTIVATION_TERMS
+from keras_hub_autodist.fitting.memory_factors import CONTEXT_REMAT_STREAMS
+from keras_hub_autodist.fitting.memory_factors import CONTEXT_SPLASH_FACTORS
 from keras_hub_autodist.fitting.memory_factors import FLOAT16_DTYPES
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_BYTES
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_COMPUTE
@@ -396,9 +398,10 @@ def activation_terms(
         "chunked_head_gradient": float32_bytes(output)
         if chunks > 1 and head_trained
         else 0,
-        # A chunked loss's scan holds the output embedding among its loop's
-        # operands: the TPU compiler copies it there.
-        "chunked_head_copy": output.device_bytes if chunks > 1 else 0,
+        # What a chunked step holds beyond the terms above, as many bytes
+        # as the output embedding (`memory_factors`: fitted on a TPU, not
+        # attributed to a buffer).
+        "chunked_unattributed": output.device_bytes if chunks > 1 else 0,
     }
 
 
@@ -605,13 +608,19 @@ def activation_bytes(
         and per_device_kernel(plan, sequence_length, platform) == "splash"
     ):
         factors = {**factors, **SPLASH_FACTORS.get(calibration, {})}
+    elif per_device_kernel(plan, sequence_length, platform) == "splash":
+        factors = {**factors, **CONTEXT_SPLASH_FACTORS.get(calibration, {})}
     terms = activation_terms(plan, batch_size, sequence_length, platform)
     sizes = term_sizes(plan, platform)
     weighted = {
         name: factors[name] * count * sizes[name] for name, count in terms.items()
     }
     if remat_mode(getattr(plan, "remat", None)) == "full":
-        # Each block's input: one residual-stream buffer.
-        inputs = terms["stream"] * sizes["stream"]
+        # Each block's input: one residual-stream buffer, or as many as the
+        # compiler keeps on a context mesh.
+        streams = 1
+        if axes.size(axes.context_axis) > 1:
+            streams = CONTEXT_REMAT_STREAMS.get(calibration, 1)
+        inputs = streams * terms["stream"] * sizes["stream"]
         return int(_rematerialized(weighted, num_blocks(plan), inputs))
     return int(sum(weighted.values()))
