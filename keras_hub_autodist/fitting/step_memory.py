@@ -603,13 +603,10 @@ def activation_bytes(
     calibration = calibration_of(platform)[0]
     factors = ACTIVATION_FACTORS[calibration]
     axes = plan.mesh_axes
-    if (
-        axes.size(axes.context_axis) == 1
-        and per_device_kernel(plan, sequence_length, platform) == "splash"
-    ):
-        factors = {**factors, **SPLASH_FACTORS.get(calibration, {})}
-    elif per_device_kernel(plan, sequence_length, platform) == "splash":
-        factors = {**factors, **CONTEXT_SPLASH_FACTORS.get(calibration, {})}
+    on_context_mesh = axes.size(axes.context_axis) > 1
+    if per_device_kernel(plan, sequence_length, platform) == "splash":
+        splash = CONTEXT_SPLASH_FACTORS if on_context_mesh else SPLASH_FACTORS
+        factors = {**factors, **splash.get(calibration, {})}
     terms = activation_terms(plan, batch_size, sequence_length, platform)
     sizes = term_sizes(plan, platform)
     weighted = {
@@ -618,9 +615,7 @@ def activation_bytes(
     if remat_mode(getattr(plan, "remat", None)) == "full":
         # Each block's input: one residual-stream buffer, or as many as the
         # compiler keeps on a context mesh.
-        streams = 1
-        if axes.size(axes.context_axis) > 1:
-            streams = CONTEXT_REMAT_STREAMS.get(calibration, 1)
+        streams = CONTEXT_REMAT_STREAMS.get(calibration, 1) if on_context_mesh else 1
         inputs = streams * terms["stream"] * sizes["stream"]
         return int(_rematerialized(weighted, num_blocks(plan), inputs))
     return int(sum(weighted.values()))
