@@ -267,7 +267,11 @@ def test_the_kit_brings_what_keras_hub_imports_for_python_3_11():
     # The run and the chip's tests install the same folder the kit fills,
     # which git ignores.
     assert "WHEELS=${WHEELS:-.whl}" in script and ".whl/*.whl" in site
-    for command in ("accelerator_run.sh", "accelerator_tests.sh"):
+    for command in (
+        "accelerator_run.sh",
+        "accelerator_tests.sh",
+        "accelerator_answers.sh",
+    ):
         text = (ROOT / "scripts" / command).read_text()
         assert "source scripts/accelerator_site.sh" in text, command
     assert ".whl/" in (ROOT / ".gitignore").read_text().split()

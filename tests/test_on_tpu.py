@@ -1,7 +1,9 @@
 """On a real TPU chip (`pytest -m tpu`; skipped elsewhere): a load
 straight into shards, a training step whose loss is keras-hub's, its
 attention in the splash kernel with padding per row, and the target
-compile's memory against the chip's own compile of the same step.
+compile's memory against the chip's own compile of the same step, and the
+command's default answer (`plan --device v5e`, which compiles where the TPU
+compiler is) on the steps of real shapes measured on the chip.
 
 Run on the machine with `bash scripts/accelerator_tests.sh` (the kit of
 `scripts/accelerator_kit.sh` carried along): every time a device path
@@ -11,14 +13,20 @@ length from which every mesh attends with splash on a TPU; in float32, so
 that the loss of splash and of XLA's attention agree to 1e-3.
 """
 
+import json
+
 import jax
 import keras
 import keras_hub
 import numpy as np
 import pytest
 import tiny_presets
+from chip_steps import CHIP_STEPS
+from chip_steps import chip_preset_folder
+from chip_steps import chip_step_id
 
 import keras_hub_autodist
+from keras_hub_autodist import cli
 from keras_hub_autodist.attention.attention_blocks import EVERY_MESH_MIN_TOKENS
 
 pytestmark = [
@@ -107,3 +115,23 @@ def test_the_target_compile_is_the_chips_own_compile(preset):
     ratio = compiled.peak_bytes / program["program_bytes"]
     assert 0.95 <= ratio <= 1.05, (compiled.peak_bytes, program)
     assert compiled.attention == program["attention"] == "splash"
+
+
+@pytest.mark.parametrize("case", CHIP_STEPS, ids=chip_step_id)
+def test_the_default_answer_on_the_chip_is_its_compile(case, tmp_path, capfd):
+    """`plan --device v5e` with a batch and a sequence, as a user types it
+    on the chip: compiled by default, so never maybe, and right about
+    whether the step runs."""
+    if "v5" not in jax.devices()[0].device_kind.lower():
+        pytest.skip("the steps were measured on a v5e")
+    preset, untied, lora_rank, batch, sequence, runs, _ = case
+    args = ["plan", chip_preset_folder(preset, untied, tmp_path)]
+    args += ["--mesh", "batch=1,model=1", "--dtype", "bfloat16", "--device", "v5e"]
+    args += ["--batch", str(batch), "--seq", str(sequence), "--json"]
+    if lora_rank:
+        args += ["--lora-rank", str(lora_rank)]
+    capfd.readouterr()
+    assert cli.main(args) == 0
+    answer = json.loads(capfd.readouterr().out)
+    assert answer["compiled_by_default"]
+    assert answer["fits"] is runs, answer

@@ -7,6 +7,9 @@ import importlib.util
 import json
 
 import pytest
+from chip_steps import CHIP_STEPS
+from chip_steps import chip_source
+from chip_steps import chip_step_id
 from real_presets import REAL_PRESETS
 
 import keras_hub_autodist
@@ -16,36 +19,10 @@ from keras_hub_autodist.fitting import step_memory
 from keras_hub_autodist.fitting import verdicts
 from keras_hub_autodist.fitting.device_profiles import GIB
 
-# Steps run on one TPU v5e chip (15.75 GiB per program), random bfloat16
-# weights of real shapes on a one-device mesh, Adam: whether the step ran,
-# and the chip's own program memory (its `memory_analysis()`, or for a
-# step that didn't run what `RESOURCE_EXHAUSTED` said it needed), in GiB.
-# The steps of 8,192 tokens are the ones a bound model runs now (splash
-# attention, the loss a chunk of tokens at a time): Gemma 3's measured on
-# the chip, Gemma 2B's compiled for a v5e on a CPU-only machine (which
-# matched the chip within 1% on every step both ran). The others are
-# measured with whole logits and XLA's attention: the steps of more than
-# 4 GiB of logits among them now hold less (a "runs" stays true).
-# (preset, untied, LoRA rank, batch, sequence, runs, chip GiB)
-CHIP_STEPS = [
-    ("gemma_2b", False, 8, 4, 1024, True, 14.57),
-    ("gemma_2b", False, 8, 8, 1024, True, 14.69),
-    ("gemma_2b", False, 8, 12, 1024, False, 32.95),
-    ("gemma_2b", False, 8, 1, 8192, True, 14.84),
-    ("gemma3_1b", False, 8, 1, 4096, True, 14.72),
-    ("gemma3_1b", False, 8, 1, 8192, True, 12.91),
-    ("llama3.2_1b", True, None, 2, 1024, True, 14.62),
-    ("llama3.2_1b", True, None, 4, 1024, False, 27.63),
-]
-
 
 def _chip_plan(preset, untied, lora_rank):
-    source = str(REAL_PRESETS / preset)
-    if untied:
-        config = json.loads((REAL_PRESETS / preset / "config.json").read_text())
-        source = {**config, "tie_word_embeddings": False}
     return keras_hub_autodist.plan(
-        source,
+        chip_source(preset, untied),
         {"batch": 1, "model": 1},
         dtype="bfloat16",
         device_memory="v5e",
@@ -53,8 +30,8 @@ def _chip_plan(preset, untied, lora_rank):
     )
 
 
-@pytest.mark.parametrize("case", CHIP_STEPS, ids=lambda c: f"{c[0]}-{c[3]}x{c[4]}")
-def test_the_default_answer_is_never_wrong_about_the_chip(case):
+@pytest.mark.parametrize("case", CHIP_STEPS, ids=chip_step_id)
+def test_the_closed_form_is_never_wrong_about_the_chip(case):
     preset, untied, lora_rank, batch, sequence, runs, chip_gib = case
     plan = _chip_plan(preset, untied, lora_rank)
     verdict = verdicts.step_verdict(plan, batch, sequence, platform="v5e")
