@@ -26,10 +26,12 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from keras_hub_autodist import quiet  # noqa: E402
 
-# TensorFlow's C++ start-up notices (keras-hub imports TensorFlow) and
-# Orbax's warning of every single-process checkpoint save kept off stderr.
+# TensorFlow's C++ start-up notices (keras-hub imports TensorFlow), JAX's
+# start of backends without a device here, and Orbax's warning of every
+# single-process checkpoint save kept off stderr.
 quiet.quiet_tensorflow_start()
 quiet.quiet_jax_cuda_plugin_start()
+quiet.quiet_jax_tpu_backend_start()
 quiet.quiet_orbax_merge_notice()
 
 from keras_hub_autodist import moved_modules  # noqa: E402

@@ -1,5 +1,6 @@
-"""Quiet logs: TensorFlow's C++ start-up notices, and Orbax's one warning of
-every single-process checkpoint save, kept off stderr; nothing else hidden.
+"""Quiet logs: TensorFlow's C++ start-up notices, JAX's start of backends
+that have no device here, and Orbax's one warning of every single-process
+checkpoint save, kept off stderr; nothing else hidden.
 
 keras-hub imports TensorFlow (for its tokenizers), and TensorFlow's shared
 libraries log through absl as they load, before anything reads
@@ -12,6 +13,13 @@ then writes back every line but the absl lines whose severity (`I`, `W`,
 itself applies once it has started. A user who sets `TF_CPP_MIN_LOG_LEVEL=0`
 sees every line; the package sets it to `DEFAULT_TF_LOG_LEVEL` only when it
 is unset.
+
+JAX's start of its backends on a machine without their devices, where the
+`tpu-compile` and `gpu-compile` extras are installed: the CUDA plugin's
+failed check of the CUDA libraries is logged at debug level where no NVIDIA
+device exists, and libtpu's notices off a TPU VM are filtered as
+TensorFlow's are (`quiet_jax_cuda_plugin_start`,
+`quiet_jax_tpu_backend_start`).
 
 Orbax warns "Skipping merge of OCDBT checkpoints: No per-process OCDBT
 checkpoint subdirs found" on every save by one process, where there are no
@@ -192,7 +200,12 @@ def quiet_jax_cuda_plugin_start() -> None:
     extra: the GPU compiler on a machine without a GPU) as TensorFlow's are:
     the plugin logs TensorFlow's own `cudart_stub.cc] Could not find cuda
     drivers` as JAX imports it, and again when JAX starts its backends and
-    calls the plugin's `initialize`. Nothing changes without the plugin."""
+    calls the plugin's `initialize`. On a machine with no NVIDIA device,
+    that `initialize` also fails its check of the CUDA libraries, which JAX
+    logs with the whole traceback: there it is logged at debug level
+    instead (`_no_gpu_to_check`), and the plugin stays unregistered as it
+    would have (`fitting.compile_targets` registers it for compiling,
+    without the check). Nothing changes without the plugin."""
     from keras_hub_autodist.on_import import when_imported
     from keras_hub_autodist.on_import import while_importing
 
@@ -213,11 +226,54 @@ def _filter_plugin_start() -> None:
 
     def initialize(*args, **kwargs):
         with native_stderr_filtered():
-            return start(*args, **kwargs)
+            try:
+                return start(*args, **kwargs)
+            except Exception as error:
+                if not _no_gpu_to_check():
+                    raise
+                logging.getLogger(__name__).debug(
+                    "JAX's CUDA plugin is not started: this machine has no "
+                    "NVIDIA device (%s)",
+                    error,
+                )
+                return None
 
     initialize.quiet = True
     initialize.__doc__ = start.__doc__
     plugin.initialize = initialize
+
+
+# The device files of an NVIDIA GPU, as JAX looks for them before it starts
+# its CUDA backend (the last is WSL2's).
+NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+# Set, the CUDA plugin skips its check of the CUDA libraries.
+SKIP_CUDA_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+
+def _no_gpu_to_check() -> bool:
+    """Whether a failure of the CUDA plugin's start is its check of the CUDA
+    libraries on a machine with no NVIDIA device to use them."""
+    return not os.environ.get(SKIP_CUDA_CHECK) and not any(
+        os.path.exists(path) for path in NVIDIA_DEVICE_FILES
+    )
+
+
+def quiet_jax_tpu_backend_start() -> None:
+    """Filter libtpu's start-up notices when JAX tries its TPU backend on a
+    machine without a TPU chip (`compat.jax_start`), from JAX's import on."""
+    from keras_hub_autodist.on_import import when_imported
+
+    when_imported(XLA_BRIDGE, "quiet_tpu_backend_start", _quiet_tpu_backend_start)
+
+
+# The JAX module that registers the TPU backend as it is imported.
+XLA_BRIDGE = "jax._src.xla_bridge"
+
+
+def _quiet_tpu_backend_start() -> None:
+    from keras_hub_autodist.compat import jax_start
+
+    jax_start.quiet_tpu_backend_start(native_stderr_filtered)
 
 
 def quiet_orbax_merge_notice() -> None:

@@ -1,10 +1,15 @@
-"""Quiet logs: TensorFlow's native start-up notices below the log level and
-Orbax's single-process merge warning are dropped; nothing else is."""
+"""Quiet logs: TensorFlow's native start-up notices below the log level,
+JAX's start of backends with no device here, and Orbax's single-process
+merge warning are dropped; nothing else is."""
 
+import importlib.util
 import logging
 import os
 import subprocess
 import sys
+import types
+
+import pytest
 
 from keras_hub_autodist import quiet
 
@@ -116,3 +121,70 @@ def test_the_users_log_level_is_kept(monkeypatch):
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
     quiet.quiet_tensorflow_start()
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"
+
+
+def _fake_cuda_plugin(monkeypatch, error):
+    """The CUDA plugin as `quiet` finds it, its `initialize` raising `error`."""
+    plugin = types.ModuleType(quiet.CUDA_PLUGIN)
+
+    def initialize():
+        raise error
+
+    plugin.initialize = initialize
+    monkeypatch.setitem(sys.modules, quiet.CUDA_PLUGIN, plugin)
+    quiet._filter_plugin_start()
+    return plugin
+
+
+def test_the_cuda_check_without_an_nvidia_device_is_logged_at_debug(
+    monkeypatch, tmp_path, caplog
+):
+    monkeypatch.delenv(quiet.SKIP_CUDA_CHECK, raising=False)
+    monkeypatch.setattr(quiet, "NVIDIA_DEVICE_FILES", (str(tmp_path / "nvidia0"),))
+    plugin = _fake_cuda_plugin(monkeypatch, RuntimeError("Unable to load CUDA."))
+    with caplog.at_level(logging.DEBUG, logger=quiet.__name__):
+        assert plugin.initialize() is None
+    assert "no NVIDIA device" in caplog.text and "Unable to load CUDA." in caplog.text
+
+
+def test_the_cuda_plugin_fails_as_before_where_a_gpu_is_or_no_check_ran(
+    monkeypatch, tmp_path
+):
+    device = tmp_path / "nvidia0"
+    device.touch()
+    monkeypatch.setattr(quiet, "NVIDIA_DEVICE_FILES", (str(device),))
+    monkeypatch.delenv(quiet.SKIP_CUDA_CHECK, raising=False)
+    plugin = _fake_cuda_plugin(monkeypatch, RuntimeError("Unable to load CUDA."))
+    with pytest.raises(RuntimeError, match="Unable to load CUDA"):
+        plugin.initialize()
+    # Registered without the check (as the GPU target compile does), any
+    # failure is the plugin's own, GPU or not.
+    monkeypatch.setattr(quiet, "NVIDIA_DEVICE_FILES", (str(tmp_path / "none"),))
+    monkeypatch.setenv(quiet.SKIP_CUDA_CHECK, "1")
+    plugin = _fake_cuda_plugin(monkeypatch, ValueError("bad target"))
+    with pytest.raises(ValueError, match="bad target"):
+        plugin.initialize()
+
+
+@pytest.mark.skipif(
+    any(os.path.exists(path) for path in quiet.NVIDIA_DEVICE_FILES)
+    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None
+    and importlib.util.find_spec("libtpu") is None,
+    reason="needs a machine without a GPU, with a compile extra installed",
+)
+def test_jax_starts_quietly_here_with_the_compilers_installed():
+    """With the `tpu-compile` or `gpu-compile` extra on a machine without
+    their devices, JAX's start writes no traceback and no libtpu notice,
+    and still finds its CPU."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")
+    }
+    script = "import keras_hub_autodist, jax; print(jax.devices()[0].platform)"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "cpu"
+    assert done.stderr == "", done.stderr

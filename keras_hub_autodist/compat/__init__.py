@@ -2,7 +2,8 @@
 (loading, saving, building, patching), `steps` (the trainer's), `state` (a
 layer's RNG state), `attention` (keras-hub's attention layers), `devices`
 (keras-hub's device checks, answered for a compile target), `upstream`
-(fixes of keras-hub bugs). Nothing else in `keras_hub_autodist` imports
+(fixes of keras-hub bugs), `jax_start` (JAX's TPU backend start, quiet off
+a TPU VM). Nothing else in `keras_hub_autodist` imports
 `keras.src` or `keras_hub.src` or reads a private attribute of Keras' objects.
 `tests/test_compat.py` checks each of `TOUCHPOINTS` against the installed
 Keras and keras-hub, so an upgrade shows exactly what broke. Every
@@ -28,6 +29,7 @@ import importlib
 import threading
 
 from keras_hub_autodist.compat import devices as compat_devices
+from keras_hub_autodist.compat import jax_start as compat_jax_start
 from keras_hub_autodist.compat import state as compat_state
 from keras_hub_autodist.compat import steps as compat_steps
 from keras_hub_autodist.compat import upstream as compat_upstream
@@ -68,6 +70,7 @@ TOUCHPOINTS = (
     ("keras.src.backend.jax.nn", "_can_use_flash_attention"),
     *compat_state.TOUCHPOINTS,
     *compat_devices.TOUCHPOINTS,
+    *compat_jax_start.TOUCHPOINTS,
     *compat_upstream.TOUCHPOINTS,
 ) + compat_steps.TOUCHPOINTS
 
