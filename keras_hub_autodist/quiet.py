@@ -248,6 +248,8 @@ def _filter_plugin_start() -> None:
 NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 # Set, the CUDA plugin skips its check of the CUDA libraries.
 SKIP_CUDA_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+# The JAX module that registers the TPU backend as it is imported.
+XLA_BRIDGE = "jax._src.xla_bridge"
 
 
 def _no_gpu_to_check() -> bool:
@@ -264,10 +266,6 @@ def quiet_jax_tpu_backend_start() -> None:
     from keras_hub_autodist.on_import import when_imported
 
     when_imported(XLA_BRIDGE, "quiet_tpu_backend_start", _quiet_tpu_backend_start)
-
-
-# The JAX module that registers the TPU backend as it is imported.
-XLA_BRIDGE = "jax._src.xla_bridge"
 
 
 def _quiet_tpu_backend_start() -> None:
