@@ -34,6 +34,12 @@ pytestmark = [
     pytest.mark.skipif(jax.devices()[0].platform != "tpu", reason="needs a TPU chip"),
 ]
 
+# The tests that compare with a v5e's figures: the committed target and
+# the steps measured on the chip.
+ON_A_V5E = pytest.mark.skipif(
+    "v5" not in jax.devices()[0].device_kind.lower(),
+    reason="compares with figures of a TPU v5e",
+)
 SEQUENCE = EVERY_MESH_MIN_TOKENS
 ONE_DEVICE = {"batch": 1, "model": 1}
 CONFIG = dict(
@@ -103,11 +109,10 @@ def test_a_step_takes_keras_hubs_loss_and_attends_with_splash(preset):
     assert their_program["attention"] != "splash"
 
 
+@ON_A_V5E
 def test_the_target_compile_is_the_chips_own_compile(preset):
     """`compiled_memory(..., device="v5e")` (on a v5e) against the memory
     of the step `train_on_batch` ran on the chip: within 5%."""
-    if "v5" not in jax.devices()[0].device_kind.lower():
-        pytest.skip("the committed target is a v5e")
     _, _, program = _trained(preset, device_mesh=ONE_DEVICE)
     plan = keras_hub_autodist.plan(preset, ONE_DEVICE, dtype="float32")
     compiled = keras_hub_autodist.compiled_memory(plan, 2, SEQUENCE, device="v5e")
@@ -117,13 +122,12 @@ def test_the_target_compile_is_the_chips_own_compile(preset):
     assert compiled.attention == program["attention"] == "splash"
 
 
+@ON_A_V5E
 @pytest.mark.parametrize("case", CHIP_STEPS, ids=chip_step_id)
 def test_the_default_answer_on_the_chip_is_its_compile(case, tmp_path, capfd):
     """`plan --device v5e` with a batch and a sequence, as a user types it
     on the chip: compiled by default, so never maybe, and right about
     whether the step runs."""
-    if "v5" not in jax.devices()[0].device_kind.lower():
-        pytest.skip("the steps were measured on a v5e")
     preset, untied, lora_rank, batch, sequence, runs, _ = case
     args = ["plan", chip_preset_folder(preset, untied, tmp_path)]
     args += ["--mesh", "batch=1,model=1", "--dtype", "bfloat16", "--device", "v5e"]
