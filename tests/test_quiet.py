@@ -166,10 +166,17 @@ def test_the_cuda_plugin_fails_as_before_where_a_gpu_is_or_no_check_ran(
         plugin.initialize()
 
 
+def _cuda_plugin_installed() -> bool:
+    # `find_spec` of a dotted name raises where its parent package is missing.
+    return (
+        importlib.util.find_spec("jax_plugins") is not None
+        and importlib.util.find_spec(quiet.CUDA_PLUGIN) is not None
+    )
+
+
 @pytest.mark.skipif(
     any(os.path.exists(path) for path in quiet.NVIDIA_DEVICE_FILES)
-    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None
-    and importlib.util.find_spec("libtpu") is None,
+    or not (_cuda_plugin_installed() or importlib.util.find_spec("libtpu")),
     reason="needs a machine without a GPU, with a compile extra installed",
 )
 def test_jax_starts_quietly_here_with_the_compilers_installed():
