@@ -4,7 +4,10 @@ platform's kernel (`PLATFORM_KERNELS`: splash on a TPU, checked here in
 Pallas' interpreter, cuDNN's call on a GPU, checked here in XLA's
 implementation, the blockwise kernel on this CPU), padding per row, sliding
 windows and soft caps as keras-hub computes them, against the same model on
-one device without the plugin; `generate` keeps the layer's cached path."""
+one device without the plugin; `generate` keeps the layer's cached path.
+The head dimensions of the families people fine-tune (64: Llama 3.2 1B,
+Qwen 2.5 0.5B; 96: Phi-3; 128; 256: Gemma) and a sequence of part blocks
+(splash pads both around the kernel)."""
 
 import keras
 import keras_hub
@@ -16,11 +19,30 @@ from keras_hub_autodist.attention import attention_blocks
 from keras_hub_autodist.attention import context_attention
 from keras_hub_autodist.errors import KeptAttentionWarning
 
-SEQUENCE = 256
-# Splash lays its head dimension in lanes of 128; windows shorter than the
-# sequence and left and right padding of different lengths per row.
+# Not a whole number of splash's blocks of 128 tokens.
+SEQUENCE = 200
+# Windows shorter than the sequence and left and right padding of different
+# lengths per row.
 GEMMA3 = dict(tiny_presets.GEMMA3_TEXT, head_dim=128, sliding_window_size=64)
-GEMMA2 = dict(tiny_presets.GEMMA2_GQA, head_dim=128, sliding_window_size=64)
+GEMMA2 = dict(tiny_presets.GEMMA2_GQA, head_dim=256, sliding_window_size=64)
+# Llama 3.2's and Qwen 2.5's heads of 64 (Qwen's tied head, one key/value
+# head), Phi-3's of 96.
+LLAMA3 = dict(tiny_presets.LLAMA3, hidden_dim=256, num_query_heads=4)
+QWEN2 = dict(
+    tiny_presets.QWEN2,
+    hidden_dim=128,
+    num_query_heads=2,
+    num_key_value_heads=1,
+    tie_word_embeddings=True,
+)
+PHI3 = dict(tiny_presets.PHI3, hidden_dim=192, num_query_heads=2, num_key_value_heads=2)
+
+
+@pytest.fixture
+def kernel_at_every_length(monkeypatch):
+    """The platform's kernel taken at every length: whatever XLA's scores
+    take (`XLA_SCORES_MAX_BYTES`) is more than the rule allows."""
+    monkeypatch.setattr(attention_blocks, "XLA_SCORES_MAX_BYTES", 0)
 
 
 @pytest.fixture
@@ -65,7 +87,7 @@ def _batch(vocabulary):
     rng = np.random.default_rng(0)
     ids = rng.integers(1, vocabulary, (4, SEQUENCE)).astype("int32")
     padding = np.ones_like(ids)
-    padding[0, 200:] = 0  # right padding
+    padding[0, 150:] = 0  # right padding
     padding[1, 100:] = 0
     padding[2, :30] = 0  # left padding: its first tokens have no key
     return {"token_ids": ids, "padding_mask": padding}, padding
@@ -89,6 +111,10 @@ CASES = {
     "gemma3-splash-one-device": ("gemma3", "splash", "one device"),
     "gemma2-blockwise-model8": ("gemma2", "blockwise", {"batch": 1, "model": 8}),
     "gemma2-splash-batch4-model2": ("gemma2", "splash", {"batch": 4, "model": 2}),
+    "llama3-splash-one-device": ("llama3", "splash", "one device"),
+    "qwen2-splash-batch4-model2": ("qwen2", "splash", {"batch": 4, "model": 2}),
+    "phi3-splash-batch2-model4": ("phi3", "splash", {"batch": 2, "model": 4}),
+    "llama3-blockwise-batch2-model4": ("llama3", "blockwise", {"batch": 2, "model": 4}),
     # cuDNN's call as a GPU makes it, run by XLA here (no soft cap: Gemma 3).
     "gemma3-cudnn-batch2-model4": ("gemma3", "cudnn", {"batch": 2, "model": 4}),
     "gemma3-cudnn-one-device": ("gemma3", "cudnn", "one device"),
@@ -100,6 +126,13 @@ FAMILIES = {
         GEMMA3,
     ),
     "gemma2": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM, GEMMA2),
+    "llama3": (
+        keras_hub.models.Llama3Backbone,
+        keras_hub.models.Llama3CausalLM,
+        LLAMA3,
+    ),
+    "qwen2": (keras_hub.models.QwenBackbone, keras_hub.models.QwenCausalLM, QWEN2),
+    "phi3": (keras_hub.models.Phi3Backbone, keras_hub.models.Phi3CausalLM, PHI3),
 }
 
 
@@ -111,14 +144,13 @@ def _any_device(device, head_dim, dtype, soft_cap):
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_each_device_attends_with_the_kernel_as_one_device_does(
-    case, tmp_path, monkeypatch, kernel_calls
+    case, tmp_path, monkeypatch, kernel_calls, kernel_at_every_length
 ):
     family, kernel, mesh = CASES[case]
     backbone_class, task_class, config = FAMILIES[family]
     path = _preset(tmp_path, backbone_class, task_class, config)
     reference = _train(path, task_class)
     monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": kernel})
-    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
     # This CPU stands for a GPU that cuDNN's kernel takes.
     monkeypatch.setattr(context_attention.cudnn_attention, "why_not", _any_device)
     monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: True)
@@ -148,17 +180,29 @@ def test_each_device_attends_with_the_kernel_as_one_device_does(
     assert len(kernel_calls) == calls
 
 
-def test_a_cpu_attends_blockwise_from_the_threshold_as_one_device_does(
-    tmp_path, monkeypatch, kernel_calls
+def _scores_at_sequence(mesh_rows: int, heads: int) -> int:
+    """XLA's scores of one layer on a device of the batch and model mesh
+    below, at `SEQUENCE` tokens."""
+    return attention_blocks.xla_scores_bytes(mesh_rows, heads, SEQUENCE)
+
+
+@pytest.mark.parametrize("side", ["under", "over"])
+def test_a_cpu_attends_blockwise_past_the_scores_limit_as_one_device_does(
+    side, tmp_path, monkeypatch, kernel_calls
 ):
+    """The platform's own kernel (no kernel table patched) on both sides of
+    the limit on XLA's scores: 4 rows over a batch axis of 2, Gemma 3's 4
+    query heads over a model axis of 4."""
     backbone_class, task_class, config = FAMILIES["gemma3"]
     path = _preset(tmp_path, backbone_class, task_class, config)
     reference = _train(path, task_class)
-    # The platform's own kernel (no kernel table patched), from a threshold
-    # this short sequence reaches.
-    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    limit = _scores_at_sequence(2, 1)
+    monkeypatch.setattr(
+        attention_blocks, "XLA_SCORES_MAX_BYTES", limit - (side == "over")
+    )
     ours = _train(path, task_class, {"batch": 2, "model": 4})
-    assert kernel_calls and set(kernel_calls) == {"blockwise"}
+    expected = {"blockwise"} if side == "over" else set()
+    assert set(kernel_calls) == expected
     for got, want in zip(ours[1], reference[1]):
         for key in want:
             np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5)
@@ -170,20 +214,31 @@ def test_short_sequences_and_platforms_without_a_kernel_keep_the_layers_own(
 ):
     backbone_class, task_class, config = FAMILIES["gemma3"]
     path = _preset(tmp_path, backbone_class, task_class, config)
-    # This CPU's kernel, but a sequence under the threshold.
+    # This CPU's kernel, not measured faster than XLA's, on scores under the
+    # limit.
     assert attention_blocks.PLATFORM_KERNELS["cpu"] == "blockwise"
-    assert SEQUENCE < attention_blocks.EVERY_MESH_MIN_TOKENS
+    assert _scores_at_sequence(2, 1) <= attention_blocks.XLA_SCORES_MAX_BYTES
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
+    # Splash, under the first length measured faster than XLA's.
+    assert not attention_blocks.measured_faster("splash", SEQUENCE)
     monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "splash"})
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
+    # Splash where it is measured faster: every layer.
+    monkeypatch.setattr(
+        attention_blocks, "KERNEL_SPEEDUPS", {"splash": {SEQUENCE: 1.0}}
+    )
+    _train(path, task_class, {"batch": 2, "model": 4})
+    assert kernel_calls and set(kernel_calls) == {"splash"}
+    kernel_calls.clear()
     # A platform without a kernel, at any length.
     monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {})
-    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(attention_blocks, "XLA_SCORES_MAX_BYTES", 0)
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
     # cuDNN's kernel takes every length where it applies.
+    monkeypatch.setattr(attention_blocks, "XLA_SCORES_MAX_BYTES", 2**40)
     monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "cudnn"})
     monkeypatch.setattr(context_attention.cudnn_attention, "why_not", _any_device)
     monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: True)
@@ -193,29 +248,6 @@ def test_short_sequences_and_platforms_without_a_kernel_keep_the_layers_own(
     monkeypatch.setattr(context_attention.cudnn_attention, "available", lambda: False)
     _train(path, task_class, {"batch": 2, "model": 4})
     assert kernel_calls == []
-
-
-def test_splash_is_left_where_its_lanes_do_not_fit_the_heads(
-    tmp_path, monkeypatch, kernel_calls
-):
-    # A head dimension of 8: splash does not apply, the layer's own runs,
-    # and a sequence past the threshold is told why, once.
-    monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "splash"})
-    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
-    monkeypatch.setattr(context_attention, "_SAID_KEPT", set())
-    path = _preset(
-        tmp_path,
-        keras_hub.models.GemmaBackbone,
-        keras_hub.models.GemmaCausalLM,
-        tiny_presets.GEMMA_MQA,
-    )
-    with pytest.warns(KeptAttentionWarning) as caught:
-        _train(path, keras_hub.models.GemmaCausalLM, {"batch": 2, "model": 4})
-    assert kernel_calls == []
-    kept = [str(w.message) for w in caught if w.category is KeptAttentionWarning]
-    assert len(kept) == 1, kept
-    assert "splash kernel doesn't take a head dimension of 8" in kept[0]
-    assert f"attend {SEQUENCE} tokens" in kept[0]
 
 
 def test_a_gpu_that_cudnn_refuses_says_why_once_and_keeps_the_layers_own(
@@ -229,7 +261,7 @@ def test_a_gpu_that_cudnn_refuses_says_why_once_and_keeps_the_layers_own(
     # This CPU stands for a T4, whose compute capability cuDNN's flash
     # attention refuses.
     monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "cudnn"})
-    monkeypatch.setattr(attention_blocks, "EVERY_MESH_MIN_TOKENS", SEQUENCE)
+    monkeypatch.setattr(attention_blocks, "XLA_SCORES_MAX_BYTES", 0)
     monkeypatch.setattr(context_attention, "_SAID_KEPT", set())
     monkeypatch.setattr(cudnn, "why_not", lambda _, *shape: why_not(T4, *shape))
     backbone_class, task_class, config = FAMILIES["gemma3"]

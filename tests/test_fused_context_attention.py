@@ -94,9 +94,9 @@ def assert_equals_the_whole_matrix(attention, rule, q, k, v, valid):
 
 
 def test_splash_applies_only_where_its_blocks_fit():
-    assert attention_blocks.applies(256, 4096, 32768, 8)
-    assert not attention_blocks.applies(64, 4096, 32768, 8)  # lanes
-    assert not attention_blocks.applies(128, 96, 768, 8)  # no block
+    assert attention_blocks.applies(4096, 32768, 8)
+    assert not attention_blocks.applies(96, 768, 8)  # no block
+    assert not attention_blocks.applies(128, 384, 3)  # 3² does not divide 384
 
 
 def test_query_order_puts_each_devices_halves_in_its_block():

@@ -136,9 +136,30 @@ SOFT_CAPPED_GEMMA = {
 
 
 @needs_tpu_compiler
-def test_a_soft_capped_gemma_compiles_for_a_tpu(monkeypatch):
+def test_a_soft_capped_gemma_compiles_for_a_tpu_without_keras_fused_call(
+    monkeypatch,
+):
+    """Keras' fused call drops the soft cap on a TPU: a bound model's
+    soft-capped layers never ask for it, where an uncapped one takes it."""
     plan = keras_hub_autodist.plan(SOFT_CAPPED_GEMMA, {"batch": 1}, device_memory="v5e")
     choices = _fused_choices(monkeypatch)
     memory = compiled_memory(plan, 2, 16, preset=SOFT_CAPPED_GEMMA, device="v5e")
     assert memory.platform == "tpu" and not memory.out_of_memory
-    assert set(choices) == {True}
+    assert choices == []
+
+
+@needs_tpu_compiler
+@pytest.mark.parametrize("device, kernel", [("v3-8", "xla"), ("v5e", "splash")])
+def test_a_tpu_that_cant_compile_splash_attends_blockwise(monkeypatch, device, kernel):
+    """A TPU v3's Mosaic refuses splash's bfloat16 products: where the rule
+    wants a kernel (XLA's scores past its limit, here any), a v3 attends
+    with the blockwise kernel, XLA's own matmuls, and the step compiles."""
+    from keras_hub_autodist.attention import attention_blocks
+
+    monkeypatch.setattr(attention_blocks, "XLA_SCORES_MAX_BYTES", 0)
+    plan = keras_hub_autodist.plan(
+        TILED_GEMMA, {"batch": 2}, dtype="bfloat16", device_memory=device
+    )
+    memory = compiled_memory(plan, 2, 256, preset=TILED_GEMMA, device=device)
+    assert memory.platform == "tpu" and not memory.out_of_memory
+    assert memory.attention == kernel

@@ -110,12 +110,12 @@ def mask_method(
     layer,
     block: DecoderBlock,
     handoff: Handoff,
-    attends_per_device: Callable[[int], bool],
+    attends_per_device: Callable[[int, int], bool],
     window: int | None,
 ) -> Callable[..., object]:
     """`layer`'s mask method, wrapped to `put` its `BlockMasks` for its
     attention layer; where that layer reduces the mask and
-    `attends_per_device(sequence_length)`, it returns `query_has_key`'s
+    `attends_per_device(batch, sequence_length)`, it returns `query_has_key`'s
     mask instead of the whole one.
 
     Args:
@@ -123,7 +123,8 @@ def mask_method(
         block: its `DecoderBlock`.
         handoff: the `Handoff` its attention layer takes from.
         attends_per_device: whether its attention layer will attend per
-            device a whole sequence of that many tokens, without a cache.
+            device that many whole sequences of that many tokens, without
+            a cache.
         window: the attention layer's sliding window, where the block masks
             it into the mask itself (`DecoderBlock.window_in_mask`).
     """
@@ -147,7 +148,7 @@ def mask_method(
             and padding is not None
             and not masks.merges_other_masks
             and cache is None
-            and attends_per_device(sequence.shape[1])
+            and attends_per_device(*sequence.shape[:2])
         )
         if compact:
             handoff.put(dataclasses.replace(masks, compact=True))

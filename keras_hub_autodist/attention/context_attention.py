@@ -40,6 +40,7 @@ has no kernel of `attention_blocks.PLATFORM_KERNELS` that applies.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -90,7 +91,7 @@ def install_per_device_attention(model, plan) -> int:
         # Image tokens attend both ways (Gemma 3): not the causal rule the
         # blocks are masked by, so keras-hub's own path stays.
         return 0
-    handoffs = _hand_over_block_masks(layers)
+    handoffs = _hand_over_block_masks(layers, model_axis)
     changed = 0
     for layer in layers:
         reading = compat_attention.attention_reading(layer)
@@ -110,7 +111,9 @@ def install_per_device_attention(model, plan) -> int:
     return changed
 
 
-def _hand_over_block_masks(layers) -> dict[int, block_masks.Handoff]:
+def _hand_over_block_masks(
+    layers, model_axis: str | None
+) -> dict[int, block_masks.Handoff]:
     """Wrap the mask method of each known decoder block among `layers`
     whose attention layer has a known reading; return each such attention
     layer's `Handoff`, by `id`."""
@@ -128,21 +131,29 @@ def _hand_over_block_masks(layers) -> dict[int, block_masks.Handoff]:
             layer,
             block,
             handoff,
-            functools.partial(_attends_whole_sequences, reading, attention_layer),
+            functools.partial(
+                _attends_whole_sequences, reading, attention_layer, model_axis
+            ),
             reading.window if block.window_in_mask else None,
         )
         compat.patch_instance("decoder_block_masks", layer, block.mask_method, built)
     return handoffs
 
 
-def _attends_whole_sequences(reading, layer, sequence: int) -> bool:
-    """Whether `layer` will attend per device a whole sequence of
-    `sequence` tokens, without a cache, in the current distribution."""
+def _attends_whole_sequences(
+    reading, layer, model_axis: str | None, batch: int, sequence: int
+) -> bool:
+    """Whether `layer` will attend per device `batch` whole sequences of
+    `sequence` tokens, without a cache, in the current distribution, its
+    heads split over `model_axis`."""
     if reading.dropout or distribution_lib.is_decoding():
         return False
     distribution = keras.distribution.distribution()
+    heads = compat_attention.query_heads(layer)
+    head_dim = compat_attention.head_dim(layer)
+    shape = (batch, sequence, heads, head_dim)
     choice = _kernel_choice(
-        distribution, reading, sequence, layer.head_dim, layer.compute_dtype
+        distribution, reading, shape, layer.compute_dtype, model_axis
     )
     return any(choice)
 
@@ -165,7 +176,7 @@ def _compute_attention(
     masks = handoff.take() if handoff is not None else None
     distribution = keras.distribution.distribution()
     context, kernel = _kernel_choice(
-        distribution, reading, query.shape[1], query.shape[-1], query.dtype
+        distribution, reading, query.shape, query.dtype, model_axis
     )
     own_path = (
         not (context or kernel)
@@ -183,7 +194,8 @@ def _compute_attention(
             # The block handed over the compact mask for a path not taken.
             whole = block_masks.whole_mask(masks, query.shape[1], key.shape[1])
             args, kwargs = _with_mask(args, kwargs, whole)
-        return original(*args, **kwargs)
+        with _products_in(query.dtype):
+            return original(*args, **kwargs)
     if reading.repeats > 1:
         # The layer repeated each key/value head to its query heads: take
         # one of each (the repeat is local to each device's block).
@@ -210,6 +222,18 @@ def _compute_attention(
     )
 
 
+def _products_in(dtype):
+    """The precision a layer's own attention takes its products in: a
+    float32 layer's in float32 (`"highest"`), as the kernels compute them,
+    so that which path the rule takes never moves a float32 model's
+    numbers (a TPU's default takes bfloat16 passes, 1e-4 of a loss away
+    from the CPU's); any other dtype's as the caller's. Read as the step is
+    traced: each product keeps its precision in its gradient."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
+
+
 def _with_mask(args, kwargs, mask):
     """`_compute_attention`'s arguments with `mask` as its attention mask."""
     if len(args) > 3:
@@ -218,29 +242,44 @@ def _with_mask(args, kwargs, mask):
 
 
 def _kernel_choice(
-    distribution, reading, sequence: int, head_dim: int, dtype
+    distribution, reading, shape, dtype, model_axis: str | None
 ) -> tuple[bool, str | None]:
     """`(context, kernel)`: whether `distribution` is a context mesh, where
-    a layer attends per device, and off one the kernel it attends a whole
-    sequence with (`_every_mesh_kernel`), or None (its own attention). The
-    block's mask method and the layer decide with it alike."""
+    a layer attends per device, and off one the kernel it attends whole
+    sequences of queries of `shape` (`[batch, sequence, heads, head_dim]`,
+    its heads split over `model_axis`) with (`_every_mesh_kernel`), or None
+    (its own attention). The block's mask method and the layer decide with
+    it alike."""
     if isinstance(distribution, distribution_lib.ContextParallel):
         return True, None
-    return False, _every_mesh_kernel(distribution, reading, sequence, head_dim, dtype)
+    kernel = _every_mesh_kernel(distribution, reading, shape, dtype, model_axis)
+    return False, kernel
+
+
+def _per_device(size: int, mesh, axis: str | None) -> int:
+    """`size` split over `axis` of `mesh` where it divides, else whole."""
+    count = _axis_sizes(mesh).get(axis, 1)
+    return size // count if size % count == 0 else size
 
 
 def _every_mesh_kernel(
-    distribution, reading, sequence: int, head_dim: int, dtype
+    distribution, reading, shape, dtype, model_axis: str | None
 ) -> str | None:
-    """Off a context mesh, the kernel this layer's devices attend a whole
-    sequence with (`attention_blocks.every_mesh_kernel`, and for cuDNN's
-    this GPU and its library), or None (the layer's own attention)."""
+    """Off a context mesh, the kernel this layer's devices attend whole
+    sequences of queries of `shape` with (`attention_blocks.every_mesh_kernel`
+    on each device's rows and heads, and for cuDNN's this GPU and its
+    library), or None (the layer's own attention)."""
     if distribution is None or not hasattr(distribution, "batch_dim_name"):
         return None
-    device = distribution.device_mesh.backend_mesh.devices.flat[0]
-    kernel, refusal = attention_blocks.every_mesh_kernel(
-        device.platform, head_dim, sequence
+    batch, sequence, heads, head_dim = shape
+    mesh = distribution.device_mesh.backend_mesh
+    rows = _per_device(batch, mesh, distribution.batch_dim_name)
+    heads = _per_device(heads, mesh, model_axis)
+    device = mesh.devices.flat[0]
+    kernel = attention_blocks.every_mesh_kernel(
+        device.platform, sequence, rows, heads, device.device_kind
     )
+    refusal = None
     if kernel == "cudnn":
         refusal = cudnn_attention.why_not(device, head_dim, dtype, reading.soft_cap)
         if refusal is None and not cudnn_attention.available():
@@ -250,8 +289,9 @@ def _every_mesh_kernel(
             )
     if refusal is None:
         return kernel
-    if sequence >= attention_blocks.EVERY_MESH_MIN_TOKENS:
-        _say_kept_attention(sequence, refusal)
+    scores = attention_blocks.xla_scores_bytes(rows, heads, sequence)
+    if scores > attention_blocks.XLA_SCORES_MAX_BYTES:
+        _say_kept_attention(sequence, scores, refusal)
     return None
 
 
@@ -259,7 +299,7 @@ def _every_mesh_kernel(
 _SAID_KEPT = set()
 
 
-def _say_kept_attention(sequence: int, refusal: str) -> None:
+def _say_kept_attention(sequence: int, scores: int, refusal: str) -> None:
     """Warn, once per reason, that a long sequence is attended by the layer's
     own (XLA's) attention, which holds every score."""
     if refusal in _SAID_KEPT:
@@ -268,7 +308,8 @@ def _say_kept_attention(sequence: int, refusal: str) -> None:
     warn(
         f"keras_hub_autodist: the attention layers attend {sequence} tokens "
         "with their own (XLA's) attention, which holds every "
-        f"[sequence, sequence] score of each head, because {refusal}. A "
+        f"[sequence, sequence] score of each head ({scores / 2**20:.0f} MiB "
+        f"a layer on each device), because {refusal}. A "
         "context axis (device_mesh={..., 'context': N}) splits each sequence "
         "and attends one block of keys at a time on any device.",
         KeptAttentionWarning,
@@ -367,9 +408,14 @@ def attention_per_device(
         and query.shape[1] % (2 * contexts) == 0
     )
     sequence, block = query.shape[1], query.shape[1] // contexts
+    device = mesh.devices.flat[0]
     kernel = attention_blocks.context_kernel(
-        mesh.devices.flat[0].platform, head_dim, sequence, contexts, strategy, kernel
+        device.platform, sequence, contexts, strategy, kernel, device.device_kind
     )
+    # A whole sequence on each device is padded to splash's blocks.
+    kernel_length = sequence
+    if kernel == "splash" and contexts == 1:
+        kernel_length = attention_blocks.padded_sequence(sequence)
     on_gpu = mesh.devices.flat[0].platform == "gpu"
     fused = ()
     if kernel == "splash":
@@ -377,7 +423,7 @@ def attention_per_device(
         fused = (
             splash_attention.splash_kernel(
                 rule,
-                sequence,
+                kernel_length,
                 contexts,
                 balanced,
                 local_heads // local_kv,
@@ -422,6 +468,7 @@ def attention_per_device(
                 value,
                 jnp.concatenate(positions),
                 key_valid,
+                sequence=kernel_length,
             )
             outputs = jnp.split(output, lengths, axis=1)
         else:

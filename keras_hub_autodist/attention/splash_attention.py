@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_hub_autodist.attention.attention_blocks import block_size
+from keras_hub_autodist.attention.attention_blocks import splash_head_dim
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.attention.blockwise_attention import rows_with_a_key
 from keras_hub_autodist.attention.causal_balance import query_order
@@ -115,41 +116,87 @@ def kernel_spec(kernel, mesh, context_axis: str | None):
     )
 
 
-def attend(kernel, rule: AttentionRule, query, key, value, positions, key_valid):
+def _padded(array, axis: int, size: int, value=0):
+    """`array` padded with `value` at the end of `axis` to `size`."""
+    extra = size - array.shape[axis]
+    if not extra:
+        return array
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(array, widths, constant_values=value)
+
+
+def attend(
+    kernel,
+    rule: AttentionRule,
+    query,
+    key,
+    value,
+    positions,
+    key_valid,
+    *,
+    sequence: int | None = None,
+    head_dim: int | None = None,
+):
     """One device's queries attended by `kernel` to every key.
+
+    Shapes the kernel doesn't take as they are are padded around it:
+
+    - a head dimension of part lanes, with zero lanes
+      (`attention_blocks.splash_head_dim`): they add nothing to a score,
+      and the output's are sliced off;
+    - a whole sequence of part blocks, to the kernel's `sequence`
+      (`attention_blocks.padded_sequence`), with padding keys that no query
+      sees and queries whose outputs are sliced off.
 
     Args:
         kernel: `splash_kernel`'s, as `shard_map` split it.
         rule: the `AttentionRule` the kernel was built for.
         query: `[batch, queries, kv_heads, groups, head_dim]`, in the
             kernel's row order.
-        key: `[batch, sequence, kv_heads, head_dim]`.
+        key: `[batch, keys, kv_heads, head_dim]`.
         value: as `key`.
         positions: `[queries]` int32, each query's position.
-        key_valid: `[batch, sequence]` bool, `False` on padding.
+        key_valid: `[batch, keys]` bool, `False` on padding.
+        sequence: the length the kernel was built for, where it is longer
+            than the keys (the queries are then the whole sequence).
+        head_dim: the head dimension the kernel computes in; default:
+            `splash_head_dim` of the query's.
 
     Returns:
         As `query`.
     """
     dtype = query.dtype
+    queries_count, keys_count, width = query.shape[1], key.shape[1], query.shape[-1]
+    lanes = head_dim or splash_head_dim(width)
+    length = sequence or keys_count
     scaled = (query.astype(jnp.float32) * rule.scale).astype(dtype)
-    # The kernel's layout: heads first, then the sequence.
-    queries = jnp.einsum("btkgd->bkgtd", scaled)
-    keys = jnp.einsum("bskd->bksd", key.astype(dtype))
-    values = jnp.einsum("bskd->bksd", value.astype(dtype))
+    scaled = _padded(_padded(scaled, -1, lanes), 1, length)
+    keys, values = (
+        _padded(_padded(array.astype(dtype), -1, lanes), 1, length)
+        for array in (key, value)
+    )
     # Every query is in segment 1, and only the keys that are tokens: a
-    # padding key is masked for every query, as the decoder's mask does.
+    # padding key is masked for every query, as the decoder's mask does
+    # (those padded on here too).
+    valid = _padded(key_valid, 1, length, False)
     segments = splash_kernel_lib.SegmentIds(
-        q=jnp.ones((key_valid.shape[0], positions.shape[0]), jnp.int32),
-        kv=key_valid.astype(jnp.int32),
+        q=jnp.ones((valid.shape[0], scaled.shape[1]), jnp.int32),
+        kv=valid.astype(jnp.int32),
     )
 
     def one_head(queries, keys, values, segments):
         return kernel(queries, keys, values, segment_ids=segments)
 
+    # The kernel's layout: heads first, then the sequence.
     per_head = jax.vmap(one_head, in_axes=(0, 0, 0, None))
-    output = jax.vmap(per_head)(queries, keys, values, segments)
-    output = jnp.einsum("bkgtd->btkgd", output)
+    output = jax.vmap(per_head)(
+        jnp.einsum("btkgd->bkgtd", scaled),
+        jnp.einsum("bskd->bksd", keys),
+        jnp.einsum("bskd->bksd", values),
+        segments,
+    )
+    output = jnp.einsum("bkgtd->btkgd", output)[:, :queries_count, ..., :width]
     has_key = rows_with_a_key(rule, positions, key_valid)[:, :, None, None, None]
     keyless = jnp.zeros((), dtype)
     if rule.keyless_mean:

@@ -193,6 +193,39 @@ def attention_reading(layer) -> AttentionReading | None:
     return None if reading is None else reading(layer)
 
 
+# The attributes keras-hub's attention layers keep their number of query
+# heads and their head dimension in, by family.
+_QUERY_HEADS = ("num_query_heads", "_num_query_heads", "num_attention_heads")
+_HEAD_DIM = ("head_dim", "_head_dim")
+
+
+def _first_attribute(layer, names):
+    for name in names:
+        value = getattr(layer, name, None)
+        if isinstance(value, int):
+            return value
+    # Imported here: the startup hook loads this package alone, without the
+    # rest of keras_hub_autodist.
+    from keras_hub_autodist.errors import UnsupportedArchitectureError
+
+    raise UnsupportedArchitectureError(
+        f"{type(layer).__name__} keeps none of the attributes {names}: this "
+        "keras-hub version changed the layer. Load the model without "
+        "device_mesh=, or install the keras-hub this package was tested "
+        f"with. Received: {type(layer).__module__}.{type(layer).__name__}"
+    )
+
+
+def query_heads(layer) -> int:
+    """The number of query heads of a known attention layer."""
+    return _first_attribute(layer, _QUERY_HEADS)
+
+
+def head_dim(layer) -> int:
+    """The head dimension of a known attention layer."""
+    return _first_attribute(layer, _HEAD_DIM)
+
+
 def known_attention_classes() -> list[tuple[str, str]]:
     """The (module, class) of each attention layer with a known reading."""
     return list(_READINGS)

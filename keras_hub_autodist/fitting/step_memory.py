@@ -66,12 +66,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from keras_hub_autodist.attention.attention_blocks import BLOCK_KERNELS
 from keras_hub_autodist.attention.attention_blocks import KEY_BLOCK
-from keras_hub_autodist.attention.attention_blocks import PER_DEVICE_ARCHITECTURES
 from keras_hub_autodist.attention.attention_blocks import SPLASH_RESIDUAL_LANES
-from keras_hub_autodist.attention.attention_blocks import context_kernel
-from keras_hub_autodist.attention.attention_blocks import every_mesh_kernel
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.device_profiles import device_key
@@ -88,6 +84,8 @@ from keras_hub_autodist.fitting.memory_factors import GRADIENTS_AT_PEAK
 from keras_hub_autodist.fitting.memory_factors import SPLASH_FACTORS
 from keras_hub_autodist.fitting.memory_factors import UPDATE_TEMPORARIES
 from keras_hub_autodist.fitting.memory_factors import WEIGHT_TERMS
+from keras_hub_autodist.fitting.step_kernel import gives_head_shape
+from keras_hub_autodist.fitting.step_kernel import per_device_kernel
 from keras_hub_autodist.fitting.trained_state import optimizer_spec
 from keras_hub_autodist.fitting.trained_state import trainable_bytes
 from keras_hub_autodist.loss.chunks import chunk_count
@@ -168,55 +166,6 @@ STEP = "step"
 STATE_ONLY = "state only"
 
 
-def per_device_attention(plan) -> bool:
-    """Whether `plan`'s attention runs per device, one block of keys at a
-    time, on a context mesh (`attention.context_attention`)."""
-    return plan.architecture in PER_DEVICE_ARCHITECTURES
-
-
-def per_device_kernel(plan, sequence_length: int, platform: str = "gpu") -> str | None:
-    """The kernel each device of `plan` attends one block of keys at a time
-    with on the devices of `platform` (a platform or a named device), by
-    the layers' own rule (`attention_blocks.context_kernel` on a context
-    mesh, `every_mesh_kernel` off one), or None where the layers keep XLA's
-    attention or the estimate can't tell (`BLOCK_KERNELS`: cuDNN's).
-
-    Example:
-    ```python
-    per_device_kernel(plan, 32768, "v5e")  # "splash" (Gemma's heads of 256)
-    per_device_kernel(plan, 32768, "h100")  # None: XLA's counted
-    ```
-    """
-    query = next((r for r in plan.rows if _gives_head_shape(r)), None)
-    if not per_device_attention(plan) or query is None:
-        return None
-    head_dim = query.shape[query.logical_axes.index("head_dim")]
-    axes = plan.mesh_axes
-    contexts = axes.size(axes.context_axis)
-    platform = platform_of(platform)
-    if contexts > 1:
-        return context_kernel(
-            platform,
-            head_dim,
-            sequence_length,
-            contexts,
-            plan.context_parallel_strategy,
-        )
-    kernel, _ = every_mesh_kernel(platform, head_dim, sequence_length)
-    return kernel if kernel in BLOCK_KERNELS else None
-
-
-def platform_of(platform: str) -> str:
-    """The platform of a platform or a named device (`DEVICE_PROFILES`).
-
-    Example:
-    >>> platform_of("V5E"), platform_of("cpu")
-    ('tpu', 'cpu')
-    """
-    key = device_key(platform)
-    return DEVICE_PROFILES[key].platform if key in DEVICE_PROFILES else key
-
-
 def loss_chunks(
     plan, rows: int, sequence_length: int, vocabulary: int, output, trained: bool
 ) -> int:
@@ -278,7 +227,7 @@ def activation_terms(
     def first(condition):
         return next((r for r in plan.rows if condition(r)), None)
 
-    query = first(_gives_head_shape)
+    query = first(gives_head_shape)
     key = first(lambda r: "kv_heads" in r.logical_axes)
     ups = [r for r in plan.rows if r.logical_axes[-2:] == ("embed", "mlp")]
     downs = [r for r in plan.rows if r.logical_axes[-2:] == ("mlp", "embed")]
@@ -337,7 +286,7 @@ def activation_terms(
 
     scores = layers * b * heads * s * whole / shards(query, {"heads"})
     keys_held = whole
-    kernel = per_device_kernel(plan, whole, platform)
+    kernel = per_device_kernel(plan, whole, platform, rows=b)
     if kernel is not None:
         # Attention per device holds one block of keys' scores at a time and
         # keeps none for the backward pass.
@@ -496,13 +445,6 @@ def calibration_of(platform: str) -> tuple[str, tuple[str, ...]]:
     return factors, FLOAT32_COMPUTE.get(key, FLOAT32_COMPUTE.get(factors, ()))
 
 
-def _gives_head_shape(row) -> bool:
-    """Whether `row` has the attention's `heads` and `head_dim` axes: the
-    query's kernel, or where that is flat (`(embed, heads · head_dim)`,
-    SmolLM3's) the output projection's. One per decoder block."""
-    return {"heads", "head_dim"} <= set(row.logical_axes)
-
-
 def _width(row, head_dim: int) -> int:
     """Elements per token of a key or value projection `row`: its
     `kv_heads` axis, times `head_dim` unless that axis carries it."""
@@ -512,7 +454,7 @@ def _width(row, head_dim: int) -> int:
 
 def num_blocks(plan) -> int:
     """The decoder blocks of a plan: the rows of its query's pattern."""
-    query = next((r for r in plan.rows if _gives_head_shape(r)), None)
+    query = next((r for r in plan.rows if gives_head_shape(r)), None)
     return sum(1 for r in plan.rows if r.pattern == query.pattern) if query else 1
 
 
@@ -604,7 +546,9 @@ def activation_bytes(
     factors = ACTIVATION_FACTORS[calibration]
     axes = plan.mesh_axes
     on_context_mesh = axes.size(axes.context_axis) > 1
-    if per_device_kernel(plan, sequence_length, platform) == "splash":
+    rows = runnable_step(axes, batch_size, sequence_length).rows
+    rows //= axes.size(axes.batch_axis)
+    if per_device_kernel(plan, sequence_length, platform, rows=rows) == "splash":
         splash = CONTEXT_SPLASH_FACTORS if on_context_mesh else SPLASH_FACTORS
         factors = {**factors, **splash.get(calibration, {})}
     terms = activation_terms(plan, batch_size, sequence_length, platform)
