@@ -298,7 +298,11 @@ def _train_child(step, path, variant, clock, timing_only=False) -> list[dict]:
 
 
 def _train(step, path, clock, results, save):
-    variants = (["keras-hub"] if step.pair else []) + ["autodist"]
+    variants = (
+        (["keras-hub"] if step.pair else [])
+        + (["autodist-xla"] if step.against_xla else [])
+        + ["autodist"]
+    )
     # autodist first: the package's own rows matter most if time runs out.
     for variant in reversed(variants):
         what = f"train {step.label} {variant}"

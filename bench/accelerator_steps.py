@@ -71,6 +71,49 @@ LLAMA32_1B_UNTIED = dict(
     tie_word_embeddings=False,
     rope_max_wavelength=500000.0,
 )
+# Qwen 2.5 0.5B (heads of 64, its output embedding tied to its input one).
+QWEN25_05B = dict(
+    vocabulary_size=151936,
+    num_layers=24,
+    num_query_heads=14,
+    num_key_value_heads=2,
+    hidden_dim=896,
+    intermediate_dim=4864,
+    rope_max_wavelength=1000000.0,
+    layer_norm_epsilon=1e-6,
+    tie_word_embeddings=True,
+)
+# Phi-3 mini (3.8B parameters; heads of 96).
+PHI3_MINI = dict(
+    vocabulary_size=32064,
+    num_layers=32,
+    num_query_heads=32,
+    num_key_value_heads=32,
+    hidden_dim=3072,
+    intermediate_dim=8192,
+    layer_norm_epsilon=1e-5,
+    max_sequence_length=4096,
+)
+# Gemma 2 2B (keras-hub's conversion of its Hugging Face config): soft caps
+# on the attention's scores and on the logits, sliding windows every other
+# layer.
+GEMMA2_2B = dict(
+    vocabulary_size=256000,
+    num_layers=26,
+    num_query_heads=8,
+    num_key_value_heads=4,
+    hidden_dim=2304,
+    intermediate_dim=18432,
+    head_dim=256,
+    query_head_dim_normalize=True,
+    use_post_ffw_norm=True,
+    use_post_attention_norm=True,
+    final_logit_soft_cap=30.0,
+    attention_logit_soft_cap=50.0,
+    use_sliding_window_attention=True,
+    sliding_window_size=4096,
+    layer_norm_epsilon=1e-6,
+)
 TINY = dict(
     vocabulary_size=1024,
     num_layers=2,
@@ -98,12 +141,42 @@ TINY_LLAMA = dict(
     hidden_dim=64,
     intermediate_dim=128,
 )
+TINY_QWEN = dict(
+    QWEN25_05B,
+    vocabulary_size=1024,
+    num_layers=2,
+    num_query_heads=2,
+    num_key_value_heads=1,
+    hidden_dim=128,
+    intermediate_dim=256,
+)
+TINY_PHI3 = dict(
+    PHI3_MINI,
+    vocabulary_size=1024,
+    num_layers=2,
+    num_query_heads=2,
+    num_key_value_heads=2,
+    hidden_dim=192,
+    intermediate_dim=256,
+)
+TINY_GEMMA2 = dict(
+    GEMMA2_2B,
+    vocabulary_size=1024,
+    num_layers=2,
+    hidden_dim=64,
+    intermediate_dim=128,
+    head_dim=16,
+    sliding_window_size=16,
+)
 # model -> (backbone class, full config, tiny config).
 MODELS = {
     "gemma_7b": ("GemmaBackbone", GEMMA_7B, TINY),
     "gemma_2b": ("GemmaBackbone", GEMMA_2B, TINY),
+    "gemma2_2b": ("GemmaBackbone", GEMMA2_2B, TINY_GEMMA2),
     "gemma3_1b": ("Gemma3Backbone", GEMMA3_1B, TINY_GEMMA3),
     "llama3.2_1b": ("Llama3Backbone", LLAMA32_1B_UNTIED, TINY_LLAMA),
+    "qwen2.5_0.5b": ("QwenBackbone", QWEN25_05B, TINY_QWEN),
+    "phi3_mini": ("Phi3Backbone", PHI3_MINI, TINY_PHI3),
 }
 
 
@@ -137,6 +210,8 @@ class Step:
             `compiled_memory` before training (the local compile).
         remat: autodist's `from_preset(..., remat=...)` ("" for none);
             keras-hub has no such argument.
+        against_xla: also train autodist with its layers' own (XLA's)
+            attention, the per-device kernel turned off ("autodist-xla").
     """
 
     label: str
@@ -150,6 +225,7 @@ class Step:
     pair: bool = False
     local_check: bool = False
     remat: str = ""
+    against_xla: bool = False
 
     def name(self, batch: int) -> str:
         """The rung's name in the tables and in the predictions.
@@ -192,7 +268,26 @@ TPU_STEPS = [
 # one-device mesh and the loss a chunk of tokens at a time, each decoder
 # block recomputed where the sequence is longest. keras-hub was refused at
 # 8192 tokens of Gemma 3 1B (30.68 GiB) and of the Gemma 2B shape (27.32).
+# The families with heads of 64 and 96 (splash with its head dimension
+# padded to lanes of 128): Llama 3.2 1B and Qwen 2.5 0.5B at 32k tokens,
+# where XLA's attention was refused at 16k; Phi-3 mini at 4 x 4096; and
+# Qwen 2.5 0.5B at 4 x 4096, with the kernel and with XLA's attention.
 TPU_LONG_STEPS = [
+    Step("llama3.2_1b_32k", "llama3.2_1b", 8, (1,), 32768, 2, 1, remat="full"),
+    Step("qwen2.5_0.5b_32k", "qwen2.5_0.5b", 0, (1,), 32768, 2, 1, remat="full"),
+    Step("phi3_mini_4x4k", "phi3_mini", 8, (4,), 4096, 2, 1, remat="full"),
+    Step(
+        "qwen2.5_0.5b_4x4k",
+        "qwen2.5_0.5b",
+        0,
+        (4,),
+        4096,
+        5,
+        2,
+        remat="full",
+        against_xla=True,
+    ),
+    Step("gemma2_2b_16k", "gemma2_2b", 8, (1,), 16384, 2, 1, remat="full"),
     Step("gemma3_1b_64k", "gemma3_1b", 8, (1,), 65536, 2, 1, remat="full"),
     Step("gemma_2b_32k", "gemma_2b", 8, (1,), 32768, 2, 1, remat="full"),
     Step("gemma3_1b_32k", "gemma3_1b", 8, (1,), 32768, 2, 1, remat="full"),
@@ -213,7 +308,9 @@ STEPS = {"gpu": (GPU_STEPS, GPU_TINY_STEPS), "tpu": (TPU_STEPS, TPU_TINY_STEPS)}
 SPEED_ROUNDS = 2
 TPU_SPEED_STEPS = [
     Step("gemma_2b", "gemma_2b", 8, (4,), 1024, 12, 2, pair=True),
+    Step("gemma3_1b", "gemma3_1b", 8, (1,), 4096, 12, 2, pair=True),
     Step("llama3.2_1b untied", "llama3.2_1b", 0, (2,), 1024, 12, 2, pair=True),
+    Step("qwen2.5_0.5b", "qwen2.5_0.5b", 0, (4,), 1024, 12, 2, pair=True),
 ]
 TPU_TINY_SPEED_STEPS = [Step("tiny llama", "llama3.2_1b", 0, (2,), 32, 3, 1, pair=True)]
 SPEED_STEPS = {"tpu": (TPU_SPEED_STEPS, TPU_TINY_SPEED_STEPS)}

@@ -241,8 +241,10 @@ def child_train(
 
     Args:
         path: the preset.
-        variant: "keras-hub" (plain `from_preset`) or "autodist" (a
-            one-device mesh, with the package's answers beside each rung).
+        variant: "keras-hub" (plain `from_preset`), "autodist" (a
+            one-device mesh, with the package's answers beside each rung)
+            or "autodist-xla" (the same, its layers attending with their
+            own XLA attention instead of the per-device kernel).
         lora_rank: 0 trains every weight; otherwise `enable_lora(rank)`.
         batches: the ladder (`climb`).
         seq: tokens per sequence.
@@ -263,7 +265,11 @@ def child_train(
     from bench import accelerator_program
 
     kwargs = dict(preprocessor=None, dtype="bfloat16")
-    if variant == "autodist":
+    if variant == "autodist-xla":
+        from keras_hub_autodist.attention import attention_blocks
+
+        attention_blocks.PLATFORM_KERNELS = {}
+    if variant.startswith("autodist"):
         kwargs["device_mesh"] = ONE_DEVICE
         if remat:
             kwargs["remat"] = remat
