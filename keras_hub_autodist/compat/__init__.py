@@ -582,11 +582,29 @@ def set_patch(name: str, value) -> None:
         setattr(_resolve(patch.holder), patch.attribute, value)
 
 
+# On a function `patch_instance` installed: the patch's name.
+_INSTANCE_PATCH_ATTR = "__keras_hub_autodist_instance_patch__"
+
+
 def patch_instance(name: str, obj, attribute: str, value) -> None:
     """Give one object a lasting attribute that replaces its class's, out of
-    Keras' attribute tracking (`object.__setattr__`)."""
+    Keras' attribute tracking (`object.__setattr__`); a function is marked
+    as this package's (`is_instance_patch`)."""
     _registered(name, process_wide=False)
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(value, _INSTANCE_PATCH_ATTR, name)
     object.__setattr__(obj, attribute, value)
+
+
+def is_instance_patch(value) -> bool:
+    """Whether `value` is a function `patch_instance` installed (not one a
+    user put on the object).
+
+    Example:
+    >>> is_instance_patch(print)
+    False
+    """
+    return _INSTANCE_PATCH_ATTR in (getattr(value, "__dict__", None) or {})
 
 
 @contextlib.contextmanager
