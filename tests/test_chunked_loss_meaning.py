@@ -1,15 +1,21 @@
 """A bound causal LM computes the loss keras-hub's compiled loss computes:
 the chunked loss stands in only for keras-hub's default cross-entropy,
-computed as Keras computes it; any other loss, metric or step keeps Keras'
-whole-logits step."""
+computed as Keras computes it (any other loss, metric or step keeps Keras'
+whole-logits step), and every label keeps Keras' meaning, those outside the
+vocabulary included; such labels are said once, with how to mask them."""
 
+import warnings
+
+import jax.numpy as jnp
 import keras
 import keras_hub
 import numpy as np
 import pytest
 
+from keras_hub_autodist.errors import OutOfVocabularyLabelWarning
 from keras_hub_autodist.errors import WholeLogitsWarning
 from keras_hub_autodist.loss import chunked_steps
+from keras_hub_autodist.loss.label_range import outside_vocabulary
 
 SEQUENCE = 16
 ROWS = 8
@@ -201,3 +207,97 @@ def test_a_step_method_replaced_after_loading_keeps_keras_own_step(
     x, y, _ = _batch(lm.backbone.vocabulary_size)
     why = chunked_steps.why_whole_logits(lm, y)
     assert why is not None and "compute_loss" in why
+
+
+@pytest.mark.parametrize(
+    "reduction", ["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight"]
+)
+@pytest.mark.parametrize("mesh", [{"batch": 8}, {"batch": 2, "model": 4}])
+def test_labels_outside_the_vocabulary_mean_what_they_mean_to_keras(
+    reduction, mesh, tiny_presets_dir, chunk_calls
+):
+    def loss():
+        return keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=reduction
+        )
+
+    path = tiny_presets_dir["gemma2_gqa"]  # soft-capped logits
+    reference = _train(path, loss(), labels_outside=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutOfVocabularyLabelWarning)
+        ours = _train(path, loss(), mesh, labels_outside=True)
+    assert len(chunk_calls) == 2  # the train and the test step, chunked
+    _assert_same(ours, reference)
+
+
+def test_the_chunks_give_an_outside_label_no_loss_and_no_gradient():
+    from keras_hub_autodist.loss import chunked_cross_entropy as chunked
+
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.normal(size=(2, 8, 4)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(4, 10)), jnp.float32)
+    labels = jnp.asarray(
+        [[1, -100, 3, 10, -1, 9, 0, 2**20], [4, 5, -100, 6, 7, 8, 11, 3]], jnp.int32
+    )
+    weights = jnp.ones((2, 8), jnp.float32)
+
+    def keras_loss(hidden, kernel):
+        return keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="sum"
+        )(labels, hidden @ kernel)
+
+    def ours(hidden, kernel):
+        entropy, _ = chunked.chunked_cross_entropy(
+            lambda k, h: h @ k, kernel, hidden, labels, weights, 4
+        )
+        return jnp.sum(entropy)
+
+    np.testing.assert_allclose(ours(hidden, kernel), keras_loss(hidden, kernel), 1e-5)
+    for got, want in zip(
+        jax_grad(ours)(hidden, kernel), jax_grad(keras_loss)(hidden, kernel)
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def jax_grad(function):
+    import jax
+
+    return jax.grad(function, (0, 1))
+
+
+def test_labels_outside_the_vocabulary_are_said_once_with_how_to_mask_them(
+    tiny_presets_dir,
+):
+    lm = keras_hub.models.CausalLM.from_preset(
+        tiny_presets_dir["gemma_mqa"], preprocessor=None, device_mesh={"batch": 8}
+    )
+    lm.compile(optimizer="sgd")
+    vocabulary = lm.backbone.vocabulary_size
+    x, y, weights = _batch(vocabulary)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OutOfVocabularyLabelWarning)
+        lm.train_on_batch(x, y, weights)  # every label in the vocabulary
+        masked = y.copy()
+        masked[:, -3:] = -100  # where the weights are 0 already
+        lm.train_on_batch(x, masked, weights)
+    y[:, -5:] = -100
+    with pytest.warns(OutOfVocabularyLabelWarning) as said:
+        lm.train_on_batch(x, y, weights)
+    text = str(said[0].message)
+    assert "16 labels" in text and f"[0, {vocabulary})" in text and "-100" in text
+    assert "sample_weight" in text and "mean_with_sample_weight" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OutOfVocabularyLabelWarning)
+        lm.train_on_batch(x, y, weights)  # said once per model
+
+
+def test_the_label_check_reads_labels_as_keras_does():
+    labels = np.array([[0, 9, 10, -1], [-0.5, 9.9, 10.0, 3]], np.float32)
+    assert outside_vocabulary(labels, None, 10) == (3, 10.0)
+    assert outside_vocabulary(labels.astype(np.int32), None, 10) == (3, 10)
+    # A label the loss ignores, or a token of weight 0, is not counted.
+    assert outside_vocabulary(np.array([[-100, 5]]), None, 10, ignored=-100) is None
+    row_weights = np.array([0.0, 1.0])
+    assert outside_vocabulary(labels, row_weights, 10) == (1, 10.0)
+    # Device arrays are not read back.
+    assert outside_vocabulary(jnp.asarray(labels), None, 10) is None
