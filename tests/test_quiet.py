@@ -199,7 +199,8 @@ def test_jax_starts_quietly_here_with_the_compilers_installed():
 
 
 # A traceback's frames and source lines (indented), and what makes one run's
-# absl line differ from another's (its time and thread).
+# absl line differ from another's (its time and thread; libtpu ends some
+# lines with a space or not, from run to run).
 _ABSL_STAMP = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ ")
 
 
@@ -216,7 +217,7 @@ def _what_the_user_sees(script: str, platforms: str) -> tuple[int, list[str]]:
         [sys.executable, "-c", script], capture_output=True, text=True, env=env
     )
     lines = [
-        _ABSL_STAMP.sub(r"\1 ", line)
+        _ABSL_STAMP.sub(r"\1 ", line).rstrip()
         for line in done.stderr.splitlines()
         if line and not line[0].isspace()
     ]
