@@ -59,6 +59,7 @@ from keras_hub_autodist.errors import MeshError  # noqa: E402
 from keras_hub_autodist.errors import ModelClassError  # noqa: E402
 from keras_hub_autodist.errors import MultiprocessSaveError  # noqa: E402
 from keras_hub_autodist.errors import NotBoundError  # noqa: E402
+from keras_hub_autodist.errors import OutOfVocabularyLabelWarning  # noqa: E402
 from keras_hub_autodist.errors import PaddingWarning  # noqa: E402
 from keras_hub_autodist.errors import PlanError  # noqa: E402
 from keras_hub_autodist.errors import PlanInputError  # noqa: E402
@@ -127,6 +128,7 @@ __all__ = [
     "ModelClassError",
     "MultiprocessSaveError",
     "NotBoundError",
+    "OutOfVocabularyLabelWarning",
     "PaddingWarning",
     "plan",
     "PlanError",

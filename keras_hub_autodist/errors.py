@@ -178,6 +178,13 @@ class WholeLogitsWarning(UserWarning):
     chunk of tokens at a time. Said once per model and reason."""
 
 
+class OutOfVocabularyLabelWarning(UserWarning):
+    """Labels outside the vocabulary (Hugging Face's -100) reach a bound
+    causal LM's sparse cross-entropy, which, as Keras computes it, gives
+    each such token a loss of 0 but still counts it in the mean. Said once
+    per model."""
+
+
 class KeptAttentionWarning(UserWarning):
     """Off a context mesh, a long sequence's attention layers keep their own
     (XLA's) attention, every score held, because the platform's fused

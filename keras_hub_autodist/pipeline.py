@@ -29,6 +29,7 @@ import keras
 
 from keras_hub_autodist.attention.context_attention import install_per_device_attention
 from keras_hub_autodist.attention.xla_path import attention_through_xla
+from keras_hub_autodist.compat.random_state import global_random_kept
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import BackendError
@@ -182,19 +183,23 @@ def from_preset(
     require_jax_backend()
     load_from_preset = original_from_preset(cls)
     planning_started = time.perf_counter()
-    # 1-2. The config, and every weight of the model it builds.
-    preset_config = read_preset_config(preset)
-    weights = model_weights(preset_config, options)
-    # 3. The mesh, resolved once over the devices, and the plan on it.
-    devices = keras.distribution.list_devices()
-    # On accelerators the layout search knows, "auto" is its winner.
-    device_mesh, options, searched = searched_layout(
-        preset, device_mesh, options, devices
-    )
-    resolved = resolve_mesh(device_mesh, weights, options, devices=devices)
-    if searched:
-        resolved = dataclasses.replace(resolved, reason=searched)
-    layout_plan = plan_model(weights, resolved, options)
+    # Planning builds models of its own (abstract, or compiled for the
+    # search): the user's random streams are left as they were, so that
+    # the model loaded below draws the seeds keras-hub's own load would.
+    with global_random_kept():
+        # 1-2. The config, and every weight of the model it builds.
+        preset_config = read_preset_config(preset)
+        weights = model_weights(preset_config, options)
+        # 3. The mesh, resolved once over the devices, and the plan on it.
+        devices = keras.distribution.list_devices()
+        # On accelerators the layout search knows, "auto" is its winner.
+        device_mesh, options, searched = searched_layout(
+            preset, device_mesh, options, devices
+        )
+        resolved = resolve_mesh(device_mesh, weights, options, devices=devices)
+        if searched:
+            resolved = dataclasses.replace(resolved, reason=searched)
+        layout_plan = plan_model(weights, resolved, options)
     mesh = resolved.build()
     plan_seconds = time.perf_counter() - planning_started
     distribution = plan_distribution(layout_plan, mesh)

@@ -19,7 +19,10 @@ JAX's start of its backends on a machine without their devices, where the
 failed check of the CUDA libraries is logged at debug level where no NVIDIA
 device exists, and libtpu's notices off a TPU VM are filtered as
 TensorFlow's are (`quiet_jax_cuda_plugin_start`,
-`quiet_jax_tpu_backend_start`).
+`quiet_jax_tpu_backend_start`). Where the user asked JAX for one of those
+platforms (`JAX_PLATFORMS` naming cuda, gpu or tpu), nothing of JAX's start
+is filtered: its failure to start it, and every message on the way, is
+the user's to see, as JAX alone shows it (`accelerator_asked`).
 
 Orbax warns "Skipping merge of OCDBT checkpoints: No per-process OCDBT
 checkpoint subdirs found" on every save by one process, where there are no
@@ -209,8 +212,55 @@ def quiet_jax_cuda_plugin_start() -> None:
     from keras_hub_autodist.on_import import when_imported
     from keras_hub_autodist.on_import import while_importing
 
-    while_importing("jax", native_stderr_filtered)
+    while_importing("jax", jax_start_filtered)
     when_imported(CUDA_PLUGIN, "quiet_cuda_plugin_start", _filter_plugin_start)
+
+
+# The platforms whose start this module quiets, as `JAX_PLATFORMS` names
+# them: the CUDA plugin's ("gpu" is JAX's other name for it) and the TPU
+# backend's.
+QUIETED_PLATFORMS = ("cuda", "gpu", "tpu")
+JAX_PLATFORMS = "JAX_PLATFORMS"
+
+
+def asked_platforms(environ=None) -> set[str]:
+    """The platforms the user asked JAX for: `jax.config.jax_platforms`
+    once JAX is imported (it reads `JAX_PLATFORMS`, and `jax.config.update`
+    may change it), else `JAX_PLATFORMS`; empty where JAX chooses.
+
+    Example:
+    >>> sorted(asked_platforms({"JAX_PLATFORMS": "cuda,cpu"}))
+    ['cpu', 'cuda']
+    """
+    value = None
+    if environ is None:
+        environ = os.environ
+        with contextlib.suppress(Exception):  # JAX partly imported
+            value = sys.modules["jax"].config.jax_platforms
+    if value is None:
+        value = environ.get(JAX_PLATFORMS, "")
+    return {name.strip().lower() for name in str(value).split(",") if name.strip()}
+
+
+def accelerator_asked(environ=None) -> bool:
+    """Whether the user asked JAX for a platform whose start this module
+    quiets (`QUIETED_PLATFORMS`). Then JAX's start is left as JAX makes it,
+    its messages and errors whole: they are about what the user asked for.
+
+    Example:
+    >>> accelerator_asked({"JAX_PLATFORMS": "cuda"})
+    True
+    """
+    return bool(asked_platforms(environ) & set(QUIETED_PLATFORMS))
+
+
+def jax_start_filtered() -> contextlib.AbstractContextManager:
+    """`native_stderr_filtered()` around a step of JAX's start, unless the
+    user asked for a platform whose start it would quiet
+    (`accelerator_asked`); then nothing is filtered."""
+    if accelerator_asked():
+        return contextlib.nullcontext()
+    return native_stderr_filtered()
 
 
 # The module JAX imports for its CUDA plugin (a `jax_plugins` namespace
@@ -225,6 +275,8 @@ def _filter_plugin_start() -> None:
         return
 
     def initialize(*args, **kwargs):
+        if accelerator_asked():  # JAX's own start, its error whole
+            return start(*args, **kwargs)
         with native_stderr_filtered():
             try:
                 return start(*args, **kwargs)
@@ -271,7 +323,7 @@ def quiet_jax_tpu_backend_start() -> None:
 def _quiet_tpu_backend_start() -> None:
     from keras_hub_autodist.compat import jax_start
 
-    jax_start.quiet_tpu_backend_start(native_stderr_filtered)
+    jax_start.quiet_tpu_backend_start(jax_start_filtered)
 
 
 def quiet_orbax_merge_notice() -> None:

@@ -4,6 +4,7 @@ not, and readable by every user the umask allows."""
 import json
 import os
 
+import keras
 import keras_hub
 import pytest
 from test_abstract_cache import _preset
@@ -98,7 +99,10 @@ def test_an_entry_records_what_it_answers(tmp_path, cache):
     assert entry["kind"] == abstract.CACHE_KIND
     assert entry["key"] == abstract._variables_key("LlamaBackbone", config)
     assert entry["key"].startswith("LlamaBackbone|")
-    assert json.loads(entry["key"].partition("|")[2]) == config
+    # The config, and the global dtype policy it is built in (it names none).
+    config_text, _, policy = entry["key"].partition("|")[2].rpartition("|")
+    assert json.loads(config_text) == config
+    assert policy == f"global_dtype_policy={keras.config.dtype_policy().name}"
     assert set(entry["versions"]) == {"keras", "keras-hub"}
 
 

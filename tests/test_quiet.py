@@ -5,6 +5,7 @@ merge warning are dropped; nothing else is."""
 import importlib.util
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -195,3 +196,75 @@ def test_jax_starts_quietly_here_with_the_compilers_installed():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "cpu"
     assert done.stderr == "", done.stderr
+
+
+# A traceback's frames and source lines (indented), and what makes one run's
+# absl line differ from another's (its time and thread; libtpu ends some
+# lines with a space or not, from run to run).
+_ABSL_STAMP = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ ")
+
+
+def _what_the_user_sees(script: str, platforms: str) -> tuple[int, list[str]]:
+    """The exit status of `script` under `JAX_PLATFORMS=platforms`, and the
+    lines of its stderr but the traceback frames, absl's times taken out."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")
+    }
+    env["JAX_PLATFORMS"] = platforms
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env
+    )
+    lines = [
+        _ABSL_STAMP.sub(r"\1 ", line).rstrip()
+        for line in done.stderr.splitlines()
+        if line and not line[0].isspace()
+    ]
+    return done.returncode, lines
+
+
+@pytest.mark.parametrize(
+    "platforms, installed",
+    [
+        ("cuda", _cuda_plugin_installed),
+        ("gpu", _cuda_plugin_installed),
+        ("tpu", lambda: importlib.util.find_spec("libtpu") is not None),
+    ],
+)
+def test_a_platform_the_user_asks_for_starts_as_jax_starts_it(platforms, installed):
+    """With `JAX_PLATFORMS` naming an accelerator whose start the package
+    quiets, the user sees JAX's own messages and error, whole: the same as
+    without the package."""
+    if not installed():
+        pytest.skip(f"the compiler of {platforms} is not installed")
+    script = "import jax; print(jax.devices()[0].platform)"
+    alone = _what_the_user_sees(script, platforms)
+    ours = _what_the_user_sees("import keras_hub_autodist; " + script, platforms)
+    assert ours == alone
+    if platforms != "tpu" and not any(
+        os.path.exists(path) for path in quiet.NVIDIA_DEVICE_FILES
+    ):
+        status, lines = ours
+        assert status != 0
+        assert any("Unable to load CUDA. Is it installed?" in line for line in lines)
+
+
+def test_the_platforms_asked_are_read_at_the_start(monkeypatch):
+    assert quiet.accelerator_asked({"JAX_PLATFORMS": "cpu,tpu"})
+    assert not quiet.accelerator_asked({"JAX_PLATFORMS": "cpu"})
+    assert not quiet.accelerator_asked({})
+    # Set through JAX's config after its import, it is read there.
+    import jax
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    previous = jax.config.jax_platforms
+    jax.config.update("jax_platforms", "cuda")
+    try:
+        assert quiet.accelerator_asked()
+        error = RuntimeError("Unable to load CUDA. Is it installed?")
+        plugin = _fake_cuda_plugin(monkeypatch, error)
+        with pytest.raises(RuntimeError, match="Unable to load CUDA"):
+            plugin.initialize()
+    finally:
+        jax.config.update("jax_platforms", previous)

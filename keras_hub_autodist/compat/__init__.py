@@ -3,7 +3,9 @@
 layer's RNG state), `attention` (keras-hub's attention layers), `devices`
 (keras-hub's device checks, answered for a compile target), `upstream`
 (fixes of keras-hub bugs), `jax_start` (JAX's TPU backend start, quiet off
-a TPU VM). Nothing else in `keras_hub_autodist` imports
+a TPU VM), `checkpoints` (a restored training position, Orbax's counters),
+`random_state` (the global random state, kept around this package's own
+builds). Nothing else in `keras_hub_autodist` imports
 `keras.src` or `keras_hub.src` or reads a private attribute of Keras' objects.
 `tests/test_compat.py` checks each of `TOUCHPOINTS` against the installed
 Keras and keras-hub, so an upgrade shows exactly what broke. Every
@@ -28,11 +30,22 @@ import dataclasses
 import importlib
 import threading
 
+from keras_hub_autodist.compat import checkpoints as compat_checkpoints
 from keras_hub_autodist.compat import devices as compat_devices
 from keras_hub_autodist.compat import jax_start as compat_jax_start
+from keras_hub_autodist.compat import random_state as compat_random_state
 from keras_hub_autodist.compat import state as compat_state
 from keras_hub_autodist.compat import steps as compat_steps
 from keras_hub_autodist.compat import upstream as compat_upstream
+from keras_hub_autodist.compat.random_state import global_random_kept
+
+# The checkpoints' touchpoints, by the names the package calls them.
+variable_value_or_none = compat_checkpoints.variable_value_or_none
+set_initial_epoch = compat_checkpoints.set_initial_epoch
+orbax_unsaved_batches = compat_checkpoints.orbax_unsaved_batches
+orbax_resume_counters = compat_checkpoints.orbax_resume_counters
+orbax_skip_batch = compat_checkpoints.orbax_skip_batch
+orbax_save_now = compat_checkpoints.orbax_save_now
 
 # keras-hub's names of its preset files (touchpoints: `preset_format_names`).
 PRESET_FORMAT_NAMES = tuple(
@@ -71,6 +84,7 @@ TOUCHPOINTS = (
     *compat_state.TOUCHPOINTS,
     *compat_devices.TOUCHPOINTS,
     *compat_jax_start.TOUCHPOINTS,
+    *compat_random_state.TOUCHPOINTS,
     *compat_upstream.TOUCHPOINTS,
 ) + compat_steps.TOUCHPOINTS
 
@@ -150,7 +164,10 @@ def h5_dataset(store, key):
 @contextlib.contextmanager
 def deferred_variables():
     """A scope where new variables get a shape but no value, and are then
-    forgotten by Keras (never initialized later by another scope).
+    forgotten by Keras (never initialized later by another scope). What is
+    built there is this package's own, never the user's model: the seeds
+    it draws are put back (`random_state.global_random_kept`), so that the
+    user's streams move as without it.
 
     Example:
     ```python
@@ -166,7 +183,10 @@ def deferred_variables():
     )
     before = len(pending)
     try:
-        with keras.StatelessScope(initialize_variables=False):
+        with (
+            global_random_kept(),
+            keras.StatelessScope(initialize_variables=False),
+        ):
             yield
     finally:
         current = global_state.get_global_attribute("uninitialized_variables")
@@ -291,52 +311,6 @@ def symbolic_build(model, data_batch) -> None:
     from keras.src.trainers.trainer import Trainer
 
     Trainer._symbolic_build(model, data_batch=data_batch)
-
-
-# --- Checkpoints: variable layouts, restored training position ------------------
-
-
-def variable_value_or_none(variable):
-    """A Keras variable's stored value (`variable._value`), without autocast;
-    None while a running JAX `fit` holds the state."""
-    return getattr(variable, "_value", None)
-
-
-def set_initial_epoch(model, epoch: int) -> None:
-    """Make the model's running `fit` start at `epoch` (`model._initial_epoch`),
-    as `keras.callbacks.BackupAndRestore` does from `on_train_begin`."""
-    model._initial_epoch = epoch
-
-
-# `keras.callbacks.OrbaxCheckpoint` keeps its batch counters in attributes
-# set by its `__init__`: `_total_batches_seen` (the step number of the next
-# save), `_last_batch_seen` and `_batches_seen_since_last_saving`.
-
-
-def orbax_unsaved_batches(callback) -> int:
-    """Batches an `OrbaxCheckpoint` trained on since its last save."""
-    return callback._batches_seen_since_last_saving
-
-
-def orbax_resume_counters(callback, batches_done: int) -> None:
-    """Make an `OrbaxCheckpoint` number its next saves after `batches_done`
-    batches, as if it had seen them (a resumed run)."""
-    callback._total_batches_seen = batches_done
-    callback._batches_seen_since_last_saving = 0
-
-
-def orbax_skip_batch(callback, batch: int) -> None:
-    """Let an `OrbaxCheckpoint` see batch `batch` of the epoch without
-    counting it (a batch skipped on resume)."""
-    callback._last_batch_seen = batch
-
-
-def orbax_save_now(callback, logs=None) -> None:
-    """Save an `OrbaxCheckpoint` now, numbered by the batches seen
-    (`OrbaxCheckpoint._save_checkpoint`), unless it just saved."""
-    if callback._batches_seen_since_last_saving:
-        callback._save_checkpoint(step=callback._total_batches_seen, logs=logs)
-        callback._batches_seen_since_last_saving = 0
 
 
 # --- Patches: every change this package makes to Keras and keras-hub ----------
@@ -582,11 +556,29 @@ def set_patch(name: str, value) -> None:
         setattr(_resolve(patch.holder), patch.attribute, value)
 
 
+# On a function `patch_instance` installed: the patch's name.
+_INSTANCE_PATCH_ATTR = "__keras_hub_autodist_instance_patch__"
+
+
 def patch_instance(name: str, obj, attribute: str, value) -> None:
     """Give one object a lasting attribute that replaces its class's, out of
-    Keras' attribute tracking (`object.__setattr__`)."""
+    Keras' attribute tracking (`object.__setattr__`); a function is marked
+    as this package's (`is_instance_patch`)."""
     _registered(name, process_wide=False)
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(value, _INSTANCE_PATCH_ATTR, name)
     object.__setattr__(obj, attribute, value)
+
+
+def is_instance_patch(value) -> bool:
+    """Whether `value` is a function `patch_instance` installed (not one a
+    user put on the object).
+
+    Example:
+    >>> is_instance_patch(print)
+    False
+    """
+    return _INSTANCE_PATCH_ATTR in (getattr(value, "__dict__", None) or {})
 
 
 @contextlib.contextmanager

@@ -6,9 +6,9 @@ backends. Off a TPU VM libtpu then writes its start-up notices to stderr
 (`Failed to find host bounds for accelerator type`, an `INVALID_ARGUMENT`
 about the TPU workers' hostnames and its source trace) before JAX goes on
 without it. `quiet_tpu_backend_start` runs that attempt inside the context
-it is given (`quiet.native_stderr_filtered`, which drops those notices at
-the default log level and writes every other line back) where JAX sees no
-TPU chip. On a TPU VM nothing changes.
+it is given (`quiet.jax_start_filtered`, which drops those notices at the
+default log level and writes every other line back, unless the user asked
+JAX for a TPU) where JAX sees no TPU chip. On a TPU VM nothing changes.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def quiet_tpu_backend_start(filtered: Callable[[], AbstractContextManager]) -> N
 
     Example:
     ```python
-    quiet_tpu_backend_start(quiet.native_stderr_filtered)
+    quiet_tpu_backend_start(quiet.jax_start_filtered)
     jax.devices()  # on a CPU machine with libtpu: no libtpu notices
     ```
     """

@@ -85,6 +85,8 @@ TOUCHPOINTS = (
     (_DATA_LIB, "distribute_tensor"),
     ("keras.src.backend.common.stateless_scope", "in_stateless_scope"),
     ("keras.src.backend.jax.trainer", "JAXTrainer"),
+    ("keras.src.models.functional", "Functional.call"),
+    ("keras.src.trainers.trainer", "Trainer._compute_loss"),
 )
 
 
@@ -110,6 +112,54 @@ def trunk_and_head(task):
             continue
         return trunk, head
     return None
+
+
+# The methods Keras' JAX trainer runs a training or test step through:
+# `train_step` and `test_step` call `compute_loss_and_updates`, which calls
+# `stateless_compute_loss`, `_compute_loss` and `compute_loss`; then
+# `compute_metrics`.
+STEP_METHODS = (
+    "train_step",
+    "test_step",
+    "compute_loss_and_updates",
+    "stateless_compute_loss",
+    "_compute_loss",
+    "compute_loss",
+    "compute_metrics",
+)
+
+
+def overridden_step_methods(task) -> list[str]:
+    """The methods of a Keras training step (`STEP_METHODS`) that `task`'s
+    class defines in place of Keras' own, and `call` where the class
+    replaces the Functional graph's; [] for a Functional model that runs
+    Keras' own step."""
+    import keras
+    from keras.src.models.functional import Functional
+
+    cls = type(task)
+    names = [
+        name
+        for name in STEP_METHODS
+        if getattr(cls, name, None) is not getattr(keras.Model, name, None)
+    ]
+    if getattr(cls, "call", None) is not Functional.call:
+        names.append("call")
+    return names
+
+
+def loss_function(loss) -> tuple:
+    """`(function, keyword arguments)` a Keras `LossFunctionWrapper` (e.g.
+    `SparseCategoricalCrossentropy`) computes each value with (`fn`,
+    `_fn_kwargs`)."""
+    return getattr(loss, "fn", None), dict(getattr(loss, "_fn_kwargs", None) or {})
+
+
+def metric_function(metric) -> tuple:
+    """`(function, keyword arguments)` a Keras `MeanMetricWrapper` (e.g.
+    `SparseCategoricalAccuracy`) computes each value with (`_fn`,
+    `_fn_kwargs`)."""
+    return getattr(metric, "_fn", None), dict(getattr(metric, "_fn_kwargs", None) or {})
 
 
 def compiled_metric_objects(model) -> list:

@@ -292,6 +292,7 @@ def _abstract(variable, sharding):
     )
 
 
+@compat.global_random_kept()  # the model it builds is this package's own
 def compiled_memory(
     plan: PlanRecord,
     batch_size: int,

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import Any
 
+from keras_hub_autodist.compat.random_state import global_random_kept
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import MeshError
 from keras_hub_autodist.errors import option
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     import keras
 
 
+@global_random_kept()  # planning never moves the user's random streams
 def plan(
     preset: str | os.PathLike | Mapping,
     device_mesh: keras.distribution.DeviceMesh | Mapping[str, int] | str,

@@ -159,15 +159,30 @@ _fused.defvjp(_fused_forward, _fused_backward)
 def _entropy(logits, targets):
     """`[batch, tokens]` cross-entropy and argmax matches of `logits`
     against `targets`, in float32 as Keras' loss reads them, and the
-    cross-entropy's gradient with respect to the float32 logits."""
+    cross-entropy's gradient with respect to the float32 logits.
+
+    Each label means what it means to Keras' sparse cross-entropy, which
+    reads it as its loss converts it (to float32, then to int32) and
+    one-hot encodes it: a label outside the vocabulary, negative or too
+    large (Hugging Face's -100), is a row of zeros, so its cross-entropy
+    and gradient are 0 while it still counts as a token in a mean. The
+    matches compare the argmax with the label in the logits' dtype, as
+    Keras' accuracy does.
+    """
+    dtype = logits.dtype
     logits = logits.astype(jnp.float32)
+    labels = targets.astype(jnp.float32).astype(jnp.int32)
     vocabulary = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-    is_label = vocabulary == targets[..., None].astype(jnp.int32)
+    is_label = vocabulary == labels[..., None]
+    in_vocabulary = (labels >= 0) & (labels < logits.shape[-1])
     label_logit = jnp.sum(jnp.where(is_label, logits, 0.0), axis=-1)
     log_sum = jax.nn.logsumexp(logits, axis=-1)
-    matches = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    predicted = jnp.argmax(logits, axis=-1).astype(dtype)
+    matches = (predicted == targets.astype(dtype)).astype(jnp.float32)
+    entropy = jnp.where(in_vocabulary, log_sum - label_logit, 0.0)
     gradient = jnp.exp(logits - log_sum[..., None]) - is_label
-    return log_sum - label_logit, matches, gradient
+    gradient = jnp.where(in_vocabulary[..., None], gradient, 0.0)
+    return entropy, matches, gradient
 
 
 def _to_chunks(values, chunks: int):

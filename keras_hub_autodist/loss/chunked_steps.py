@@ -24,9 +24,9 @@ or a head small enough to read again per chunk; elsewhere the step is
 Keras' own, to the byte. The chunks' gradient is taken with their loss
 (`chunked_cross_entropy`), so the head runs as often as in Keras' step.
 `predict`, `generate` and any call outside a step keep whole logits. A
-compiled loss other than keras-hub's cross-entropy, or metrics other than
-its accuracy, keep the whole-logits step, with one `WholeLogitsWarning`
-that says why.
+compiled loss other than keras-hub's cross-entropy exactly, metrics other
+than its accuracy, or a step other than Keras' own (`compiled_defaults`)
+keep the whole-logits step, with one `WholeLogitsWarning` that says why.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ from keras_hub_autodist.errors import WholeLogitsWarning
 from keras_hub_autodist.errors import warn
 from keras_hub_autodist.loss.chunked_cross_entropy import chunked_cross_entropy
 from keras_hub_autodist.loss.chunks import chunk_count
+from keras_hub_autodist.loss.compiled_defaults import note_replaced_step_methods
+from keras_hub_autodist.loss.compiled_defaults import why_not_default_loss
+from keras_hub_autodist.loss.compiled_defaults import why_not_default_metric
+from keras_hub_autodist.loss.compiled_defaults import why_not_keras_step
 
 # What a chunked step's `y_pred` holds for the metrics: `{MATCHES_KEY:
 # [batch, sequence] 1.0 where the argmax was the label}`.
@@ -81,6 +85,7 @@ def install_chunked_loss(task, plan=None) -> bool:
     ]
     if [s[:2] for s in shapes] != [(2, 3), (2, 5)] or len(shapes[0]) != 3:
         return False  # the head mixes or drops tokens (e.g. PaliGemma's)
+    note_replaced_step_methods(task)  # before the patches below replace them
     shares = _DeviceShares.of(plan)
     count = functools.partial(_chunks, head, shapes[0][-1], shares)
     patches = {
@@ -100,25 +105,16 @@ def install_chunked_loss(task, plan=None) -> bool:
 
 
 def why_whole_logits(task, y) -> str | None:
-    """Why `task`'s step needs whole logits for labels `y`; None where
-    it can take them a chunk at a time."""
-    loss = getattr(task, "loss", None)
-    if not isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
-        return f"its compiled loss is {loss!r}, not keras-hub's cross-entropy"
-    config = loss.get_config()
-    if not config.get("from_logits") or config.get("ignore_class") is not None:
-        return (
-            "its cross-entropy is compiled with "
-            f"from_logits={config.get('from_logits')}, "
-            f"ignore_class={config.get('ignore_class')}"
-        )
-    others = [
-        metric
-        for metric in compat_steps.compiled_metric_objects(task)
-        if not isinstance(metric, keras.metrics.SparseCategoricalAccuracy)
-    ]
-    if others:
-        return f"its compiled metrics {others!r} read whole logits"
+    """Why `task`'s step needs whole logits for labels `y`; None where it
+    can take them a chunk at a time (`compiled_defaults`: keras-hub's
+    default loss and accuracy, in Keras' own step)."""
+    why = why_not_keras_step(task) or why_not_default_loss(getattr(task, "loss", None))
+    if why is not None:
+        return why
+    for metric in compat_steps.compiled_metric_objects(task):
+        why = why_not_default_metric(metric)
+        if why is not None:
+            return why
     if not _token_labels(y):
         return "its labels are not one [batch, sequence] array"
     return None

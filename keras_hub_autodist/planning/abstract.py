@@ -6,7 +6,8 @@ The backbone class itself is built from the config inside
 variable's initializer, so no array exists. The variables' paths and shapes
 are read, and the model is dropped.
 
-Results are cached per backbone class and config: in memory, so re-planning
+Results are cached per backbone class and config (and Keras' global dtype
+policy, for a config that names no dtype): in memory, so re-planning
 the same preset on another mesh is immediate, and on disk (`disk_cache.py`),
 so a later process, the CLI's included, plans the same config without
 importing keras-hub.
@@ -23,10 +24,21 @@ from keras_hub_autodist.architectures.weight import Weight
 from keras_hub_autodist.errors import ConfigError
 from keras_hub_autodist.reading.disk_cache import read_stored
 from keras_hub_autodist.reading.disk_cache import store
+from keras_hub_autodist.reading.dtypes import global_policy_name
 
 # The disk cache's kind for abstract builds: their weights, without the
 # non-weight state earlier entries (kind "variables") listed.
 CACHE_KIND = "weights"
+
+
+def _build_key(config: Mapping) -> tuple[str, bool]:
+    """`_config_key`, with Keras' global dtype policy where the config names
+    no dtype: the backbone's variables are then built in it (a bfloat16
+    global policy makes bfloat16 weights of the same config)."""
+    text, plain = _config_key(config)
+    if config.get("dtype") is None:
+        text = f"{text}|global_dtype_policy={global_policy_name()}"
+    return text, plain
 
 
 def _config_key(config: Mapping) -> tuple[str, bool]:
@@ -71,7 +83,7 @@ def model_variables(backbone_cls: type, config: Mapping) -> tuple[Weight, ...]:
     ```
     """
     config = _serialized(config)
-    text, plain = _config_key(config)
+    text, plain = _build_key(config)
     if plain and _is_keras_hub_class(backbone_cls):
         # A class of the installed keras-hub is what its name and the
         # versions in the disk key say it is: an earlier process's build
@@ -102,7 +114,7 @@ def _disk_key(class_name: str, config_text: str) -> str:
 def _variables_key(class_name: str, config: Mapping) -> str | None:
     """The disk key of `class_name` built from `config`, or `None` when the
     config is not plain JSON (cached in memory only)."""
-    text, plain = _config_key(config)
+    text, plain = _build_key(config)
     return _disk_key(class_name, text) if plain else None
 
 

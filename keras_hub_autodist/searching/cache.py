@@ -5,9 +5,12 @@ under `~/.cache/keras_hub_autodist/compiles` (beside the abstract builds of
 `$KERAS_HUB_AUTODIST_COMPILE_CACHE`, or the folder a search is given.
 
 An entry's name is the digest of all that decides the compiled program:
-the model's config, the layout (mesh, strategy, every weight's sharding,
-remat, LoRA rank, dtype, context-parallel strategy), the step (batch,
-sequence, optimizer), the target, the versions of every compiler and
+every input of the step, gathered in one place
+(`step_inputs.CompiledStepInputs`: the model's config, the whole layout
+plan with its dtype and mixed-precision policy, remat, LoRA rank and mesh,
+the step's batch, sequence and optimizer, the target, and what the build
+reads from the process: Keras' global dtype policy, compiler flags, the
+attention and loss-chunk rules), the versions of every compiler and
 library on the way (`VERSIONED`), and a digest of this package's own code
 (`code_digest`), which builds the step: a changed step is a new key even
 where the version string stays. A different key is a different file; a
@@ -35,6 +38,7 @@ from keras_hub_autodist.fitting.compiled_analysis import Collective
 from keras_hub_autodist.fitting.compiled_step import CompiledMemory
 from keras_hub_autodist.reading.disk_cache import cache_folder
 from keras_hub_autodist.reading.disk_cache import package_cache_root
+from keras_hub_autodist.searching.step_inputs import CompiledStepInputs
 
 if TYPE_CHECKING:
     from keras_hub_autodist.planning.plan_record import PlanRecord
@@ -148,6 +152,20 @@ def versions() -> dict[str, str]:
     return found
 
 
+def step_key(inputs: CompiledStepInputs) -> str:
+    """The digest naming a compiled step: every input of it
+    (`CompiledStepInputs.key_fields`), the versions of the libraries and
+    compilers on the way, and this package's code."""
+    key = {
+        "format": ENTRY_FORMAT,
+        "inputs": inputs.key_fields(),
+        "versions": versions(),
+        "code": code_digest(),
+    }
+    text = json.dumps(key, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def compile_key(
     plan: PlanRecord,
     config: dict,
@@ -155,30 +173,15 @@ def compile_key(
     sequence_length: int,
     optimizer: str,
     device: str,
+    lora_rank: int | None = None,
 ) -> str:
-    """The digest naming a compiled step: config, layout, step, target and
-    versions (see the module's docstring)."""
-    layout = {
-        "backbone": plan.backbone_class,
-        "mesh": [list(plan.mesh_axes.axis_names), list(plan.mesh_axes.shape)],
-        "strategy": plan.strategy,
-        "remat": plan.remat,
-        "lora_rank": plan.lora_rank,
-        "dtype": plan.dtype,
-        "context_parallel_strategy": plan.context_parallel_strategy,
-        "specs": [[row.path, list(map(str, row.spec))] for row in plan.rows],
-    }
-    key = {
-        "format": ENTRY_FORMAT,
-        "config": config,
-        "layout": layout,
-        "step": [batch_size, sequence_length, optimizer],
-        "device": device,
-        "versions": versions(),
-        "code": code_digest(),
-    }
-    text = json.dumps(key, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    """`step_key` of the step these inputs make, in this process's
+    environment (`step_inputs.step_environment`)."""
+    return step_key(
+        CompiledStepInputs(
+            plan, config, batch_size, sequence_length, optimizer, device, lora_rank
+        )
+    )
 
 
 def memory_to_json(memory: CompiledMemory) -> dict:
@@ -293,6 +296,7 @@ __all__ = [
     "memory_from_json",
     "memory_to_json",
     "read_compile",
+    "step_key",
     "store_compile",
     "usable_cache_folder",
     "versions",

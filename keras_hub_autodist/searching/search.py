@@ -60,6 +60,7 @@ from keras_hub_autodist.searching.report import NOT_COMPILED
 from keras_hub_autodist.searching.report import PRUNED
 from keras_hub_autodist.searching.report import explain
 from keras_hub_autodist.searching.report import table
+from keras_hub_autodist.searching.step_inputs import CompiledStepInputs
 
 # A candidate whose closed-form estimate exceeds the device's memory by
 # more than this factor is not compiled: the calibrated closed form is
@@ -203,20 +204,17 @@ def rule_choice(
 
 def _compile(layout, batch, seq, optimizer, device, lora_rank, folder, config, preset):
     """The compiled step, from the disk cache when there; and whether it
-    was."""
-    key = cache.compile_key(layout, config, batch, seq, optimizer, device)
+    was. The step is compiled from its inputs as gathered for its key
+    (`CompiledStepInputs`), so that the key names all it is made from."""
+    inputs = CompiledStepInputs(
+        layout, config, batch, seq, optimizer, device, lora_rank, preset
+    )
+    key = cache.step_key(inputs)
     stored = cache.read_compile(folder, key)
     if stored is not None:
         return stored, True
-    memory = compiled_memory(
-        layout,
-        batch,
-        seq,
-        optimizer,
-        device=device,
-        lora_rank=lora_rank,
-        preset=preset,
-    )
+    args, kwargs = inputs.compile_arguments()
+    memory = compiled_memory(*args, **kwargs)
     cache.store_compile(folder, key, memory)
     return memory, False
 

@@ -30,6 +30,7 @@ from keras_hub_autodist.compat import steps as compat_steps
 from keras_hub_autodist.errors import NotBoundError
 from keras_hub_autodist.fitting.layout_plan import LayoutPlan
 from keras_hub_autodist.loss.chunked_steps import install_chunked_loss
+from keras_hub_autodist.loss.label_range import warn_labels_outside_vocabulary
 from keras_hub_autodist.planning.distribution import decoding
 from keras_hub_autodist.saving.atomic import save_atomically
 from keras_hub_autodist.saving.gathering import save_from_every_process
@@ -115,6 +116,7 @@ def _loop(name, bound, args, kwargs):
     if not bound.padded:
         check_batch(bound.distribution, name, args, kwargs)
     check_sequences_first(bound.distribution, bound.model, name, args, kwargs)
+    warn_labels_outside_vocabulary(bound.model, name, args, kwargs)
     with (
         keeping_state(bound.model, name),
         checking_drawn_batches(bound.distribution, name),
