@@ -114,7 +114,7 @@ GRID = {
 
 
 # Long sequences, per target: on one chip, where each device attends with
-# splash (from `EVERY_MESH_MIN_TOKENS` tokens) and the loss is taken in
+# splash (the kernel rule of `attention_blocks`) and the loss is taken in
 # chunks, with and without `remat="full"` (the eighth field): the steps
 # the v5e chip ran (docs/long-context.md); and on a context mesh.
 LONG_GRID = {

@@ -179,7 +179,7 @@ ENVIRONMENT_CHANGES = {
             ("jax_enable_x64", True),
         )
     },
-    "attention rule": lambda: _patched(attention_blocks, "EVERY_MESH_MIN_TOKENS", 16),
+    "attention rule": lambda: _patched(attention_blocks, "XLA_SCORES_MAX_BYTES", 16),
     "kernel per platform": lambda: _patched(
         attention_blocks.PLATFORM_KERNELS, "tpu", "blockwise"
     ),

@@ -159,7 +159,7 @@ ACTIVATION_FACTORS = {
     },
 }
 # Where each device attends a whole sequence with splash (a TPU off a
-# context mesh, from `EVERY_MESH_MIN_TOKENS` tokens), the factors that
+# context mesh, where the kernel rule takes it), the factors that
 # differ from its calibration's. Read from the buffers live at the peak of
 # Gemma 3 1B's LoRA step of 8,192 tokens compiled for a v5p (where nothing
 # is rematerialized for room): the TPU compiler keeps both MLP

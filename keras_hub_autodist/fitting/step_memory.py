@@ -23,9 +23,9 @@ tokens (the batch over the batch axis):
 - for the one block being differentiated: `scores_one_block·b·H·s²`, the
   gradients of its probabilities and scores, live one block at a time;
 - where each device attends one block of keys at a time
-  (`per_device_kernel`: on a context mesh, and off one from
-  `EVERY_MESH_MIN_TOKENS` tokens with splash on a TPU or the blockwise
-  kernel on a CPU), the scores and masks of one block of `KEY_BLOCK` keys
+  (`per_device_kernel`: on a context mesh, and off one where the kernel
+  rule of `attention_blocks` takes splash on a TPU or the blockwise kernel
+  on a CPU), the scores and masks of one block of `KEY_BLOCK` keys
   in place of `s` keys, and with splash `kernel_residuals·b·H·s·128` per
   block in float32, each query's log-sum-exp that the kernel keeps for its
   backward pass;
