@@ -31,6 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 # factory, the equivalence check, the real configs.
 sys.path.insert(0, str(ROOT / "tests"))
 
+import matrices  # noqa: E402
 import real_presets  # noqa: E402
 import tiny_presets  # noqa: E402
 
@@ -57,7 +58,10 @@ def real_configs():
 INTEGRATION_MARKERS = ("slow", "venv")
 
 
+# Before `-m` selects: the matrix cases are marked as they are collected.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    matrices.mark_matrix_cases(items)
     misplaced = [
         item.nodeid
         for item in items

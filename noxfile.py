@@ -1,5 +1,9 @@
-"""Sessions: `tests` (default), `integration`, `multihost`, `notebooks`, `lint`,
-`docs` (the site, strict), and `bench` (not run by CI).
+"""Sessions: `tests` (default), `integration`, `matrices`, `multihost`,
+`notebooks`, `lint`, `docs` (the site, strict), and `bench` (not run by CI).
+
+The equivalence matrices' cases (tests/matrices.py) run in `matrices`
+alone, not in `tests` or `integration`: CI runs those of the files whose
+checked code changed since the matrices last passed in full.
 
 Run with `nox` (the uv backend makes sessions start in seconds):
 
@@ -41,6 +45,11 @@ COMPILATION_CACHE = {
 def _pytest(session, *args):
     """Install the package with its test dependencies and run pytest."""
     session.install("-e", f".[{TEST_EXTRAS}]")
+    _run_pytest(session, *args, *session.posargs)
+
+
+def _run_pytest(session, *args):
+    """Run pytest on two workers in the session's environment."""
     session.run(
         "pytest",
         "-p",
@@ -58,7 +67,6 @@ def _pytest(session, *args):
         "--dist",
         "worksteal",
         *args,
-        *session.posargs,
         env={
             **TEST_ENV,
             **COMPILATION_CACHE,
@@ -72,7 +80,9 @@ def tests(session):
     """tests/ and the package's doctests on 8 virtual CPU devices (no network,
     no accelerator): the default session, and what a bare `pytest` runs
     (without the doctests)."""
-    _pytest(session, "tests", "keras_hub_autodist", "--doctest-modules")
+    _pytest(
+        session, "tests", "keras_hub_autodist", "--doctest-modules", "-m", "not matrix"
+    )
 
 
 @nox.session
@@ -81,8 +91,25 @@ def integration(session):
     save/reload, generate, the full equivalence matrices and the
     fresh-virtualenv plugin tests."""
     _pytest(
-        session, "integration", "-m", "not multihost and not notebooks and not bench"
+        session,
+        "integration",
+        "-m",
+        "not multihost and not notebooks and not bench and not matrix",
     )
+
+
+@nox.session
+def matrices(session):
+    """The equivalence matrices' cases (tests/matrices.py), of the test
+    files given after `--` (CI: those whose checked code changed), else of
+    every file; a run of every file that passes records what it checked
+    (.ci/matrices-passed.json, to commit)."""
+    files = session.posargs or ["tests", "integration"]
+    session.install("-e", f".[{TEST_EXTRAS}]")
+    selection = "matrix and not multihost and not notebooks and not bench"
+    _run_pytest(session, *files, "-m", selection)
+    if not session.posargs:
+        session.run("python", "tests/matrices.py", "--record")
 
 
 @nox.session
