@@ -133,13 +133,21 @@ def _one_chip(config, remat=None):
 
 
 def test_the_estimate_names_the_kernel_each_platform_attends_long_sequences_with():
-    gemma3 = _one_chip("gemma3_1b")  # heads of 256: splash takes them
-    llama = _one_chip("llama3.2_1b")  # heads of 64: splash refuses them
+    gemma3 = _one_chip("gemma3_1b")  # heads of 256
+    llama = _one_chip("llama3.2_1b")  # heads of 64, padded to lanes of 128
     kernel = step_memory.per_device_kernel
     assert kernel(gemma3, 32768, "v5e") == "splash"
-    assert kernel(gemma3, 4096, "v5e") is None  # the layer's own below 8192
-    assert kernel(llama, 32768, "v5e") is None
+    # The rule's lengths: splash from 512 tokens, where it was measured
+    # faster than XLA's attention; under it, where XLA's scores are large.
+    assert kernel(gemma3, 512, "v5e") == "splash"
+    assert kernel(gemma3, 256, "v5e") is None
+    assert kernel(llama, 256, "v5e", rows=64) == "splash"
+    assert kernel(llama, 32768, "v5e") == "splash"
+    # A v3 compiles no splash: its scores past the limit go blockwise.
+    assert kernel(llama, 32768, "v3-8") == "blockwise"
+    assert kernel(llama, 512, "v3-8") is None  # 32 MiB of scores a layer
     assert kernel(gemma3, 32768, "cpu") == "blockwise"
+    assert kernel(gemma3, 1024, "cpu") is None
     # Whether cuDNN takes a layer depends on the GPU and its library.
     assert kernel(gemma3, 32768, "h100") is None
     context = keras_hub_autodist.plan(

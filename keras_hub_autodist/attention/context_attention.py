@@ -468,7 +468,7 @@ def attention_per_device(
                 value,
                 jnp.concatenate(positions),
                 key_valid,
-                sequence=kernel_length,
+                sequence=kernel_length if contexts == 1 else None,
             )
             outputs = jnp.split(output, lengths, axis=1)
         else:

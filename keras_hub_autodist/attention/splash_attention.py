@@ -171,7 +171,9 @@ def attend(
     lanes = head_dim or splash_head_dim(width)
     length = sequence or keys_count
     scaled = (query.astype(jnp.float32) * rule.scale).astype(dtype)
-    scaled = _padded(_padded(scaled, -1, lanes), 1, length)
+    scaled = _padded(scaled, -1, lanes)
+    if sequence is not None:
+        scaled = _padded(scaled, 1, sequence)
     keys, values = (
         _padded(_padded(array.astype(dtype), -1, lanes), 1, length)
         for array in (key, value)
