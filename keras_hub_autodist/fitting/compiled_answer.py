@@ -83,9 +83,10 @@ def compiled_fields(memory: CompiledMemory, capacity: int) -> dict:
 
 
 # The most steps the advice of a compiled verdict compiles, each one a
-# piece of advice followed; past them, no more advice is checked (and none
-# unchecked is given).
-MAX_ADVICE_COMPILES = 8
+# piece of advice followed (a real model's step takes 10 to 100 s to
+# compile for a target); past them, no more advice is checked, and none
+# unchecked is given.
+MAX_ADVICE_COMPILES = 6
 # A followed step is compiled only when the closed form, scaled by what the
 # compile said of the step asked for, is within this share of the memory:
 # the others would not fit, and compiling them would only cost time.

@@ -1,5 +1,7 @@
-"""A plan as text: the weight table, the per-device summary and the advice
-when training does not fit. Pure functions of a plan's values (`PlanRecord`)."""
+"""A plan as text: the weight table, the per-device summary and the fit
+verdict as a line, with its advice when training does not fit (made by
+`advice`, which plans each change again). Pure functions of a plan's values
+(`PlanRecord`)."""
 
 from __future__ import annotations
 
