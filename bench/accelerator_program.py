@@ -7,8 +7,7 @@ bench reads the memory of the step Keras' trainer jitted:
 - for a step that ran, its compiled program's `memory_analysis()`:
   temporaries + arguments + outputs - aliased (`program_memory`);
 - for a step the device refused, the bytes its `RESOURCE_EXHAUSTED` message
-  names, plus the arguments where the message counts temporaries alone
-  (`refused_memory`).
+  names, its arguments among them (`refused_memory`).
 
 `recording_steps()` wraps the `jit` that Keras' JAX trainer builds its
 steps with, so that each call records the jitted function and the shapes
@@ -155,8 +154,8 @@ def program_memory(recorded: Recorded) -> dict:
 
 def refused_memory(error: BaseException, recorded: Recorded) -> dict | None:
     """What a step the device refused as too large asked for: the bytes its
-    `RESOURCE_EXHAUSTED` message names, plus the arguments where the message
-    names the temporaries alone; None for any other error.
+    `RESOURCE_EXHAUSTED` message names (its arguments included); None for
+    any other error.
 
     Returns:
         `{"program_bytes", "argument_bytes", "limit_bytes"}` or None.
@@ -166,8 +165,8 @@ def refused_memory(error: BaseException, recorded: Recorded) -> dict | None:
     refusal = out_of_memory(error)
     if refusal is None:
         return None
-    needed, limit, counts_arguments = refusal
+    needed, limit = refusal
     arguments = argument_bytes(recorded) if recorded.jitted is not None else 0
-    # (0, 0, False): a refusal whose figures can't be read.
-    program = None if not needed else needed + (0 if counts_arguments else arguments)
+    # (0, 0): a refusal whose figures can't be read.
+    program = needed or None
     return dict(program_bytes=program, argument_bytes=arguments, limit_bytes=limit)

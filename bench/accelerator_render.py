@@ -106,7 +106,7 @@ def _training_lines(results) -> list[str]:
         "model's parameters, so an upper bound). Program: the step's own "
         "memory, temporaries + arguments + outputs - aliased from the "
         "compiled program's `memory_analysis()`, or for a refused step the "
-        "bytes its `RESOURCE_EXHAUSTED` names plus the arguments; device "
+        "bytes its `RESOURCE_EXHAUSTED` names (arguments included); device "
         "peak: `memory_stats()` (a TPU's leaves the temporaries out), the "
         "process's so far: a model's batches run in one process, smallest "
         "first.",

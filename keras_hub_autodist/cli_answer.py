@@ -112,7 +112,14 @@ def answer(args) -> dict:
         fits = compiled.compiled_fits(memory, capacity)
         name = "yes" if fits else "no"
         advice = compiled.compiled_advice(
-            result, memory, estimate, args.batch, args.seq, args.optimizer, calibration
+            result,
+            memory,
+            estimate,
+            args.batch,
+            args.seq,
+            args.optimizer,
+            calibration,
+            device=args.device,
         )
         line = compiled.compiled_verdict(result, memory, assumption)
         if advice:

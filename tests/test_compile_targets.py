@@ -291,7 +291,7 @@ def test_out_of_memory_reads_both_forms_of_the_tpu_refusal():
         "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
         "required for HLO temporaries (48.00G) exceeds available HBM (15.75G)."
     )
-    assert out_of_memory(temporaries) == (48 * GIB, int(15.75 * GIB), False)
+    assert out_of_memory(temporaries) == (48 * GIB, int(15.75 * GIB))
     used = RuntimeError("RESOURCE_EXHAUSTED: Used 20.50G of 15.48G hbm.")
-    assert out_of_memory(used) == (int(20.5 * GIB), int(15.48 * GIB), True)
+    assert out_of_memory(used) == (int(20.5 * GIB), int(15.48 * GIB))
     assert out_of_memory(RuntimeError("INTERNAL: no")) is None

@@ -71,7 +71,10 @@ _CALL_NAME = re.compile(
 )
 # The compiler's own figures when a program does not fit, e.g. (TPU)
 # "the total memory required for HLO temporaries (48.00G) exceeds available
-# HBM (15.75G)" or "Used 20.95G of 15.48G hbm".
+# HBM (15.75G)" or "Used 20.95G of 15.48G hbm". Both name the program's
+# whole need, its arguments included: libtpu refuses a step whose 17 GiB
+# of arguments feed no temporary with "the total memory required for HLO
+# temporaries (17.00G)".
 _REQUIRED = re.compile(
     r"required for [^(]*\((?P<used>[0-9.]+)(?P<u1>[KMGT]?)\)\s*exceeds available "
     r"\w+\s*\((?P<limit>[0-9.]+)(?P<u2>[KMGT]?)\)"
@@ -185,30 +188,26 @@ def cost_figures(cost) -> dict:
     return figures
 
 
-def out_of_memory(error: BaseException) -> tuple[int, int, bool] | None:
+def out_of_memory(error: BaseException) -> tuple[int, int] | None:
     """A compiler's refusal of a program too large for the device, as
-    `(bytes needed, bytes available, counts_arguments)` per device, where
-    `counts_arguments` says whether the bytes needed include the program's
-    arguments (the TPU compiler names either its temporaries alone or its
-    whole use); `(0, 0, False)` for a refusal whose figures can't be read;
-    None for any other error.
+    `(bytes needed, bytes available)` per device: the figures the refusal
+    names, the program's whole need (its arguments included) against the
+    memory the compiler gives a program; `(0, 0)` for a refusal whose
+    figures can't be read; None for any other error.
 
     Example:
     >>> out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Used 2.00G of 1.00G hbm"))
-    (2147483648, 1073741824, True)
+    (2147483648, 1073741824)
     """
     text = str(error)
     if "RESOURCE_EXHAUSTED" not in text:
         return None
-    match = _USED_OF.search(text)
-    whole = match is not None
-    match = match or _REQUIRED.search(text)
+    match = _USED_OF.search(text) or _REQUIRED.search(text)
     if match is None:
-        return (0, 0, False)
+        return (0, 0)
     return (
         int(float(match["used"]) * _UNITS[match["u1"]]),
         int(float(match["limit"]) * _UNITS[match["u2"]]),
-        whole,
     )
 
 

@@ -19,15 +19,32 @@ GIB = 1024**3
 
 
 def compiled_fits(memory: CompiledMemory, capacity: int) -> bool:
-    """Whether the compiled step fits `capacity` bytes per device: the
-    compiler did not refuse it, and its peak is at most `capacity`.
+    """Whether the compiled step fits `capacity` bytes per device: the one
+    rule of every compiled verdict (the command's text and `--json`,
+    `CompiledMemory.fits`, the layout search's ranking).
+
+    - A step the compiler refused as too large does not fit.
+    - On a TPU the compiler refuses, when it compiles, any program whose
+      peak is over the HBM it gives a program (`compiler_limit_bytes`):
+      a step it accepted fits any `capacity` at least that large.
+    - Otherwise the program's own peak (`peak_bytes`, XLA's
+      `peak_memory_in_bytes`) is held to `capacity`. XLA's GPU compiler
+      refuses no program for its size (a T4's accepts one of 25 GB), so
+      on a GPU `capacity` is what JAX's allocator gives a program there:
+      its pool, 75% of the memory by default or the client's memory
+      fraction (`device_profiles.usable_memory`).
 
     Example:
     ```python
     compiled_fits(compiled_memory(plan, 8, 2048), plan.device_memory_bytes)
     ```
     """
-    return not memory.out_of_memory and memory.peak_bytes <= capacity
+    if memory.out_of_memory:
+        return False
+    limit = memory.compiler_limit_bytes
+    if memory.platform == "tpu" and 0 < limit <= capacity:
+        return True
+    return memory.peak_bytes <= capacity
 
 
 def compiled_fields(memory: CompiledMemory, capacity: int) -> dict:
@@ -65,6 +82,84 @@ def compiled_fields(memory: CompiledMemory, capacity: int) -> dict:
     return fields
 
 
+# The most steps the advice of a compiled verdict compiles, each one a
+# piece of advice followed (a real model's step takes 10 to 100 s to
+# compile for a target); past them, no more advice is checked, and none
+# unchecked is given.
+MAX_ADVICE_COMPILES = 6
+# A followed step is compiled only when the closed form, scaled by what the
+# compile said of the step asked for, is within this share of the memory:
+# the others would not fit, and compiling them would only cost time.
+ADVICE_SCREEN = 1.25
+
+
+def compiled_judge(
+    plan: PlanRecord,
+    memory: CompiledMemory,
+    estimate,
+    optimizer: str = "adam",
+    platform: str | None = None,
+    *,
+    device: str | None = None,
+    preset=None,
+):
+    """The compiled verdict as the advice's judge (`advice.Judge`): each
+    step a piece of advice proposes is compiled as the step asked for was
+    (`compiled_memory`, on `device`) and held to the same rule
+    (`compiled_fits`). The step asked for answers from `memory`; a step the
+    closed form (`estimate`'s step, scaled to `memory`'s peak) puts past
+    `ADVICE_SCREEN` of the memory, one that fails to compile, and any past
+    `MAX_ADVICE_COMPILES` are NO.
+
+    Example:
+    ```python
+    judge = compiled_judge(plan, memory, step_estimate(plan, 8, 2048), "adam")
+    judge(plan, 4, 2048).answer
+    ```
+    """
+    from keras_hub_autodist.fitting.advice import Judged
+    from keras_hub_autodist.fitting.compiled_step import compiled_memory
+    from keras_hub_autodist.fitting.step_memory import step_estimate
+    from keras_hub_autodist.fitting.verdicts import NO
+    from keras_hub_autodist.fitting.verdicts import YES
+    from keras_hub_autodist.fitting.verdicts import platform_of
+
+    platform = platform_of(plan, platform)
+    scale = memory.peak_bytes / max(1, estimate.total_bytes)
+    compiles = 0
+
+    def judge(followed, batch_size, sequence_length) -> Judged:
+        nonlocal compiles
+        if followed is plan and (batch_size, sequence_length) == (
+            memory.batch_size,
+            memory.sequence_length,
+        ):
+            fits = compiled_fits(memory, plan.device_memory_bytes)
+            return Judged(YES if fits else NO, memory.peak_bytes)
+        closed = step_estimate(
+            followed, batch_size, sequence_length, optimizer, platform=platform
+        )
+        screened = int(scale * closed.total_bytes)
+        capacity = followed.device_memory_bytes
+        if screened > ADVICE_SCREEN * capacity or compiles >= MAX_ADVICE_COMPILES:
+            return Judged(NO, screened)
+        compiles += 1
+        try:
+            step = compiled_memory(
+                followed,
+                batch_size,
+                sequence_length,
+                optimizer,
+                device=device,
+                preset=preset,
+            )
+        except Exception:  # a step that doesn't compile is not advised
+            return Judged(NO, screened)
+        return Judged(YES if compiled_fits(step, capacity) else NO, step.peak_bytes)
+
+    return judge
+
+
 def compiled_advice(
     plan: PlanRecord,
     memory: CompiledMemory,
@@ -73,30 +168,43 @@ def compiled_advice(
     sequence_length: int,
     optimizer: str = "adam",
     platform: str | None = None,
+    *,
+    device: str | None = None,
+    preset=None,
 ) -> list[str]:
     """The advice of the compiled verdict: none when the compiled step
-    fits; otherwise what would make it fit (`report.shrink_advice`), with
-    every estimate scaled by the compiled peak over the closed-form
-    `estimate` of the same step, so that the advice starts from the
-    compiler's figure, not from the closed form's.
+    fits; otherwise what would make it fit (`advice.shrink_advice`), each
+    piece compiled as the user would run it after following it and given
+    only when that compile fits (`compiled_judge`).
+
+    Args:
+        plan: the plan compiled.
+        memory: its compiled step.
+        estimate: the closed form's estimate of the same step, which picks
+            the steps worth compiling.
+        batch_size: the step's global batch.
+        sequence_length: its tokens per sequence.
+        optimizer: the optimizer's name.
+        platform: whose compiler's buffers the closed form counts.
+        device: the named device compiled for (`compiled_memory`'s
+            `device=`), or None for the plan's or this machine's.
+        preset: what the plan was made from, when `plan.preset` can't be
+            read again.
 
     Example:
     ```python
     compiled_advice(plan, memory, step_estimate(plan, 8, 2048), 8, 2048)
     ```
     """
-    from keras_hub_autodist.fitting.report import shrink_advice
+    from keras_hub_autodist.fitting.advice import shrink_advice
 
     if compiled_fits(memory, plan.device_memory_bytes):
         return []
-    calibration = memory.peak_bytes / max(1, estimate.total_bytes)
+    judge = compiled_judge(
+        plan, memory, estimate, optimizer, platform, device=device, preset=preset
+    )
     return shrink_advice(
-        plan,
-        batch_size,
-        sequence_length,
-        optimizer,
-        platform,
-        calibration=calibration,
+        plan, batch_size, sequence_length, optimizer, platform, judge=judge
     )
 
 
@@ -128,4 +236,12 @@ def compiled_verdict(
     )
 
 
-__all__ = ["compiled_advice", "compiled_fields", "compiled_fits", "compiled_verdict"]
+__all__ = [
+    "ADVICE_SCREEN",
+    "MAX_ADVICE_COMPILES",
+    "compiled_advice",
+    "compiled_fields",
+    "compiled_fits",
+    "compiled_judge",
+    "compiled_verdict",
+]

@@ -268,7 +268,7 @@ def resolve_mesh(
                 devices = jax.devices()
             count = len(devices)
         capacity, source = device_memory_info(devices or (), options.device_memory)
-        shape, reason = _auto_mesh(
+        shape, reason = auto_mesh(
             model, options, count, capacity, source, _batch_size(batch_size)
         )
         argument = read_device_mesh(shape)
@@ -407,11 +407,23 @@ def plan_model(
     )
 
 
-def _auto_mesh(
-    model, options, num_devices, capacity, source, batch_size=None
+def auto_mesh(
+    model: ModelWeights,
+    options: PlanOptions,
+    num_devices: int,
+    capacity: int,
+    source: str,
+    batch_size: int | None = None,
 ) -> tuple[dict[str, int], str]:
-    """The mesh `device_mesh="auto"` picks: every candidate's `"tp"` plan
-    costed in one pass over the weights, then `policy.choose_mesh`."""
+    """The mesh `device_mesh="auto"` picks, and why: every candidate's
+    `"tp"` plan costed in one pass over the weights, then
+    `policy.choose_mesh`.
+
+    Example:
+    ```python
+    auto_mesh(weights, PlanOptions(), 8, 16 * GIB, "given", batch_size=8)
+    ```
+    """
     candidates = [
         resolve_mesh_axes(m) for m in policy.mesh_candidates(num_devices, batch_size)
     ]

@@ -235,6 +235,12 @@ def mesh_candidates(
     ]
 
 
+# How the reason of a mesh `device_mesh="auto"` chose begins: a plan whose
+# `mesh_reason` does was planned for "auto", and planning it again with
+# other options chooses again.
+AUTO_MESH_REASON = "auto over "
+
+
 def choose_mesh(
     tp_training_bytes: list[int],
     num_devices: int,
@@ -267,10 +273,11 @@ def choose_mesh(
     for mesh, need in zip(candidates, tp_training_bytes):
         if leaves_room_for_activations(need, capacity):
             return mesh, (
-                f"auto over {counted(num_devices, 'device')}: the largest batch axis"
+                f"{AUTO_MESH_REASON}{counted(num_devices, 'device')}: the largest "
+                f"batch axis"
                 f"{dividing} whose tp plan fits {_budget(capacity, source)}"
             )
     return {"batch": 1, "model": num_devices}, (
-        f"auto over {counted(num_devices, 'device')}: no tp plan fits "
+        f"{AUTO_MESH_REASON}{counted(num_devices, 'device')}: no tp plan fits "
         f"{_budget(capacity, source)}, so every device is on the model axis"
     )

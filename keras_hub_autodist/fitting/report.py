@@ -1,14 +1,13 @@
-"""A plan as text: the weight table, the per-device summary and the advice
-when training does not fit. Pure functions of a plan's values (`PlanRecord`)."""
+"""A plan as text: the weight table, the per-device summary and the fit
+verdict as a line, with its advice when training does not fit (made by
+`advice`, which plans each change again). Pure functions of a plan's values
+(`PlanRecord`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist.errors import mesh_example
 from keras_hub_autodist.errors import option
 from keras_hub_autodist.fitting import memory
 from keras_hub_autodist.fitting import step_memory
@@ -19,7 +18,6 @@ from keras_hub_autodist.fitting.device_memory import MEMORY_ENV
 from keras_hub_autodist.fitting.device_memory import MEMORY_REPORTED
 from keras_hub_autodist.fitting.device_profiles import device_profile
 from keras_hub_autodist.fitting.device_profiles import usable_memory
-from keras_hub_autodist.fitting.memory_factors import ESTIMATE_MARGIN
 from keras_hub_autodist.fitting.policy import AUTO_TP_MEMORY_SHARE
 from keras_hub_autodist.fitting.verdicts import MAYBE
 from keras_hub_autodist.fitting.verdicts import YES
@@ -90,214 +88,21 @@ def fit_advice(
     optimizer: str = "adam",
     platform: str | None = None,
 ) -> list[str]:
-    """The advice of the closed form's verdict (`verdicts.step_verdict`):
-    none when the step fits; for a step that may fit (a TPU's compiler
-    rematerializes), how to settle it by compiling; for one that does not,
-    what would make it fit (`shrink_advice`), then how to check the
-    estimate by compiling.
-
-    Args:
-        plan: the plan.
-        batch_size: the step's global batch, or None for the state alone.
-        sequence_length: the step's tokens per sequence.
-        optimizer: a name of `trained_state.OPTIMIZERS`.
-        platform: whose compiler's buffers to count (`step_memory.
-            calibration_of`); defaults to the plan's named device, else a
-            GPU's (`platform_of`).
+    """The advice of the closed form's verdict (`advice.fit_advice`): none
+    when the step fits, how to settle a maybe, and for a step that does
+    not fit what would make it fit, each piece checked by planning the
+    step again as a user would follow it.
 
     Example:
     ```python
     plan.fit_advice(8, 1024)  # [] when it fits
     ```
     """
-    if batch_size is not None or sequence_length is not None:
-        # A step the mesh refuses has no advice but the refusal.
-        step_shape.runnable_step(plan.mesh_axes, batch_size, sequence_length)
-    platform = platform_of(plan, platform)
-    verdict = step_verdict(plan, batch_size, sequence_length, optimizer, platform)
-    if verdict.answer == YES:
-        return []
-    if verdict.answer == MAYBE:
-        return [SETTLE_ADVICE]
-    advice = shrink_advice(plan, batch_size, sequence_length, optimizer, platform)
-    if batch_size is not None and sequence_length is not None:
-        larger = _larger_batch_that_may_fit(
-            plan, batch_size, sequence_length, optimizer, platform
-        )
-        if larger:
-            advice.append(larger)
-    advice.append(f"check this estimate against the compiled step: {COMPILED_CHECK}")
-    return advice
+    # Advice plans the step again, with the planner, which imports this
+    # module.
+    from keras_hub_autodist.fitting import advice
 
-
-def _larger_batch_that_may_fit(
-    plan: PlanRecord, batch_size, sequence_length, optimizer, platform
-) -> str:
-    """Where the compiler rematerializes: the largest about-halving of the
-    batch whose verdict is maybe, larger than any the verdict says fits;
-    `""` when there is none (`step_shape.runnable_batches`)."""
-    for batch in step_shape.runnable_batches(plan.mesh_axes, batch_size):
-        answer = step_verdict(plan, batch, sequence_length, optimizer, platform).answer
-        if answer == YES:
-            return ""
-        if answer == MAYBE:
-            return (
-                f"a batch of {batch} sequences may fit, the compiler "
-                f"rematerializing ({option('batch_size', str(batch))}): settle "
-                f"it by compiling the step, {COMPILED_CHECK}"
-            )
-    return ""
-
-
-def shrink_advice(
-    plan: PlanRecord,
-    batch_size: int | None = None,
-    sequence_length: int | None = None,
-    optimizer: str = "adam",
-    platform: str | None = None,
-    *,
-    calibration: float = 1.0,
-) -> list[str]:
-    """What would make a step that does not fit fit on its devices, in order
-    of cost: LoRA, rematerialization, `fsdp`, a smaller batch or sequence,
-    bfloat16 weights; each one named only when the estimate says it alone
-    makes the run fit for certain (its verdict would be yes:
-    `step_memory.step_estimate` plus the platform's `ESTIMATE_MARGIN`).
-    When none does, how many more devices the model axis needs.
-
-    Args:
-        calibration: a factor on every estimate: the compiled peak over the
-            estimate, when a compile said the step doesn't fit (1: the
-            closed form's own figures).
-    """
-    platform = platform_of(plan, platform)
-    capacity = plan.device_memory_bytes
-    margin = 1 + ESTIMATE_MARGIN[step_memory.calibration_of(platform)[0]]
-
-    def need(**changes):
-        options = dict(
-            batch_size=batch_size, sequence_length=sequence_length, lora_rank=None
-        )
-        options.update(changes)
-        shard = options.pop("shard", 1)
-        scale = options.pop("scale", 1)
-        remat = options.pop("remat", plan.remat)
-        changed = options.pop("plan", plan)
-        estimate = step_memory.step_estimate(
-            changed.replace(remat=remat) if remat != changed.remat else changed,
-            options["batch_size"],
-            options["sequence_length"],
-            optimizer,
-            platform=platform,
-            lora_rank=options["lora_rank"] or plan.lora_rank,
-        )
-        return calibration * margin * scale * estimate.with_state_split(shard)
-
-    advice = []
-    if plan.lora_rank is None and need(lora_rank=ADVISED_LORA_RANK) <= capacity:
-        advice.append(
-            f"fine-tune with LoRA ({option('lora_rank', str(ADVISED_LORA_RANK))}, "
-            f"`backbone.enable_lora({ADVISED_LORA_RANK})`): only its kernels "
-            "carry gradients and optimizer state"
-        )
-    if batch_size is not None and plan.remat is None and need(remat="full") <= capacity:
-        advice.append(
-            f"rematerialize: {option('remat', repr('full'))} recomputes each "
-            "block's activations in the backward pass instead of keeping them"
-        )
-    batch_devices = plan.mesh_axes.size(plan.batch_axis)
-    if (
-        plan.strategy != "fsdp"
-        and batch_devices > 1
-        and need(shard=batch_devices) <= capacity
-    ):
-        advice.append(
-            f"use {option('strategy', repr('fsdp'))} to shard weights and "
-            f"optimizer state over '{plan.batch_axis}' too"
-        )
-    if batch_size is not None and sequence_length is not None:
-        context = _context_mesh(plan, need, capacity, batch_size, sequence_length)
-        if context:
-            advice.append(context)
-        smaller = _smaller_step(plan, need, capacity, batch_size, sequence_length)
-        if smaller:
-            advice.append(smaller)
-    if plan.dtype in ("float32", "float64") and need(scale=0.5) <= capacity:
-        advice.append(
-            f"load with {option('dtype', repr('bfloat16'))} to halve every byte"
-        )
-    if not advice:
-        model = plan.mesh_axes.model_axis or "model"
-        ratio = need() / max(1, capacity)
-        advice.append(
-            f"nothing fits on these {plan.mesh_axes.num_devices} devices; "
-            f"put about {math.ceil(ratio)}x as many devices on the '{model}' axis"
-        )
-    if plan.device_memory_source == MEMORY_ASSUMED:
-        advice.append(
-            f"if your devices have more than "
-            f"{format_bytes(capacity)}, say so with {option('device_memory')}"
-        )
-    return advice
-
-
-def _context_mesh(plan: PlanRecord, need, capacity, batch_size, sequence_length) -> str:
-    """The smallest context axis, made of devices of the batch axis, that
-    makes the step fit; `""` when none does (or the plan has one already).
-
-    Each device then holds a block of every sequence instead of whole
-    sequences: it helps when a batch is too small to fill the batch axis (a
-    sequence per device is the least it can hold) and activations dominate.
-    A batch axis left with more devices than the batch has sequences would
-    hold padded sequences, so those splits are not proposed.
-    """
-    axes = plan.mesh_axes
-    if axes.size(axes.context_axis) > 1:
-        return ""
-    batch_devices = axes.size(axes.batch_axis)
-    for context in range(2, batch_devices + 1):
-        if batch_devices % context or sequence_length % context:
-            continue
-        if batch_devices // context > batch_size:
-            continue
-        sizes = dict(zip(axes.axis_names, axes.shape))
-        sizes[axes.batch_axis] = batch_devices // context
-        context_axis = axes.context_axis or "context"
-        sizes[context_axis] = context
-        split = dataclasses.replace(
-            axes,
-            axis_names=tuple(sizes),
-            shape=tuple(sizes.values()),
-            context_axis=context_axis,
-        )
-        if need(plan=plan.replace(mesh_axes=split)) <= capacity:
-            return (
-                "split each sequence over a context axis: "
-                f"{mesh_example(sizes)} ({context} devices of '{axes.batch_axis}' "
-                f"each hold a block of every sequence)"
-            )
-    return ""
-
-
-def _smaller_step(plan: PlanRecord, need, capacity, batch_size, sequence_length) -> str:
-    """The largest about-halving of the batch, else of the sequence, that
-    fits and that the mesh runs: a batch of whole rows per device of the
-    batch axis (a smaller one is padded to that), a sequence the context
-    axis divides (`step_shape.runnable_batches`, `runnable_lengths`)."""
-    axes = plan.mesh_axes
-    for batch in step_shape.runnable_batches(axes, batch_size):
-        if need(batch_size=batch) <= capacity:
-            return (
-                f"a smaller batch: {batch} sequences of {sequence_length} tokens "
-                f"({option('batch_size', str(batch))})"
-            )
-    for sequence in step_shape.runnable_lengths(axes, sequence_length):
-        if need(sequence_length=sequence) <= capacity:
-            return (
-                f"shorter sequences: {batch_size} x {sequence} tokens "
-                f"({option('sequence_length', str(sequence))})"
-            )
-    return ""
+    return advice.fit_advice(plan, batch_size, sequence_length, optimizer, platform)
 
 
 def memory_verdict(
