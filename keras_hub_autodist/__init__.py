@@ -76,6 +76,7 @@ from keras_hub_autodist.errors import UnplannedWeightWarning  # noqa: E402
 from keras_hub_autodist.errors import UnsupportedArchitectureError  # noqa: E402
 from keras_hub_autodist.errors import WeightFileChangedError  # noqa: E402
 from keras_hub_autodist.errors import WeightShapeError  # noqa: E402
+from keras_hub_autodist.fitting import advice  # noqa: E402, F401  (its adviser)
 from keras_hub_autodist.fitting.layout_plan import LayoutPlan  # noqa: E402
 from keras_hub_autodist.fitting.planner import get_layout_map  # noqa: E402
 from keras_hub_autodist.fitting.planner import plan  # noqa: E402

@@ -21,10 +21,11 @@ from keras_hub_autodist.errors import option
 from keras_hub_autodist.fitting.device_memory import MEMORY_ASSUMED
 from keras_hub_autodist.fitting.following import chose_mesh
 from keras_hub_autodist.fitting.following import followed_plan
+from keras_hub_autodist.fitting.memory import format_bytes
 from keras_hub_autodist.fitting.report import ADVISED_LORA_RANK
 from keras_hub_autodist.fitting.report import COMPILED_CHECK
 from keras_hub_autodist.fitting.report import SETTLE_ADVICE
-from keras_hub_autodist.fitting.report import format_bytes
+from keras_hub_autodist.fitting.report import use_adviser
 from keras_hub_autodist.fitting.verdicts import MAYBE
 from keras_hub_autodist.fitting.verdicts import NO
 from keras_hub_autodist.fitting.verdicts import YES
@@ -375,3 +376,7 @@ __all__ = [
     "fit_advice",
     "shrink_advice",
 ]
+
+
+# Every verdict's advice is made here (`report.use_adviser`).
+use_adviser(fit_advice)

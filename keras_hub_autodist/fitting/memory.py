@@ -88,3 +88,16 @@ def activation_bytes_per_device(
     ```
     """
     return step_memory.activation_bytes(plan, batch_size, sequence_length, platform)
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes as text, e.g. `"1.50 GiB"`.
+
+    Example:
+    >>> format_bytes(1536)
+    '1.50 KiB'
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024

@@ -18,6 +18,7 @@ from keras_hub_autodist.fitting.device_memory import MEMORY_ENV
 from keras_hub_autodist.fitting.device_memory import MEMORY_REPORTED
 from keras_hub_autodist.fitting.device_profiles import device_profile
 from keras_hub_autodist.fitting.device_profiles import usable_memory
+from keras_hub_autodist.fitting.memory import format_bytes
 from keras_hub_autodist.fitting.policy import AUTO_TP_MEMORY_SHARE
 from keras_hub_autodist.fitting.verdicts import MAYBE
 from keras_hub_autodist.fitting.verdicts import YES
@@ -31,19 +32,6 @@ from keras_hub_autodist.words import counted
 if TYPE_CHECKING:
     from keras_hub_autodist.architectures.weight import Weight
     from keras_hub_autodist.planning.plan_record import PlanRecord
-
-
-def format_bytes(n: float) -> str:
-    """`n` bytes as text, e.g. `"1.50 GiB"`.
-
-    Example:
-    >>> format_bytes(1536)
-    '1.50 KiB'
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
 
 
 def memory_note(plan: PlanRecord) -> str:
@@ -81,6 +69,20 @@ SETTLE_ADVICE = (
 )
 
 
+# What makes the advice of a verdict: `advice.fit_advice`, which plans each
+# step again with the planner, and the planner imports this module (a
+# plan's text is made here). So `advice` hands its function over when it
+# is imported (`use_adviser`), and the package imports it first
+# (keras_hub_autodist/__init__.py): no module imports the other in a loop.
+_adviser = None
+
+
+def use_adviser(adviser) -> None:
+    """Make `adviser` (`advice.fit_advice`) give every verdict's advice."""
+    global _adviser
+    _adviser = adviser
+
+
 def fit_advice(
     plan: PlanRecord,
     batch_size: int | None = None,
@@ -98,11 +100,7 @@ def fit_advice(
     plan.fit_advice(8, 1024)  # [] when it fits
     ```
     """
-    # Advice plans the step again, with the planner, which imports this
-    # module.
-    from keras_hub_autodist.fitting import advice
-
-    return advice.fit_advice(plan, batch_size, sequence_length, optimizer, platform)
+    return _adviser(plan, batch_size, sequence_length, optimizer, platform)
 
 
 def memory_verdict(
