@@ -114,13 +114,18 @@ def matrices(session):
 
 
 # The tests `versions` runs: the per-device attention kernels, the chunked
-# loss, loading, the plan and the data path.
+# loss, loading (Keras presets, and safetensors files through keras-hub),
+# the plan and the data path, and the extras' checkpoints (orbax) and plots
+# (matplotlib).
 VERSIONS_TESTS = [
     "tests/test_every_mesh_attention.py",
     "tests/test_chunked_loss.py",
     "tests/test_from_preset.py",
     "tests/test_plan.py",
     "tests/test_data_path.py",
+    "tests/test_loading.py",
+    "tests/test_checkpointing.py",
+    "tests/test_plot.py",
 ]
 # Which package versions each of `versions`' environments lists before its
 # tests: Python's, and those of what the package requires (its extras' too).
