@@ -1,5 +1,6 @@
 """Sessions: `tests` (default), `integration`, `matrices`, `multihost`,
-`notebooks`, `lint`, `docs` (the site, strict), and `bench` (not run by CI).
+`notebooks`, `lint`, `docs` (the site, strict), and `bench` and `versions`
+(the lowest and highest declared versions), not run by CI.
 
 The equivalence matrices' cases (tests/matrices.py) run in `matrices`
 alone, not in `tests` or `integration`: CI runs those of the files whose
@@ -110,6 +111,59 @@ def matrices(session):
     _run_pytest(session, *files, "-m", selection)
     if not session.posargs:
         session.run("python", "tests/matrices.py", "--record")
+
+
+# The tests `versions` runs: the per-device attention kernels, the chunked
+# loss, loading (Keras presets, and safetensors files through keras-hub),
+# the plan and the data path, and the extras' checkpoints (orbax) and plots
+# (matplotlib).
+VERSIONS_TESTS = [
+    "tests/test_every_mesh_attention.py",
+    "tests/test_chunked_loss.py",
+    "tests/test_from_preset.py",
+    "tests/test_plan.py",
+    "tests/test_data_path.py",
+    "tests/test_loading.py",
+    "tests/test_checkpointing.py",
+    "tests/test_plot.py",
+]
+# Which package versions each of `versions`' environments lists before its
+# tests: Python's, and those of what the package requires (its extras' too).
+SHOW_VERSIONS = """
+import importlib.metadata as m, platform, re
+names = ["jaxlib", "numpy"] + [
+    re.match(r"[A-Za-z0-9._-]+", r).group()
+    for r in m.requires("keras-hub-autodist")
+]
+found = {}
+for name in names:
+    try:
+        found[name] = m.version(name)
+    except m.PackageNotFoundError:
+        pass
+print("Python", platform.python_version(), "with", ", ".join(
+    f"{name} {version}" for name, version in sorted(found.items())))
+"""
+
+
+# uv alone resolves to the lowest versions (`--resolution lowest-direct`).
+@nox.session(venv_backend="uv")
+@nox.parametrize(("python", "resolution"), [("3.11", "lowest"), ("3.13", "highest")])
+def versions(session, resolution):
+    """The core tests (VERSIONS_TESTS) at the lowest versions pyproject.toml
+    declares, on the lowest Python it declares, and at the newest versions
+    on Python 3.13 (not run by CI). `lowest` is uv's lowest-direct
+    resolution: each requirement of the package and its test extras at its
+    lower bound, what those need at their newest. nox skips an interpreter
+    it cannot find, saying so (`--error-on-missing-interpreters` fails
+    instead)."""
+    resolve = ["--resolution", "lowest-direct"] if resolution == "lowest" else []
+    # --upgrade: resolved afresh each run, not kept from a reused environment.
+    session.install("--upgrade", *resolve, "-e", f".[{TEST_EXTRAS}]")
+    shown = session.run("python", "-c", SHOW_VERSIONS, silent=True, log=False)
+    if shown:  # None where `--install-only` skips running
+        session.log(shown.strip())
+    _run_pytest(session, *VERSIONS_TESTS, "-m", "not matrix", *session.posargs)
 
 
 @nox.session
