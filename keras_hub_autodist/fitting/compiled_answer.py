@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from keras_hub_autodist.fitting.compiled_step import compiled_fits
+from keras_hub_autodist.fitting.compiled_fit import compiled_fits
 
 if TYPE_CHECKING:
     from keras_hub_autodist.fitting.compiled_step import CompiledMemory

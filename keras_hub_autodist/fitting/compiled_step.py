@@ -31,6 +31,7 @@ from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 from keras_hub_autodist.fitting.compiled_analysis import collectives
 from keras_hub_autodist.fitting.compiled_analysis import not_compiled
 from keras_hub_autodist.fitting.compiled_analysis import out_of_memory
+from keras_hub_autodist.fitting.compiled_fit import compiled_fits
 from keras_hub_autodist.fitting.hlo_cost import program_cost
 from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
 from keras_hub_autodist.planning.options import check_lora_rank
@@ -184,35 +185,6 @@ class CompiledMemory:
 
     def __str__(self):
         return self.summary()
-
-
-def compiled_fits(memory: CompiledMemory, capacity: int) -> bool:
-    """Whether the compiled step fits `capacity` bytes per device: the one
-    rule of every compiled verdict (the command's text and `--json`,
-    `CompiledMemory.fits`, the layout search's ranking).
-
-    - A step the compiler refused as too large does not fit.
-    - On a TPU the compiler refuses, when it compiles, any program whose
-      peak is over the HBM it gives a program (`compiler_limit_bytes`):
-      a step it accepted fits any `capacity` at least that large.
-    - Otherwise the program's own peak (`peak_bytes`, XLA's
-      `peak_memory_in_bytes`) is held to `capacity`. XLA's GPU compiler
-      refuses no program for its size (a T4's accepts one of 25 GB), so
-      on a GPU `capacity` is what JAX's allocator gives a program there:
-      its pool, 75% of the memory by default or the client's memory
-      fraction (`device_profiles.usable_memory`).
-
-    Example:
-    ```python
-    compiled_fits(compiled_memory(plan, 8, 2048), plan.device_memory_bytes)
-    ```
-    """
-    if memory.out_of_memory:
-        return False
-    limit = memory.compiler_limit_bytes
-    if memory.platform == "tpu" and 0 < limit <= capacity:
-        return True
-    return memory.peak_bytes <= capacity
 
 
 def _optimizer(optimizer):

@@ -68,6 +68,7 @@ import math
 
 from keras_hub_autodist.attention.attention_blocks import KEY_BLOCK
 from keras_hub_autodist.attention.attention_blocks import SPLASH_RESIDUAL_LANES
+from keras_hub_autodist.attention.attention_blocks import splash_head_dim
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.device_profiles import device_key
@@ -287,6 +288,9 @@ def activation_terms(
     scores = layers * b * heads * s * whole / shards(query, {"heads"})
     keys_held = whole
     kernel = per_device_kernel(plan, whole, platform, rows=b)
+    # Splash attends heads of part lanes padded to whole ones (64 to 128):
+    # its queries, keys and values, and what it keeps of them, grow so.
+    lanes = splash_head_dim(h) / h if kernel == "splash" else 1
     if kernel is not None:
         # Attention per device holds one block of keys' scores at a time and
         # keeps none for the backward pass.
@@ -307,6 +311,7 @@ def activation_terms(
     return {
         "stream": layers * b * s * d / split,
         "attention": layers
+        * lanes
         * (b * s * heads * h / q_shards + b * whole * kv_width / kv_shards),
         "scores": scores,
         "scores_one_block": scores / layers if keys_held == whole else scores,
