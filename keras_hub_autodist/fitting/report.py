@@ -83,24 +83,19 @@ def use_adviser(adviser) -> None:
     _adviser = adviser
 
 
-def fit_advice(
-    plan: PlanRecord,
-    batch_size: int | None = None,
-    sequence_length: int | None = None,
-    optimizer: str = "adam",
-    platform: str | None = None,
-) -> list[str]:
-    """The advice of the closed form's verdict (`advice.fit_advice`): none
-    when the step fits, how to settle a maybe, and for a step that does
-    not fit what would make it fit, each piece checked by planning the
-    step again as a user would follow it.
+def fit_advice(plan: PlanRecord, *step, **options) -> list[str]:
+    """The advice of the closed form's verdict: `advice.fit_advice`, whose
+    arguments it takes (`batch_size`, `sequence_length`, `optimizer`,
+    `platform`). None when the step fits, how to settle a maybe, and for
+    a step that does not fit what would make it fit, each piece checked by
+    planning the step again as a user would follow it.
 
     Example:
     ```python
     plan.fit_advice(8, 1024)  # [] when it fits
     ```
     """
-    return _adviser(plan, batch_size, sequence_length, optimizer, platform)
+    return _adviser(plan, *step, **options)
 
 
 def memory_verdict(
