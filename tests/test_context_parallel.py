@@ -18,6 +18,7 @@ import keras_hub_autodist
 from keras_hub_autodist import MeshError
 from keras_hub_autodist import SequenceLengthError
 from keras_hub_autodist import StrategyError
+from keras_hub_autodist.fitting import memory_factors
 from keras_hub_autodist.fitting import step_memory
 from keras_hub_autodist.fitting.compiled_step import compiled_memory
 from keras_hub_autodist.fitting.report import memory_verdict
@@ -206,15 +207,20 @@ def test_attention_takes_xlas_path_on_a_context_mesh(tiny_presets_dir):
     assert jax_nn._can_use_flash_attention is original
 
 
-def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(real_configs):
+def test_the_advice_proposes_a_context_axis_when_it_makes_a_run_fit(
+    real_configs, monkeypatch
+):
     """One sequence of 4096 tokens of Gemma 2B on a TPU v3-8 split 8 ways on
     the batch axis: 7 of 8 devices would hold padding, each device a whole
     sequence. 4 blocks of it would fit (attention per device holds one block
     of keys' scores), but a context axis of 4 leaves a batch axis of 2 for
     one sequence, one device of 2 computing padding: the advice splits the
     sequence over all 8, where no device holds padding. Counted with a GPU
-    compiler's buffers, whose verdict is yes or NO (a TPU's compiler
-    rematerializes, and the closed form would answer maybe)."""
+    compiler's buffers and no margin for the estimate, so that the verdict
+    is yes or NO (the measured margins, or a TPU's rematerialization, leave
+    some of these steps a maybe)."""
+    monkeypatch.setitem(memory_factors.ESTIMATE_MARGIN, "gpu", 0.0)
+    monkeypatch.setitem(memory_factors.OVER_ESTIMATE_MARGIN, "gpu", 0.0)
     gemma = next(path for path in real_configs if path.name == "gemma_2b")
     plan = keras_hub_autodist.plan(
         gemma, {"batch": 8, "model": 1}, device_memory="v3-8", lora_rank=4

@@ -138,7 +138,7 @@ FLAG = re.compile(r"`(--[a-z-]+) ([^`]+)`")
     "name, mesh, device, extra",
     [
         ("llama3_8b", "batch=8,model=1", "a100-40", ["--batch", "2", "--seq", "4096"]),
-        ("qwen2.5_0.5b", "batch=2,model=4", "t4", ["--batch", "8", "--seq", "1024"]),
+        ("qwen2.5_0.5b", "batch=2,model=4", "t4", ["--batch", "16", "--seq", "1024"]),
         ("gemma_2b", "batch=4,model=2", "t4", ["--batch", "8", "--seq", "2048"]),
     ],
 )

@@ -144,16 +144,20 @@ def test_the_advice_proposes_only_steps_the_mesh_runs(
     # Before: on context=8 the advice proposed "1 x 4 tokens", which the
     # mesh refuses; and batches below the batch axis, which cost as much.
     # A LoRA fine-tune: the state is small, the activations count.
+    # Judged as this CPU's compiler counts (no margin: its estimate is its
+    # buffers), so that every budget below the step's is a NO with advice.
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], mesh, lora_rank=4)
     axes = plan.mesh_axes
-    full = step_memory.step_estimate(plan, batch_size, sequence_length).total_bytes
-    state = step_memory.step_estimate(plan, None, None).total_bytes
+    full = step_memory.step_estimate(
+        plan, batch_size, sequence_length, platform="cpu"
+    ).total_bytes
+    state = step_memory.step_estimate(plan, None, None, platform="cpu").total_bytes
     proposed = []
     # Every budget between the state alone and the whole step.
     for step in range(1, 61):
         capacity = state + (full - state) * step // 60
         tight = plan.replace(device_memory_bytes=capacity)
-        advice = tight.fit_advice(batch_size, sequence_length)
+        advice = tight.fit_advice(batch_size, sequence_length, platform="cpu")
         for batch, sequence in _proposed_steps(advice, batch_size, sequence_length):
             proposed.append((batch, sequence))
             # The mesh runs it: the context axis splits the sequence ...
@@ -165,16 +169,16 @@ def test_the_advice_proposes_only_steps_the_mesh_runs(
             if batch < batch_size:
                 assert batch % axes.size(axes.batch_axis) == 0, advice
                 assert not runs.padded, (batch, advice)
-            fits, _, _ = report.memory_verdict(tight, batch, sequence)
+            fits, _, _ = report.memory_verdict(tight, batch, sequence, platform="cpu")
             assert fits, (batch, sequence, advice)
     assert proposed  # the advice was put to the test
 
 
 def test_the_advice_names_the_step_as_flags_on_the_command_line(tiny_presets_dir):
     plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], {"batch": 4})
-    full = step_memory.step_estimate(plan, 64, 32).total_bytes
+    full = step_memory.step_estimate(plan, 64, 32, platform="cpu").total_bytes
     tight = plan.replace(device_memory_bytes=full * 3 // 4, lora_rank=4)
-    advice = tight.fit_advice(64, 32)
+    advice = tight.fit_advice(64, 32, platform="cpu")
     smaller = next(line for line in advice if line.startswith("a smaller batch"))
     assert "(`batch_size=" in smaller
     assert "`--batch " in cli.as_flags(smaller)

@@ -124,11 +124,10 @@ def fit_advice(
     platform: str | None = None,
 ) -> list[str]:
     """The advice of the closed form's verdict (`verdicts.step_verdict`):
-    none when the step fits; for a step that may fit (a TPU's compiler
-    rematerializes), how to settle it by compiling; for one that does not,
-    what would make it fit (`shrink_advice`), the largest smaller batch
-    that may fit where the compiler rematerializes, then how to check the
-    estimate by compiling.
+    none when the step fits; for a step that may fit, how to settle it by
+    compiling; for one that does not, what would make it fit
+    (`shrink_advice`), the largest smaller batch that may fit, then how to
+    check the estimate by compiling.
 
     Args:
         plan: the plan.
@@ -168,8 +167,8 @@ def fit_advice(
 
 
 def _larger_batch_that_may_fit(step: _Step) -> str:
-    """Where the compiler rematerializes: the largest about-halving of the
-    batch whose verdict is maybe, larger than any the verdict says fits;
+    """The largest about-halving of the batch whose verdict is maybe,
+    larger than any the verdict says fits;
     `""` when there is none (`step_shape.runnable_batches`)."""
     axes = step.plan.mesh_axes
     for batch in step_shape.runnable_batches(axes, step.batch_size):
@@ -178,9 +177,9 @@ def _larger_batch_that_may_fit(step: _Step) -> str:
             return ""
         if answer == MAYBE:
             return (
-                f"a batch of {batch} sequences may fit, the compiler "
-                f"rematerializing ({option('batch_size', str(batch))}): settle "
-                f"it by compiling the step, {COMPILED_CHECK}"
+                f"a batch of {batch} sequences may fit "
+                f"({option('batch_size', str(batch))}): settle it by compiling "
+                f"the step, {COMPILED_CHECK}"
             )
     return ""
 

@@ -23,6 +23,7 @@ from keras_hub_autodist.fitting.policy import AUTO_TP_MEMORY_SHARE
 from keras_hub_autodist.fitting.verdicts import MAYBE
 from keras_hub_autodist.fitting.verdicts import YES
 from keras_hub_autodist.fitting.verdicts import platform_of
+from keras_hub_autodist.fitting.verdicts import rematerializes
 from keras_hub_autodist.fitting.verdicts import step_verdict
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning import step_shape
@@ -64,8 +65,8 @@ ADVISED_LORA_RANK = 4
 
 # The advice of a step that may fit: the compile settles it.
 SETTLE_ADVICE = (
-    "settle it by compiling the step for the device, which rematerializes "
-    f"as the chip's compiler does: {COMPILED_CHECK}"
+    "settle it by compiling the step for the device with its own compiler: "
+    f"{COMPILED_CHECK}"
 )
 
 
@@ -109,10 +110,10 @@ def memory_verdict(
     with the estimate and the verdict as a line.
 
     `fits` is `True` (yes: the estimate fits `plan.device_memory_bytes`),
-    `False` (NO) or, on a compiler that rematerializes activations when
-    memory is short (a TPU's), `None` (maybe: the step's least need fits
-    and its estimate without rematerialization doesn't; the line gives the
-    range and how to settle it).
+    `False` (NO) or `None` (maybe: between the least the step could need
+    and its estimate with the estimate's measured shortfall, the capacity
+    lies; the line gives the range and how to settle it:
+    `verdicts.step_verdict`).
 
     Without `batch_size` and `sequence_length` the estimate counts weights,
     gradients and optimizer state alone, and the line says so. With them it
@@ -149,14 +150,20 @@ def memory_verdict(
             f"{share:.0%} of each{device} device's {format_bytes(capacity)}"
         )
     elif verdict.answer == MAYBE:
+        remat = (
+            ", and the TPU compiler rematerializes activations when memory is short"
+            if rematerializes(platform_of(plan, platform))
+            else ""
+        )
+        most = estimate.total_bytes * (1 + verdict.margin)
         line = (
             f"fits: maybe, {what} needs between "
-            f"{format_bytes(verdict.least_bytes)} (every block's activations "
-            f"rematerialized) and {format_bytes(estimate.total_bytes)} (none, "
-            f"the estimate, which may be {verdict.margin:.0%} under) per "
+            f"{format_bytes(verdict.least_bytes)} and {format_bytes(most)} per "
             f"device, of each{device} device's {format_bytes(capacity)}: the "
-            "TPU compiler rematerializes activations when memory is short, "
-            f"and only it can say how far; {SETTLE_ADVICE}"
+            f"estimate, {format_bytes(estimate.total_bytes)}, has been up to "
+            f"{verdict.margin:.0%} under and {verdict.over_margin:.0%} over the "
+            f"compiled peak on families it was not fitted to{remat}; "
+            f"{SETTLE_ADVICE}"
         )
     else:
         where = (
@@ -165,8 +172,9 @@ def memory_verdict(
             else ""
         )
         least = (
-            f" (at least {format_bytes(verdict.least_bytes)} however much the "
-            "compiler rematerializes)"
+            f" (at least {format_bytes(verdict.least_bytes)}, allowing for the "
+            f"estimate's {verdict.over_margin:.0%} over the compiled peak and the "
+            "compiler's rematerialization)"
             if verdict.least_bytes < estimate.total_bytes
             else ""
         )

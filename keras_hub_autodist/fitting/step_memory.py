@@ -533,6 +533,37 @@ def term_sizes(plan, platform: str = "gpu") -> dict[str, int]:
     }
 
 
+# The factors that differ from a calibration's where each device attends
+# with splash, by where the sequence lies: whole on each device, or split
+# on a context mesh (`kernel_factor_set`). `None`: the calibration's own.
+KERNEL_FACTORS = {
+    None: {},
+    "splash": SPLASH_FACTORS,
+    "context_splash": CONTEXT_SPLASH_FACTORS,
+}
+
+
+def kernel_factor_set(
+    plan, batch_size: int, sequence_length: int, platform: str = "gpu"
+) -> str | None:
+    """Which of `KERNEL_FACTORS` weighs a step's activations: `"splash"`
+    where each device attends a whole sequence with splash,
+    `"context_splash"` where it attends its block of a context mesh's
+    sequence with it, else `None`.
+
+    Example:
+    ```python
+    kernel_factor_set(plan, 1, 32768, "v5e")  # 'splash'
+    ```
+    """
+    axes = plan.mesh_axes
+    rows = runnable_step(axes, batch_size, sequence_length).rows
+    rows //= axes.size(axes.batch_axis)
+    if per_device_kernel(plan, sequence_length, platform, rows=rows) != "splash":
+        return None
+    return "context_splash" if axes.size(axes.context_axis) > 1 else "splash"
+
+
 def activation_bytes(
     plan, batch_size: int, sequence_length: int, platform: str = "gpu"
 ) -> int:
@@ -548,14 +579,12 @@ def activation_bytes(
     ```
     """
     calibration = calibration_of(platform)[0]
-    factors = ACTIVATION_FACTORS[calibration]
     axes = plan.mesh_axes
     on_context_mesh = axes.size(axes.context_axis) > 1
-    rows = runnable_step(axes, batch_size, sequence_length).rows
-    rows //= axes.size(axes.batch_axis)
-    if per_device_kernel(plan, sequence_length, platform, rows=rows) == "splash":
-        splash = CONTEXT_SPLASH_FACTORS if on_context_mesh else SPLASH_FACTORS
-        factors = {**factors, **splash.get(calibration, {})}
+    kernel_factors = KERNEL_FACTORS[
+        kernel_factor_set(plan, batch_size, sequence_length, platform)
+    ]
+    factors = {**ACTIVATION_FACTORS[calibration], **kernel_factors.get(calibration, {})}
     terms = activation_terms(plan, batch_size, sequence_length, platform)
     sizes = term_sizes(plan, platform)
     weighted = {

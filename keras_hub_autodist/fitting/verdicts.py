@@ -1,15 +1,16 @@
 """The closed form's one fit verdict for a step: yes, NO, or maybe.
 
-On a GPU or a CPU the compiler keeps the buffers the closed form counts,
-so the estimate decides: yes when it fits the device, NO when it doesn't.
-The TPU compiler rematerializes activations when a program is short of
-memory: a step the estimate says is too large may still run (Gemma 2B's
-LoRA step of 8 x 1024 tokens, estimated at 26.85 GiB, runs on a v5e chip
-in 14.69 GiB). There the closed form answers with a range: the least the
+The closed form is within a measured share of the compiled peak on the
+families it was not fitted to (`ESTIMATE_MARGIN` short of it,
+`OVER_ESTIMATE_MARGIN` above it): a step is yes when its estimate plus
+the shortfall fits the device, NO when its estimate less the excess does
+not, and maybe between, where only compiling the step settles it. On a
+CPU the estimate is exact. The TPU compiler rematerializes activations
+when a program is short of memory: a step the estimate says is too large
+may still run (Gemma 2B's LoRA step of 8 x 1024 tokens, estimated at 26.85
+GiB, runs on a v5e chip in 14.69 GiB). There NO needs even the least the
 step could need (`least_step_bytes`: every block's activations
-rematerialized) and the estimate without rematerialization. Above the
-range the answer is NO, below it yes, and within it maybe: only compiling
-the step for the device settles it.
+rematerialized) not to fit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 from keras_hub_autodist.fitting import step_memory
 from keras_hub_autodist.fitting.memory_factors import ESTIMATE_MARGIN
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_BYTES
+from keras_hub_autodist.fitting.memory_factors import OVER_ESTIMATE_MARGIN
 from keras_hub_autodist.fitting.step_memory import BLOCK_TERMS
 
 YES, MAYBE, NO = "yes", "maybe", "NO"
@@ -35,12 +37,15 @@ class StepVerdict:
         answer: `YES`, `MAYBE` or `NO`.
         estimate: the closed-form estimate (`step_memory.StepEstimate`).
         least_bytes: the least the step could need per device: the
-            estimate's total where the compiler doesn't rematerialize
-            (or without a step), else `least_step_bytes`.
+            estimate's total less its excess (`OVER_ESTIMATE_MARGIN`), and
+            no more than `least_step_bytes` where the compiler
+            rematerializes; the total itself without a step.
         capacity: the bytes per device the verdict holds it to.
         margin: how far the estimate may fall short of the compiled peak
             on this platform (`ESTIMATE_MARGIN`); "yes" needs the
             estimate plus this share to fit.
+        over_margin: how far it may exceed it (`OVER_ESTIMATE_MARGIN`);
+            NO needs the estimate less this share not to fit.
 
     Example:
     ```python
@@ -54,6 +59,7 @@ class StepVerdict:
     least_bytes: int
     capacity: int
     margin: float = 0.0
+    over_margin: float = 0.0
 
     @property
     def fits(self) -> bool | None:
@@ -145,8 +151,8 @@ def step_verdict(
     platform: str | None = None,
 ) -> StepVerdict:
     """The closed form's verdict on a step on `platform` (or a named
-    device; by default the plan's, else a GPU: `platform_of`): yes, NO, or,
-    on a compiler that rematerializes, maybe.
+    device; by default the plan's, else a GPU: `platform_of`): yes, NO, or
+    maybe (module docstring).
 
     Without a batch and sequence length it is the state's (weights,
     gradients and optimizer state): yes or NO, nothing to rematerialize.
@@ -162,22 +168,24 @@ def step_verdict(
     )
     capacity = plan.device_memory_bytes
     total = estimate.total_bytes
-    step = estimate.covers == step_memory.STEP
-    if not (step and rematerializes(platform)):
-        answer = YES if total <= capacity else NO
-        return StepVerdict(answer, estimate, total, capacity)
-    margin = ESTIMATE_MARGIN[step_memory.calibration_of(platform)[0]]
-    least = min(
-        total,
-        least_step_bytes(plan, batch_size, sequence_length, optimizer, platform),
-    )
+    if estimate.covers != step_memory.STEP:
+        return StepVerdict(YES if total <= capacity else NO, estimate, total, capacity)
+    calibration = step_memory.calibration_of(platform)[0]
+    margin = ESTIMATE_MARGIN[calibration]
+    over_margin = OVER_ESTIMATE_MARGIN[calibration]
+    least = int(total / (1 + over_margin))
+    if rematerializes(platform):
+        least = min(
+            least,
+            least_step_bytes(plan, batch_size, sequence_length, optimizer, platform),
+        )
     if total * (1 + margin) <= capacity:
         answer = YES
     elif least > capacity:
         answer = NO
     else:
         answer = MAYBE
-    return StepVerdict(answer, estimate, least, capacity, margin)
+    return StepVerdict(answer, estimate, least, capacity, margin, over_margin)
 
 
 __all__ = [
