@@ -53,7 +53,8 @@ tokens (the batch over the batch axis):
   is that copy). The experts' kernels are gathered where they are used,
   not kept.
 
-Under `remat="full"` each block keeps its input instead (`remat_memory`).
+Under a block policy of `remat=` (`"full"`, `"dots"`) each block keeps
+what the policy keeps instead (`remat_memory`).
 
 The activations are gone by the time the optimizer applies the gradients;
 what the update itself keeps beside the state (`UPDATE_TEMPORARIES`, per
@@ -98,7 +99,7 @@ from keras_hub_autodist.fitting.trained_state import trainable_bytes
 from keras_hub_autodist.loss.chunks import chunk_count
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning.options import check_lora_rank
-from keras_hub_autodist.planning.remat_arguments import remat_mode
+from keras_hub_autodist.planning.remat_arguments import block_policy
 from keras_hub_autodist.planning.step_shape import runnable_step
 from keras_hub_autodist.reading.dtypes import ITEMSIZES
 from keras_hub_autodist.reading.dtypes import itemsize
@@ -514,7 +515,7 @@ def activation_bytes(
     weighted = {
         name: factors[name] * count * sizes[name] for name, count in terms.items()
     }
-    if remat_mode(getattr(plan, "remat", None)) == "full":
+    if block_policy(getattr(plan, "remat", None)) is not None:
         return int(
             rematerialized_bytes(
                 plan,
@@ -523,6 +524,8 @@ def activation_bytes(
                 weighted,
                 calibration,
                 on_context_mesh,
+                batch_size,
+                sequence_length,
             )
         )
     return int(sum(weighted.values()))
