@@ -36,6 +36,7 @@ from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
 from keras_hub_autodist.planning.options import CONTEXT_PARALLEL_STRATEGIES
 from keras_hub_autodist.planning.options import STRATEGY_CHOICES
+from keras_hub_autodist.planning.remat_arguments import BLOCK_POLICIES
 
 PROG = "keras-hub-autodist"
 EXIT_USAGE = 2
@@ -274,11 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--remat",
         default=None,
-        choices=["full"],
+        choices=list(BLOCK_POLICIES),
         help=(
-            "plan the training step with full rematerialization "
-            "(from_preset(..., remat='full'), keras.RematScope): each block "
-            "keeps only its input for the backward pass"
+            "plan the training step with each decoder block recomputed in "
+            "the backward pass (from_preset(..., remat=...)): "
+            + "; ".join(
+                f"{name}: each block keeps {policy.keeps}"
+                for name, policy in BLOCK_POLICIES.items()
+            )
         ),
     )
     plan.add_argument(

@@ -142,11 +142,13 @@ def from_preset(
             activations tensor parallelism replicates (norms, residual adds,
             dropout) are sharded on the sequence over the model axis (see
             `plan()`).
-        remat: rematerialization: a `keras.RematScope` mode (`"full"`,
-            `"larger_than"`, `"list_of_layers"`) or a dict of its arguments
-            (`{"mode": "larger_than", "output_size_threshold": 2**20}`). The
-            model is built inside that scope, so its training step
-            recomputes those layers' activations in the backward pass.
+        remat: rematerialization: a block policy (`"full"`: each decoder
+            block keeps its inputs and recomputes the rest in the backward
+            pass; `"dots"`: it also keeps its weight matmuls' outputs), or
+            a `keras.RematScope` mode (`"larger_than"`,
+            `"list_of_layers"`) or a dict of its arguments
+            (`{"mode": "larger_than", "output_size_threshold": 2**20}`), the
+            model then built inside that scope.
         **kwargs: passed to `cls.from_preset` (`dtype`, `load_weights`, …).
 
     Returns:

@@ -12,6 +12,7 @@ import pytest
 
 import keras_hub_autodist
 from bench import target_calibration
+from keras_hub_autodist.fitting import remat_memory
 from keras_hub_autodist.fitting import step_memory
 from keras_hub_autodist.fitting import verdicts
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_COPY_TERMS
@@ -244,7 +245,7 @@ def test_rematerialized_blocks_on_a_tpu_context_mesh_keep_two_streams_each(
     stream = blocks * 32768 * 1152 * 2
     kept = {}
     for streams in ({"tpu": 2}, {}):
-        monkeypatch.setattr(step_memory, "CONTEXT_REMAT_STREAMS", streams)
+        monkeypatch.setattr(remat_memory, "CONTEXT_REMAT_STREAMS", streams)
         for name, plan in (("context", context), ("one chip", one_chip)):
             kept[name, len(streams)] = step_memory.activation_bytes(
                 plan, 1, 131072, "v5e"

@@ -187,6 +187,16 @@ SPLASH_FACTORS = {
 # buffers' worth (in float32, as the post-norm outputs splash's steps keep
 # are), not yet read from the program's buffers.
 CONTEXT_REMAT_STREAMS = {"tpu": 2}
+# Under `remat="dots"`, buffers of each weight matmul output a block keeps
+# (`remat_memory.saved_dot_elements`), by calibration. One: the elements
+# counted are those `jax.ad_checkpoint.print_saved_residuals` lists of
+# keras-hub's Gemma, Gemma 2 and 3, Llama and Mixtral blocks (within 2%,
+# tests/test_remat_policies.py), and on the CPU each block more of a tiny
+# Gemma (hidden 256, MLP 1024, 2 x 256 tokens, 2 and 8 blocks) costs its
+# compiled step 3.0 MB beyond "full"'s, what they count in float32 (3.01
+# MB). The accelerators' compilers are taken to keep one buffer too: not
+# yet measured on their compiles of real configs.
+SAVED_DOTS = {"cpu": 1.0, "gpu": 1.0, "t4": 1.0, "tpu": 1.0}
 CONTEXT_SPLASH_FACTORS = {"tpu": {"attention": 0.5}}
 # Bytes the optimizer's update keeps beside the state, per trained byte,
 # when the state is donated (as Keras' JAX trainer does): on CPU, Adam's

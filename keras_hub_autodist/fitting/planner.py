@@ -118,9 +118,11 @@ def plan(
             adapters, the only weights trained): the memory answers then
             count gradients and optimizer state for the LoRA kernels alone.
         remat: plan a training step with rematerialization, as
-            `from_preset(..., remat=...)` builds it: a `keras.RematScope`
-            mode (`"full"`, `"larger_than"`, `"list_of_layers"`) or a dict of
-            its arguments. The activation estimate counts `"full"`.
+            `from_preset(..., remat=...)` builds it: a block policy
+            (`"full"`, `"dots"`: what each decoder block keeps,
+            `remat_arguments.BLOCK_POLICIES`), a `keras.RematScope` mode
+            (`"larger_than"`, `"list_of_layers"`) or a dict of its
+            arguments. The activation estimate counts the block policies.
         sequence_parallel: also shard the activations tensor parallelism
             replicates (the residual stream: norms, residual adds, dropout)
             on their sequence dimension over the model axis, Megatron-style;

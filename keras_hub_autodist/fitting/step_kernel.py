@@ -27,20 +27,41 @@ def gives_head_shape(row) -> bool:
     return {"heads", "head_dim"} <= set(row.logical_axes)
 
 
+# The logical axes a weight's model-axis shards split its activations on.
+MODEL_PARALLEL = frozenset({"vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"})
+
+
+def row_dim(row, logical: str) -> int:
+    """The size of `row`'s dimension of logical axis `logical`."""
+    return row.shape[row.logical_axes.index(logical)]
+
+
+def device_shards(plan, row, logicals=MODEL_PARALLEL) -> int:
+    """How many ways the mesh axes of `row` (a row of `plan`) split its
+    dimensions of `logicals`, and so the activations it makes: but the
+    batch and context axes, over which weights are gathered where they
+    are used (`fsdp`), which split no activation of the weight."""
+    axes = plan.mesh_axes
+    return math.prod(
+        axes.size(axis)
+        for axis, logical in zip(row.spec, row.logical_axes)
+        if axis
+        and axis not in (axes.batch_axis, axes.context_axis)
+        and logical in logicals
+    )
+
+
+def num_blocks(plan) -> int:
+    """The decoder blocks of a plan: the rows of its query's pattern."""
+    query = next((r for r in plan.rows if gives_head_shape(r)), None)
+    return sum(1 for r in plan.rows if r.pattern == query.pattern) if query else 1
+
+
 def _device_heads(plan, query) -> int:
     """The query heads of `query` (a row of `plan`) on one device: split by
     the mesh axes its `heads` dimension is laid on, but the batch and
     context axes (gathered where the weight is used)."""
-    axes = plan.mesh_axes
-    heads = query.shape[query.logical_axes.index("heads")]
-    shards = math.prod(
-        axes.size(axis)
-        for axis, logical in zip(query.spec, query.logical_axes)
-        if axis
-        and logical == "heads"
-        and axis not in (axes.batch_axis, axes.context_axis)
-    )
-    return heads // shards
+    return row_dim(query, "heads") // device_shards(plan, query, {"heads"})
 
 
 def per_device_kernel(

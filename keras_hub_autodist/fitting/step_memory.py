@@ -53,6 +53,9 @@ tokens (the batch over the batch axis):
   is that copy). The experts' kernels are gathered where they are used,
   not kept.
 
+Under a block policy of `remat=` (`"full"`, `"dots"`) each block keeps
+what the policy keeps instead (`remat_memory`).
+
 The activations are gone by the time the optimizer applies the gradients;
 what the update itself keeps beside the state (`UPDATE_TEMPORARIES`, per
 trained byte) counts instead when it is the larger of the two.
@@ -74,7 +77,6 @@ from keras_hub_autodist.fitting.device_profiles import DEVICE_PROFILES
 from keras_hub_autodist.fitting.device_profiles import device_key
 from keras_hub_autodist.fitting.memory_factors import ACTIVATION_FACTORS
 from keras_hub_autodist.fitting.memory_factors import ACTIVATION_TERMS
-from keras_hub_autodist.fitting.memory_factors import CONTEXT_REMAT_STREAMS
 from keras_hub_autodist.fitting.memory_factors import CONTEXT_SPLASH_FACTORS
 from keras_hub_autodist.fitting.memory_factors import FLOAT16_DTYPES
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_BYTES
@@ -85,14 +87,19 @@ from keras_hub_autodist.fitting.memory_factors import GRADIENTS_AT_PEAK
 from keras_hub_autodist.fitting.memory_factors import SPLASH_FACTORS
 from keras_hub_autodist.fitting.memory_factors import UPDATE_TEMPORARIES
 from keras_hub_autodist.fitting.memory_factors import WEIGHT_TERMS
+from keras_hub_autodist.fitting.remat_memory import rematerialized_bytes
+from keras_hub_autodist.fitting.step_kernel import MODEL_PARALLEL
+from keras_hub_autodist.fitting.step_kernel import device_shards
 from keras_hub_autodist.fitting.step_kernel import gives_head_shape
+from keras_hub_autodist.fitting.step_kernel import num_blocks
 from keras_hub_autodist.fitting.step_kernel import per_device_kernel
+from keras_hub_autodist.fitting.step_kernel import row_dim
 from keras_hub_autodist.fitting.trained_state import optimizer_spec
 from keras_hub_autodist.fitting.trained_state import trainable_bytes
 from keras_hub_autodist.loss.chunks import chunk_count
 from keras_hub_autodist.planning import sharding
 from keras_hub_autodist.planning.options import check_lora_rank
-from keras_hub_autodist.planning.remat_arguments import remat_mode
+from keras_hub_autodist.planning.remat_arguments import block_policy
 from keras_hub_autodist.planning.step_shape import runnable_step
 from keras_hub_autodist.reading.dtypes import ITEMSIZES
 from keras_hub_autodist.reading.dtypes import itemsize
@@ -209,21 +216,9 @@ def activation_terms(
     # the sequence; the batch padded to a multiple of the batch axis.
     step = runnable_step(plan.mesh_axes, batch_size, sequence_length)
     axes = plan.mesh_axes
-    parallel = {"vocab", "heads", "kv_heads", "head_dim", "mlp", "expert"}
 
-    def dim(row, logical):
-        return row.shape[row.logical_axes.index(logical)]
-
-    def shards(row, logicals=parallel):
-        return math.prod(
-            axes.size(axis)
-            for axis, logical in zip(row.spec, row.logical_axes)
-            # fsdp's batch and context axes are gathered where weights are
-            # used: they split no activation of the weight.
-            if axis
-            and axis not in (axes.batch_axis, axes.context_axis)
-            and logical in logicals
-        )
+    def shards(row, logicals=MODEL_PARALLEL):
+        return device_shards(plan, row, logicals)
 
     def first(condition):
         return next((r for r in plan.rows if condition(r)), None)
@@ -247,9 +242,9 @@ def activation_terms(
     # only the keys and values are gathered whole for attention.
     s = sequence_length / axes.size(axes.context_axis)
     whole = sequence_length
-    d = dim(output, "embed")
-    h = dim(query, "head_dim")
-    heads = dim(query, "heads")
+    d = row_dim(output, "embed")
+    h = row_dim(query, "head_dim")
+    heads = row_dim(query, "heads")
     # Keys and values per token: a flat kernel's `kv_heads` axis carries
     # `kv_heads · head_dim` (SmolLM3's).
     kv_width = _width(key, h) if key is not None else heads * h
@@ -260,9 +255,9 @@ def activation_terms(
     split = axes.size(axes.model_axis) if sequence_parallel else 1
 
     def experts(row):
-        return dim(row, "expert") if "expert" in row.logical_axes else 1
+        return row_dim(row, "expert") if "expert" in row.logical_axes else 1
 
-    vocabulary = dim(output, "vocab") / shards(output)
+    vocabulary = row_dim(output, "vocab") / shards(output)
     # The output embedding is trained but under LoRA.
     head_trained = getattr(plan, "lora_rank", None) is None
     chunks = loss_chunks(plan, b, sequence_length, vocabulary, output, head_trained)
@@ -317,7 +312,7 @@ def activation_terms(
         "scores_one_block": scores / layers if keys_held == whole else scores,
         "kernel_residuals": kernel_residuals,
         "masks": layers * b * s * keys_held,
-        "mlp": sum(b * s * dim(r, "mlp") * experts(r) / shards(r) for r in ups),
+        "mlp": sum(b * s * row_dim(r, "mlp") * experts(r) / shards(r) for r in ups),
         "experts": sum(
             b * s * d * experts(r) / shards(r, {"expert"})
             for r in downs
@@ -457,47 +452,6 @@ def _width(row, head_dim: int) -> int:
     return width * head_dim if "head_dim" in row.logical_axes else width
 
 
-def num_blocks(plan) -> int:
-    """The decoder blocks of a plan: the rows of its query's pattern."""
-    query = next((r for r in plan.rows if gives_head_shape(r)), None)
-    return sum(1 for r in plan.rows if r.pattern == query.pattern) if query else 1
-
-
-# The terms of each decoder block, kept per block without rematerialization
-# (`scores_one_block` is one block's already), and those of the head.
-BLOCK_TERMS = (
-    "stream",
-    "attention",
-    "scores",
-    "kernel_residuals",
-    "masks",
-    "mlp",
-    "experts",
-)
-HEAD_TERMS = ("final", "logits", "logits_whole", "logits_float32", "logits_soft_cap")
-
-
-def _rematerialized(
-    weighted: dict[str, float], layers: int, input_bytes: float
-) -> float:
-    """The activation bytes under full rematerialization: every block keeps
-    its input (`input_bytes` in all); the backward pass holds either the
-    head's buffers (before it reaches the blocks) or one block's recomputed
-    activations and score gradients, beside the final states' gradient
-    (after the head's are freed), the larger of the two; gathered weights
-    and copies as without."""
-    # The blocks are differentiated with the head's gradient of the final
-    # states beside them.
-    one_block = (
-        sum(weighted[name] for name in BLOCK_TERMS) / layers
-        + weighted["scores_one_block"]
-        + weighted["final"]
-    )
-    head = sum(weighted[name] for name in HEAD_TERMS)
-    kept = weighted.keys() - set(BLOCK_TERMS) - set(HEAD_TERMS) - {"scores_one_block"}
-    return input_bytes + max(one_block, head) + sum(weighted[name] for name in kept)
-
-
 def term_sizes(plan, platform: str = "gpu") -> dict[str, int]:
     """Bytes per element of each term of `activation_terms` (1 for the
     terms of weights, already in bytes) on `platform` or a named device
@@ -590,10 +544,17 @@ def activation_bytes(
     weighted = {
         name: factors[name] * count * sizes[name] for name, count in terms.items()
     }
-    if remat_mode(getattr(plan, "remat", None)) == "full":
-        # Each block's input: one residual-stream buffer, or as many as the
-        # compiler keeps on a context mesh.
-        streams = CONTEXT_REMAT_STREAMS.get(calibration, 1) if on_context_mesh else 1
-        inputs = streams * terms["stream"] * sizes["stream"]
-        return int(_rematerialized(weighted, num_blocks(plan), inputs))
+    if block_policy(getattr(plan, "remat", None)) is not None:
+        return int(
+            rematerialized_bytes(
+                plan,
+                terms,
+                sizes,
+                weighted,
+                calibration,
+                on_context_mesh,
+                batch_size,
+                sequence_length,
+            )
+        )
     return int(sum(weighted.values()))

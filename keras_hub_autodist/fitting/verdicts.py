@@ -21,7 +21,7 @@ from keras_hub_autodist.fitting import step_memory
 from keras_hub_autodist.fitting.memory_factors import ESTIMATE_MARGIN
 from keras_hub_autodist.fitting.memory_factors import FLOAT32_BYTES
 from keras_hub_autodist.fitting.memory_factors import OVER_ESTIMATE_MARGIN
-from keras_hub_autodist.fitting.step_memory import BLOCK_TERMS
+from keras_hub_autodist.fitting.remat_memory import BLOCK_TERMS
 
 YES, MAYBE, NO = "yes", "maybe", "NO"
 # The platforms whose compiler fits a step that is short of memory by

@@ -97,10 +97,12 @@ OPTIONS = (
     Option(
         "remat",
         None,
-        'rematerialization: a `keras.RematScope` mode (`"full"`, '
-        '`"larger_than"`, `"list_of_layers"`) or a dict of its arguments; '
-        "the training step recomputes those layers' activations in the "
-        "backward pass instead of keeping them (default `None`).",
+        'rematerialization: a block policy (`"full"`: each decoder block '
+        'keeps its inputs; `"dots"`: also its weight matmuls\' outputs), '
+        'a `keras.RematScope` mode (`"larger_than"`, '
+        '`"list_of_layers"`) or a dict of its arguments; the training step '
+        "recomputes the rest in the backward pass instead of keeping it "
+        "(default `None`).",
     ),
     Option(
         "progress",
@@ -160,6 +162,7 @@ class PlanOptions:
             (`device_memory.device_memory_info`).
         lora_rank: the rank of a LoRA fine-tune; `None`: full fine-tuning.
         remat: the rematerialization of the training step (`None`, a
+            block policy of `remat_arguments.BLOCK_POLICIES`, a
             `keras.RematScope` mode, or a dict of its arguments).
         sequence_parallel: shard residual-stream activations on the
             sequence over the model axis.

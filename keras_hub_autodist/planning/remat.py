@@ -1,16 +1,19 @@
 """Rematerialization of a model's training step (`remat=`).
 
-`remat="full"` recomputes each decoder block in the backward pass: the
-block keeps only its inputs, and its activations are computed again from
-them when the gradients need them, after the block output's cotangent
+The block policies (`remat_arguments.BLOCK_POLICIES`) recompute each
+decoder block in the backward pass. With `remat="full"` the block keeps
+only its inputs, and its activations are computed again from them when the
+gradients need them, after the block output's cotangent
 (`recomputed_in_backward`), so that every backend, XLA's CPU one included,
-keeps one block's activations at a time. Each block's `call` runs so, with
-its array arguments traced and every other argument
-(keras-hub's `training` flag, cache indices, `None`) held as it is: Keras'
-own `RematScope` traces every argument of a rematerialized call, and
-keras-hub's blocks test some of them in Python, so a step built under it
-does not trace. The blocks are found from the plan: the layer that holds
-each query kernel.
+keeps one block's activations at a time. With `"dots"` it also keeps its
+weight matmuls' outputs (a `jax.checkpoint` policy says which), and the
+backward pass recomputes the rest from them, after the cotangent too.
+Each block's `call` runs so, with its array arguments traced and every
+other argument (keras-hub's `training` flag, cache indices, `None`) held
+as it is: Keras' own `RematScope` traces every argument of a
+rematerialized call, and keras-hub's blocks test some of them in Python,
+so a step built under it does not trace. The blocks are found from the
+plan: the layer that holds each query kernel.
 
 A block's non-weight state (its dropout layers' seed generators) is threaded
 through the recomputed call as explicit inputs and outputs: the state the
@@ -28,15 +31,14 @@ import functools
 
 from keras_hub_autodist import compat
 from keras_hub_autodist.compat import state as compat_state
+from keras_hub_autodist.planning.remat_arguments import BLOCK_POLICIES
+from keras_hub_autodist.planning.remat_arguments import block_policy
 from keras_hub_autodist.planning.remat_arguments import remat_mode
-
-# The one mode this module implements itself; others are `keras.RematScope`.
-BLOCKS = "full"
 
 
 def remat_scope(remat):
     """`keras.RematScope` of a `remat=` value of a Keras-only mode; a no-op
-    scope for `None` and for `"full"` (see `rematerialize_blocks`).
+    scope for `None` and for a block policy (see `rematerialize_blocks`).
 
     Example:
     ```python
@@ -46,7 +48,7 @@ def remat_scope(remat):
     """
     import keras
 
-    if remat is None or remat_mode(remat) == BLOCKS:
+    if remat is None or remat_mode(remat) in BLOCK_POLICIES:
         return contextlib.nullcontext()
     arguments = dict(remat) if isinstance(remat, dict) else {"mode": remat}
     return keras.RematScope(**arguments)
@@ -83,8 +85,9 @@ def non_weight_state(layer) -> list:
     return [v for v in layer.variables if id(v) not in weight_ids]
 
 
-def checkpointed(call, state=()):
-    """`call` recomputed in the backward pass (`recomputed_in_backward`):
+def checkpointed(call, state=(), policy=None):
+    """`call` recomputed in the backward pass (`recomputed_in_backward`,
+    keeping what the `jax.checkpoint` `policy` saves beside the inputs):
     its array arguments traced, the others (flags, indices, `None`) held as
     given, and the variables of `state` (the block's non-weight state, e.g.
     its seed generators') passed in and out as values."""
@@ -111,7 +114,7 @@ def checkpointed(call, state=()):
                 return outputs, [variable.value for variable in state]
 
             outputs, advanced = recomputed_in_backward(
-                pure, *(leaves[i] for i in traced), *values
+                pure, *(leaves[i] for i in traced), *values, policy=policy
             )
             for variable, value in zip(state, advanced):
                 variable.assign(value)
@@ -120,21 +123,22 @@ def checkpointed(call, state=()):
     return run
 
 
-def recomputed_in_backward(function, *arrays):
+def recomputed_in_backward(function, *arrays, policy=None):
     """`function(*arrays)`, keeping only its inputs for the backward pass,
-    which recomputes the rest once the output's cotangent has arrived.
+    which recomputes the rest once the output's cotangent has arrived; with
+    a `jax.checkpoint` `policy`, keeping also what the policy saves, the
+    rest recomputed from it so.
 
     `jax.checkpoint` keeps XLA from merging the recomputation into the
     forward pass with an optimization barrier, which XLA's CPU backend
     drops before scheduling: the recomputation is merged back and the step
     keeps every activation. Here the recomputation reads its floating inputs
-    through `after_cotangent`, a data dependency no compiler pass removes,
-    so it runs after the cotangent on every backend. Closed-over values (the
-    block's weights, read from Keras' stateless scope) become explicit
-    inputs through `jax.closure_convert`.
+    (and what the policy saved) through `after_cotangent`, a data dependency
+    no compiler pass removes, so it runs after the cotangent on every
+    backend. Closed-over values (the block's weights, read from Keras'
+    stateless scope) become explicit inputs through `jax.closure_convert`.
     """
     import jax
-    import jax.numpy as jnp
 
     converted, constants = jax.closure_convert(function, *arrays)
 
@@ -155,17 +159,40 @@ def recomputed_in_backward(function, *arrays):
         return jax.lax.optimization_barrier(forward_only(inputs)), inputs
 
     def backward(inputs, cotangent):
-        cotangents = [
-            leaf
-            for leaf in jax.tree_util.tree_leaves(cotangent)
-            if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size
-        ]
+        cotangents = floating_leaves(cotangent)
         ordered = tuple(after_cotangent(value, cotangents) for value in inputs)
         _, pullback = jax.vjp(forward_only, ordered)
         return pullback(cotangent)
 
-    run.defvjp(forward, backward)
+    def forward_saving(inputs):
+        # What the policy saves and the inputs are the pullback's leaves:
+        # the residuals, the rest recomputed from them when it is called.
+        outputs, pullback = jax.vjp(jax.checkpoint(forward_only, policy=policy), inputs)
+        return jax.lax.optimization_barrier(outputs), pullback
+
+    def backward_saving(pullback, cotangent):
+        leaves, structure = jax.tree_util.tree_flatten(pullback)
+        cotangents = floating_leaves(cotangent)
+        ordered = [after_cotangent(leaf, cotangents) for leaf in leaves]
+        return jax.tree_util.tree_unflatten(structure, ordered)(cotangent)
+
+    if policy is None:
+        run.defvjp(forward, backward)
+    else:
+        run.defvjp(forward_saving, backward_saving)
     return run((*arrays, *constants))
+
+
+def floating_leaves(tree) -> list:
+    """The non-empty floating arrays of `tree` (a cotangent)."""
+    import jax
+    import jax.numpy as jnp
+
+    return [
+        leaf
+        for leaf in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size
+    ]
 
 
 def after_cotangent(value, cotangents):
@@ -188,16 +215,19 @@ def after_cotangent(value, cotangents):
 
 
 def rematerialize_blocks(model, plan) -> int:
-    """With `plan.remat == "full"`, make each decoder block of `model`
-    recompute its activations in the backward pass; return how many blocks
-    changed (0 for another mode or none).
+    """With a block policy as `plan.remat` (`BLOCK_POLICIES`), make each
+    decoder block of `model` recompute its activations in the backward
+    pass, keeping what the policy saves; return how many blocks changed (0
+    for a Keras mode or none).
 
     Args:
         model: a keras-hub Backbone or Task, built.
         plan: its `LayoutPlan`.
     """
-    if remat_mode(plan.remat) != BLOCKS:
+    policy = block_policy(plan.remat)
+    if policy is None:
         return 0
+    saving = jax_policy(policy)
     wanted = set(block_paths(plan))
     changed = 0
     for layer in compat.sublayers(model):
@@ -206,7 +236,17 @@ def rematerialize_blocks(model, plan) -> int:
                 "rematerialized_blocks",
                 layer,
                 "call",
-                checkpointed(layer.call, non_weight_state(layer)),
+                checkpointed(layer.call, non_weight_state(layer), saving),
             )
             changed += 1
     return changed
+
+
+def jax_policy(policy):
+    """The `jax.checkpoint_policies` entry a `BlockPolicy` names, made with
+    its arguments; `None` for a policy that keeps the inputs alone."""
+    if policy.saveable is None:
+        return None
+    import jax
+
+    return getattr(jax.checkpoint_policies, policy.saveable)

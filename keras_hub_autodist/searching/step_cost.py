@@ -26,6 +26,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from keras_hub_autodist.fitting.device_profiles import DeviceSpeed
+from keras_hub_autodist.planning.remat_arguments import block_policy
 
 if TYPE_CHECKING:
     from keras_hub_autodist.fitting.compiled_step import CompiledMemory
@@ -42,7 +43,8 @@ COLLECTIVE_OVERLAP = {"ici": 0.5, "nvlink": 0.5, "pcie": 0.0}
 # Passes over the weights' matmuls per step, in units of a forward pass
 # (2 flops per parameter per token): forward 1, backward 2 (the gradients
 # of the activations and of the weights); a LoRA step's frozen weights get
-# no gradient (backward 1); full rematerialization runs the forward again.
+# no gradient (backward 1); full rematerialization runs the forward again
+# (`passes`: not the matmuls' under a policy that keeps their outputs).
 FULL_PASSES = 3
 LORA_PASSES = 2
 REMAT_PASSES = 1
@@ -174,9 +176,13 @@ def model_shape(plan: PlanRecord) -> ModelShape:
 
 
 def passes(lora_rank: int | None, remat) -> int:
-    """Forward-pass equivalents of a step (`FULL_PASSES`, `LORA_PASSES`,
-    `REMAT_PASSES`)."""
-    return (LORA_PASSES if lora_rank else FULL_PASSES) + (REMAT_PASSES if remat else 0)
+    """Forward-pass equivalents of a step's weight matmuls (`FULL_PASSES`,
+    `LORA_PASSES`, `REMAT_PASSES`): a block policy that keeps its weight
+    matmuls' outputs (`BlockPolicy.recomputes_matmuls`) computes none of
+    them again."""
+    policy = block_policy(remat)
+    again = remat is not None and (policy is None or policy.recomputes_matmuls)
+    return (LORA_PASSES if lora_rank else FULL_PASSES) + (REMAT_PASSES if again else 0)
 
 
 def model_flops(
@@ -203,7 +209,11 @@ def model_flops(
     tokens = batch_size * sequence_length
     dense = 2 * shape.parameters * tokens
     attention = 2 * tokens * sequence_length * shape.attention_width * shape.layers
-    return (dense + attention) * passes(lora_rank, remat)
+    # Every rematerialization computes attention again.
+    again = REMAT_PASSES if remat is not None else 0
+    return dense * passes(lora_rank, remat) + attention * (
+        passes(lora_rank, None) + again
+    )
 
 
 def closed_form_cost(
