@@ -9,8 +9,9 @@ prints). Elsewhere (CPU, an unknown device) and with
 (`planner.resolve_mesh`), as `plan()` always does.
 
 `from_preset` knows no batch: the search is for one sequence per device of
-`FROM_PRESET_SEQUENCE` tokens (at most the model's own limit), full
-fine-tuning with Adam, the strategy, remat and context-parallel strategy
+`FROM_PRESET_SEQUENCE` tokens (at most the model's own limit) in one step
+(no gradient accumulation: the optimizer is the user's), full fine-tuning
+with Adam, the strategy, remat and context-parallel strategy
 as the call asks: every candidate has them (remat is never switched on
 behind the user's back), and what is loaded is the layout compiled, its
 axes named as the call names them (`batch_axis=`...).
@@ -78,6 +79,7 @@ def searched_layout(preset, device_mesh, options, devices):
         len(devices),
         batch_size=len(devices),
         sequence_length=FROM_PRESET_SEQUENCE,
+        gradient_accumulation=False,
         dtype=options.dtype,
         strategies=STRATEGIES if options.strategy == "auto" else (options.strategy,),
         remats=(options.remat,),
