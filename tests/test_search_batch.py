@@ -2,7 +2,8 @@
 whole and as micro-steps whose gradients accumulate, a range of batches
 per device searched for the largest that fits per layout and remat with
 few compiles, the chosen configuration always one a compile showed to fit,
-each loser explained, and the code that trains with the winner.
+each loser explained, the code that trains with the winner, and
+`remat="auto"` (only with `device_mesh="auto"`) loading the winner's remat.
 
 Most tests replace the compiler (`search.compiled_memory`) by a stand-in
 that refuses a step over a number of sequences per device, as the TPU
@@ -19,8 +20,10 @@ import pytest
 
 import keras_hub_autodist
 from keras_hub_autodist import cli
+from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.fitting.compiled_step import CompiledMemory
+from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.searching import search as search_module
 from keras_hub_autodist.searching.batches import batch_candidates
 from keras_hub_autodist.searching.batches import next_rung
@@ -289,6 +292,54 @@ def test_the_batch_arguments_are_checked(tmp_path):
             _search(tmp_path, per_device_batch=wrong)
     with pytest.raises(PlanError, match="Received: gradient_accumulation="):
         _search(tmp_path, batch_size=8, gradient_accumulation="yes")
+
+
+def test_remat_auto_is_taken_only_with_device_mesh_auto(tiny_presets_dir):
+    preset = tiny_presets_dir["gemma_mqa"]
+    with pytest.raises(PlanError, match="device_mesh='auto'") as raised:
+        keras_hub_autodist.from_preset(
+            __import__("keras_hub").models.GemmaCausalLM,
+            preset,
+            device_mesh={"batch": 2, "model": 4},
+            remat="auto",
+        )
+    assert isinstance(raised.value, AutodistError)
+    assert "Received: device_mesh={'batch': 2, 'model': 4}, remat='auto'" in str(
+        raised.value
+    )
+    with pytest.raises(PlanError, match="Received: remat='auto'"):
+        keras_hub_autodist.plan(preset, "auto", remat="auto")
+    with pytest.raises(PlanError, match="only from_preset"):
+        PlanOptions(remat="auto")
+
+
+@pytest.mark.parametrize(
+    "limits, loaded", [({None: 0, "full": 4}, "full"), ({None: 4, "full": 4}, None)]
+)
+def test_device_mesh_auto_with_remat_auto_loads_the_winners_remat(
+    tiny_presets_dir, tmp_path, monkeypatch, compiler, limits, loaded
+):
+    import keras_hub
+
+    from keras_hub_autodist.searching import auto_mesh
+    from keras_hub_autodist.searching import cache
+
+    compiler.limits = limits
+    monkeypatch.setattr(auto_mesh, "FROM_PRESET_SEQUENCE", 32)
+    monkeypatch.setattr(auto_mesh, "local_device_name", lambda devices: "v5e")
+    monkeypatch.setenv(cache.COMPILE_CACHE_ENV, str(tmp_path))
+    lm = keras_hub_autodist.from_preset(
+        keras_hub.models.GemmaCausalLM,
+        tiny_presets_dir["gemma_mqa"],
+        device_mesh="auto",
+        remat="auto",
+    )
+    plan = keras_hub_autodist.distribution_of(lm).plan
+    assert plan.remat == loaded
+    # Both remats were searched, at one step of one sequence per device.
+    assert {remat for _, remat, _ in compiler.calls} <= {None, "full"}
+    assert {steps for _, _, steps in compiler.calls} == {1}
+    assert "searched for 8 x v5e" in plan.mesh_reason
 
 
 def test_the_command_searches_a_range_per_device_and_prints_the_code(
