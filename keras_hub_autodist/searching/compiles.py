@@ -95,11 +95,11 @@ class Compiles:
             sequence_length=seq,
         )
 
-    def first_rung(self, rungs: list[Candidate]) -> Candidate:
-        """The rung of a ladder compiled first (`batches.first_rung`)."""
+    def first_rung(self, rungs: list[Candidate], optimistic=False) -> Candidate:
+        """The rung that stands for a ladder (`batches.first_rung`)."""
         entries = [self.entries[c] for c in rungs]
         index = batches.first_rung(
-            [e.fits for e in entries], [e.stage != PRUNED for e in entries]
+            [e.fits for e in entries], [e.stage != PRUNED for e in entries], optimistic
         )
         return rungs[index]
 

@@ -13,8 +13,11 @@ accumulation), chosen by the step compiled for it.
 2. Pruning: the calibrated closed form (`step_memory.step_estimate` for
    the device) drops the candidates that can't fit. Of each layout's
    ladder, the rung the closed form puts last under the memory is its
-   first compile; layouts are compiled in the order of the closed form's
-   step time per token (`step_cost.closed_form_cost`), the fastest
+   first compile (on a TPU, whose compiler refuses a step too large
+   sooner than it accepts one, the last within the closed form's margin:
+   `batches.EARLY_REFUSALS`); layouts are compiled in the order of the
+   closed form's step time per token (`step_cost.closed_form_cost`), the
+   fastest
    `max_compiles` of them with the memory rule's choice
    (`device_mesh="auto"` today, under the strategy and remat asked for),
    each for the device (`compiled_step.compiled_memory`, cached on disk:
@@ -314,19 +317,26 @@ def search(
     for candidate in found:
         run.add(candidate)
     ladders = batches.ladders(found)
+    # Layouts are ordered by the rung the closed form fits last; each is
+    # compiled first at that rung, or where the compiler refuses early, at
+    # the largest within the closed form's margin.
+    optimistic = profile.platform in batches.EARLY_REFUSALS
     heads = {family: run.first_rung(rungs) for family, rungs in ladders.items()}
-    # The rule's choice at the whole batch in one step; else its ladder's
-    # first rung.
-    rule = next((c for c in found if c == rule), heads[rule.family()])
-    run.entries[rule] = dataclasses.replace(run.entries[rule], rule=True)
+    starts = {f: run.first_rung(rungs, optimistic) for f, rungs in ladders.items()}
+    # The rule's choice at the whole batch in one step; else its ladder.
+    rule = next((c for c in found if c == rule), starts[rule.family()])
+    order = [starts[c.family()] for c in run.order(heads.values())]
     run.compile_layouts(
-        [rule] + [c for c in run.order(heads.values()) if c != rule],
+        [rule] + [c for c in order if c.family() != rule.family()],
         ladders,
         max_compiles,
     )
     run.raise_when_none_compiles(device, devices)
     run.mark_settled(ladders)
     run.compile_until_one_fits(max_compiles)
+    if whole is None:  # a batch per layout: the rule's largest that fits
+        rule = batches.largest_fit(ladders[rule.family()], run.entries) or rule
+    run.entries[rule] = dataclasses.replace(run.entries[rule], rule=True)
     ranked = sorted(run.entries.values(), key=rank)
     entries_out = tuple(explain(ranked, ranked[0], profile, speed))
     rule_layout = run.layout(rule)
