@@ -85,7 +85,16 @@ MAX_AUTO_BATCH = 1024
 class SearchResult:
     """The search's answer: every candidate ranked, the chosen one, the
     memory rule's choice (see `report` for its table and JSON) and the code
-    that trains with the chosen one (`run_code`)."""
+    that trains with the chosen one (`run_code`).
+
+    Besides what was searched (`preset`, `device`, `devices`,
+    `sequence_length`, `lora_rank`, `optimizer`, `dtype`) and what it
+    found (`entries`, `chosen`, `rule_choice`, `compiles`, `cache_hits`,
+    `seconds`, `capacity_bytes` per device): `per_device_batch`, the range
+    of batches per device searched (`None` with a global batch);
+    `model_class`, the keras-hub task's name the code loads; `asked_dtype`,
+    the `dtype=` asked for (`None`: the preset's).
+    """
 
     preset: str
     device: str
