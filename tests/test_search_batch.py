@@ -342,6 +342,26 @@ def test_device_mesh_auto_with_remat_auto_loads_the_winners_remat(
     assert "searched for 8 x v5e" in plan.mesh_reason
 
 
+def test_remat_auto_without_a_search_loads_remat_off(tiny_presets_dir, monkeypatch):
+    import keras_hub
+
+    from keras_hub_autodist.searching import search as search_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("no search runs on a CPU")
+
+    # On this CPU no search runs: the memory rule's mesh, remat off.
+    monkeypatch.setattr(search_module, "search", never)
+    lm = keras_hub_autodist.from_preset(
+        keras_hub.models.GemmaCausalLM,
+        tiny_presets_dir["gemma_mqa"],
+        device_mesh="auto",
+        remat="auto",
+    )
+    plan = keras_hub_autodist.distribution_of(lm).plan
+    assert plan.remat is None and "searched" not in plan.mesh_reason
+
+
 def test_the_command_searches_a_range_per_device_and_prints_the_code(
     tiny_presets_dir, tmp_path, monkeypatch, capsys, compiler
 ):
