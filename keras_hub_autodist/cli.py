@@ -247,6 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     plan.add_argument(
+        "--per-device-batch",
+        type=cli_search.parse_batch_range,
+        default=None,
+        metavar="LOW:HIGH",
+        help=(
+            "with --search, instead of --batch: the sequences per device to "
+            "try, e.g. 1:16 (both ends and the powers of two between) or 8; "
+            "per layout and remat, the largest that fits by its compile"
+        ),
+    )
+    plan.add_argument(
         "--seq",
         type=parse_positive("--seq"),
         default=None,
@@ -323,9 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--search",
         action="store_true",
         help=(
-            "with --device, --devices, --batch and --seq: rank the layouts "
-            "(meshes over batch, model and context, tp/fsdp, remat) by the "
-            "step compiled for the device, and name the fastest that fits"
+            "with --device, --devices, --batch (or --per-device-batch) and "
+            "--seq: rank the configurations (meshes over batch, model and "
+            "context, tp/fsdp, remat, batch per device and gradient "
+            "accumulation) by the step compiled for the device, name the "
+            "fastest that fits and print the code that trains with it"
         ),
     )
     demo = commands.add_parser(
@@ -371,9 +384,9 @@ def _run_plan(args) -> int:
 def _check_step_flags(args) -> None:
     from keras_hub_autodist.errors import PlanError
 
-    if (args.batch is None) != (args.seq is None) or (
-        args.compiled and args.batch is None
-    ):
+    # With --search, --per-device-batch stands for --batch (`cli_search`).
+    batch = args.batch if args.per_device_batch is None else args.per_device_batch
+    if (batch is None) != (args.seq is None) or (args.compiled and batch is None):
         raise PlanError(
             "A training step's memory needs both --batch and --seq (and "
             "--compiled needs them too), e.g. --batch 8 --seq 2048. "

@@ -46,6 +46,7 @@ from keras_hub_autodist.planning.distribution import plan_distribution
 from keras_hub_autodist.planning.options import PLAN_ONLY_KEYWORDS
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.planning.options import progress_option
+from keras_hub_autodist.planning.options import split_auto_remat
 from keras_hub_autodist.planning.remat import remat_scope
 from keras_hub_autodist.planning.remat import rematerialize_blocks
 from keras_hub_autodist.planning.shapes import model_weights
@@ -148,7 +149,10 @@ def from_preset(
             a `keras.RematScope` mode (`"larger_than"`,
             `"list_of_layers"`) or a dict of its arguments
             (`{"mode": "larger_than", "output_size_threshold": 2**20}`), the
-            model then built inside that scope.
+            model then built inside that scope. With `device_mesh="auto"`,
+            also `"auto"`: the remat of the layout search's winner
+            (`searching.auto_mesh`; off where the search doesn't run: a CPU,
+            `$KERAS_HUB_AUTODIST_SEARCH=0`).
         **kwargs: passed to `cls.from_preset` (`dtype`, `load_weights`, …).
 
     Returns:
@@ -168,6 +172,8 @@ def from_preset(
             f"memory answer), not of `from_preset`: {PLAN_ONLY_KEYWORDS[name]}. "
             f"Received: {name}={kwargs[name]!r}"
         )
+    # `remat="auto"` is the search's to choose: handled before it is checked.
+    remat, search_remat = split_auto_remat(device_mesh, remat)
     options = PlanOptions(
         strategy=strategy,
         batch_axis=batch_axis,
@@ -196,7 +202,7 @@ def from_preset(
         devices = keras.distribution.list_devices()
         # On accelerators the layout search knows, "auto" is its winner.
         device_mesh, options, searched = searched_layout(
-            preset, device_mesh, options, devices
+            preset, device_mesh, options, devices, search_remat=search_remat
         )
         resolved = resolve_mesh(device_mesh, weights, options, devices=devices)
         if searched:

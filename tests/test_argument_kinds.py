@@ -29,6 +29,8 @@ WRONG_COMPILE_ARGUMENTS = [
     ("plan", {"mesh": MESH}, ArgumentError),
     ("device", ["t4"], ArgumentError),
     ("device", 5, ArgumentError),
+    ("gradient_accumulation_steps", 0, ArgumentError),
+    ("gradient_accumulation_steps", 2.0, ArgumentError),
     ("model_class", "Llama3CausalLM", ModelClassError),
     ("model_class", object(), ModelClassError),
     ("model_class", keras_hub.models.Llama3Backbone, ModelClassError),

@@ -13,7 +13,7 @@ from real_presets import REAL_PRESETS
 import keras_hub_autodist
 from keras_hub_autodist import PlanError
 from keras_hub_autodist import cli
-from keras_hub_autodist.fitting import compiled_step
+from keras_hub_autodist.fitting import compile_arguments
 from keras_hub_autodist.fitting import report
 from keras_hub_autodist.fitting import step_memory
 from keras_hub_autodist.fitting import trained_state
@@ -192,7 +192,7 @@ def test_advice_names_only_what_fits_in_order_of_cost():
 
 
 def test_one_optimizer_table():
-    assert compiled_step.OPTIMIZERS is trained_state.OPTIMIZERS
+    assert compile_arguments.OPTIMIZERS is trained_state.OPTIMIZERS
     parser = cli.build_parser()
     plan = parser._subparsers._group_actions[0].choices["plan"]
     (action,) = [a for a in plan._actions if a.dest == "optimizer"]

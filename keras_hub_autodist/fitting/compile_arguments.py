@@ -2,9 +2,9 @@
 built or compiled: the kind of each declared once (`ARGUMENT_KINDS`), and a
 task class checked against the plan's backbone (`check_model_class`).
 
-`batch_size`, `sequence_length` (`step_shape.runnable_step`), `optimizer`,
-`lora_rank`, `preset` and `device_mesh` are checked where they are read,
-also before anything is compiled.
+`batch_size`, `sequence_length` (`step_shape.runnable_step`), `optimizer`
+(`built_optimizer`), `lora_rank`, `preset` and `device_mesh` are checked
+where they are read, also before anything is compiled.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 
 from keras_hub_autodist.errors import ArgumentError
 from keras_hub_autodist.errors import ModelClassError
+from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
 from keras_hub_autodist.planning.plan_record import PlanRecord
 
 
@@ -49,6 +51,14 @@ ARGUMENT_KINDS = (
         'device="v5e"',
     ),
     ArgumentKind(
+        "gradient_accumulation_steps",
+        lambda value: (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        ),
+        "how many steps' gradients make one optimizer update (1: each step's)",
+        "gradient_accumulation_steps=4",
+    ),
+    ArgumentKind(
         "model_class",
         lambda value: value is None or isinstance(value, type),
         "the keras-hub task class to train, or None (the backbone's CausalLM)",
@@ -73,6 +83,35 @@ def check_argument_kinds(**arguments) -> None:
                 f"`{kind.name}` is {kind.what}, e.g. {kind.example}. Received: "
                 f"{kind.name}={value!r} ({type(value).__name__})"
             )
+
+
+def built_optimizer(optimizer, accumulation: int = 1) -> tuple[Any, str]:
+    """The Keras optimizer the compiled step trains with, and its name: a
+    fresh copy of a `keras.optimizers.Optimizer` (building the user's would
+    change it), or the one `trained_state.OPTIMIZERS` names; accumulating
+    the gradients of `accumulation` steps where more than 1.
+
+    Example:
+    ```python
+    built_optimizer("adam", 4)  # (Adam(gradient_accumulation_steps=4), "adam")
+    ```
+    """
+    import keras
+
+    # Keras takes `None` for no accumulation (it refuses 1).
+    steps = {"gradient_accumulation_steps": accumulation} if accumulation > 1 else {}
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        config = {**optimizer.get_config(), **steps}
+        return type(optimizer).from_config(config), type(optimizer).__name__.lower()
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(
+            f"The compiled memory check takes an optimizer name, one of "
+            f"{sorted(OPTIMIZERS)}, or a `keras.optimizers.Optimizer`. "
+            f"Received: optimizer={optimizer!r}"
+        )
+    spec = OPTIMIZERS[optimizer]
+    keras_class = getattr(keras.optimizers, spec.keras_class)
+    return keras_class(**dict(spec.keras_kwargs), **steps), optimizer
 
 
 def default_task_class(backbone_cls: type) -> type:

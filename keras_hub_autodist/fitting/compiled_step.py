@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from keras_hub_autodist import compat
 from keras_hub_autodist.errors import ModelClassError
 from keras_hub_autodist.errors import PlanError
+from keras_hub_autodist.fitting.compile_arguments import built_optimizer
 from keras_hub_autodist.fitting.compile_arguments import check_argument_kinds
 from keras_hub_autodist.fitting.compile_arguments import check_model_class
 from keras_hub_autodist.fitting.compile_arguments import default_task_class
@@ -33,7 +34,6 @@ from keras_hub_autodist.fitting.compiled_analysis import not_compiled
 from keras_hub_autodist.fitting.compiled_analysis import out_of_memory
 from keras_hub_autodist.fitting.compiled_fit import compiled_fits
 from keras_hub_autodist.fitting.hlo_cost import program_cost
-from keras_hub_autodist.fitting.trained_state import OPTIMIZERS
 from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.step_shape import runnable_step
 
@@ -187,26 +187,6 @@ class CompiledMemory:
         return self.summary()
 
 
-def _optimizer(optimizer):
-    import keras
-
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        # A fresh copy: building the user's optimizer would change it.
-        return type(optimizer).from_config(optimizer.get_config()), type(
-            optimizer
-        ).__name__.lower()
-    if optimizer not in OPTIMIZERS:
-        raise PlanError(
-            f"The compiled memory check takes an optimizer name, one of "
-            f"{sorted(OPTIMIZERS)}, or a `keras.optimizers.Optimizer`. "
-            f"Received: optimizer={optimizer!r}"
-        )
-    spec = OPTIMIZERS[optimizer]
-    return getattr(keras.optimizers, spec.keras_class)(**dict(spec.keras_kwargs)), (
-        optimizer
-    )
-
-
 def _backbone_config(plan, preset):
     from keras_hub_autodist.planning.shapes import backbone_class_named
     from keras_hub_autodist.reading.dtypes import mixed_policy
@@ -328,6 +308,7 @@ def compiled_memory(
     device_mesh: keras.distribution.DeviceMesh | None = None,
     lora_rank: int | None = None,
     device: str | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> CompiledMemory:
     """Compile a plan's training step ahead of time; XLA's bytes per device.
 
@@ -359,6 +340,9 @@ def compiled_memory(
             given, else this machine's devices.
             Needs the target's compiler (`keras-hub-autodist[tpu-compile]`
             or `[gpu-compile]`) unless this machine has such devices.
+        gradient_accumulation_steps: compile one micro-step of an optimizer
+            that applies the gradients of this many steps at once (Keras'
+            own accumulation: one accumulator per trained weight).
 
     Returns:
         A `CompiledMemory`.
@@ -374,7 +358,12 @@ def compiled_memory(
     import jax
     import numpy as np
 
-    check_argument_kinds(plan=plan, device=device, model_class=model_class)
+    check_argument_kinds(
+        plan=plan,
+        device=device,
+        model_class=model_class,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )
     check_model_class(model_class, plan)
     mesh, target = compile_mesh(plan, device_mesh, device)
     # The step a bound `fit` runs: the batch padded to the batch axis, a
@@ -382,7 +371,9 @@ def compiled_memory(
     runs = runnable_step(
         plan.mesh_axes, batch_size, sequence_length, "compiled memory check"
     )
-    keras_optimizer, optimizer_name = _optimizer(optimizer)
+    keras_optimizer, optimizer_name = built_optimizer(
+        optimizer, gradient_accumulation_steps
+    )
     tokens = jax.ShapeDtypeStruct((runs.rows, sequence_length), np.int32)
     if lora_rank is None:
         lora_rank = plan.lora_rank

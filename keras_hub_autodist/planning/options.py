@@ -102,7 +102,8 @@ OPTIONS = (
         'a `keras.RematScope` mode (`"larger_than"`, '
         '`"list_of_layers"`) or a dict of its arguments; the training step '
         "recomputes the rest in the backward pass instead of keeping it "
-        "(default `None`).",
+        '(default `None`). `from_preset(device_mesh="auto")` also takes '
+        "`\"auto\"`: the layout search's winner's (off where no search runs).",
     ),
     Option(
         "progress",
@@ -131,6 +132,11 @@ PLAN_ONLY_KEYWORDS = {o.name: o.instead for o in OPTIONS if o.instead}
 # The keywords of `plan()` besides the preset and the mesh, and the fields of
 # `PlanOptions` (a test ties the dataclass to this list).
 PLANNING_KEYWORDS = tuple(o.name for o in OPTIONS if o.planning)
+
+
+# `remat=` asking the layout search for its winner's rematerialization:
+# only `from_preset(..., device_mesh="auto")` searches (`split_auto_remat`).
+AUTO_REMAT = "auto"
 
 
 # The largest per-device memory a plan accepts: 1 PiB, far above any device,
@@ -215,6 +221,13 @@ class PlanOptions:
             )
         check_dtype(self.dtype)
         check_lora_rank(self.lora_rank)
+        if isinstance(self.remat, str) and self.remat == AUTO_REMAT:
+            raise PlanError(
+                "remat='auto' lets the layout search choose rematerialization, "
+                "and only from_preset(..., device_mesh='auto') searches: pass "
+                "both there, or name a remat here (None, 'full', ...). "
+                f"Received: remat={self.remat!r}"
+            )
         check_remat(self.remat)
         # A device's name is looked up where its memory is: the fitting
         # stage (`device_profiles.device_profile`).
@@ -222,6 +235,35 @@ class PlanOptions:
             object.__setattr__(
                 self, "device_memory", device_memory_bytes(self.device_memory)
             )
+
+
+def split_auto_remat(device_mesh, remat) -> tuple[Any, bool]:
+    """`from_preset`'s `remat=` before it is checked (`check_remat`):
+    `(remat, searched)`. `"auto"` is `(None, True)`: the layout search
+    (`searching.auto_mesh`) chooses among the remats it searches, and
+    without a search (a CPU, a device it doesn't know, the search off) it
+    stays off; any other value is `(remat, False)`.
+
+    Raises:
+        PlanError: for `remat="auto"` with a `device_mesh` other than
+            `"auto"`: only that one searches.
+
+    Example:
+    >>> split_auto_remat("auto", "auto")
+    (None, True)
+    >>> split_auto_remat({"batch": 2}, "full")
+    ('full', False)
+    """
+    if not (isinstance(remat, str) and remat == AUTO_REMAT):
+        return remat, False
+    if isinstance(device_mesh, str) and device_mesh == "auto":
+        return None, True
+    raise PlanError(
+        "remat='auto' lets the layout search choose rematerialization, and "
+        "it searches only with device_mesh='auto': pass device_mesh='auto', "
+        "or name a remat (None, 'full', ...). Received: "
+        f"device_mesh={device_mesh!r}, remat={remat!r}"
+    )
 
 
 def check_strict(strict) -> bool:

@@ -116,6 +116,12 @@ def check_remat(remat):
     """
     if remat is None:
         return remat
+    if remat == "auto":
+        raise _remat_error(
+            "'auto' is the layout search's to choose: only "
+            "from_preset(..., device_mesh='auto') takes it.",
+            remat,
+        )
     if isinstance(remat, str):
         if remat not in REMAT_MODES:
             raise _remat_error(f"Unknown mode {remat!r}.", remat)

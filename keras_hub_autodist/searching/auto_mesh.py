@@ -9,11 +9,13 @@ prints). Elsewhere (CPU, an unknown device) and with
 (`planner.resolve_mesh`), as `plan()` always does.
 
 `from_preset` knows no batch: the search is for one sequence per device of
-`FROM_PRESET_SEQUENCE` tokens (at most the model's own limit), full
-fine-tuning with Adam, the strategy, remat and context-parallel strategy
-as the call asks: every candidate has them (remat is never switched on
-behind the user's back), and what is loaded is the layout compiled, its
-axes named as the call names them (`batch_axis=`...).
+`FROM_PRESET_SEQUENCE` tokens (at most the model's own limit) in one step
+(no gradient accumulation: the optimizer is the user's), full fine-tuning
+with Adam, the strategy, remat and context-parallel strategy as the call
+asks: every candidate has them (remat is never switched on behind the
+user's back: only `remat="auto"` searches the remats, those of
+`candidates.REMATS`, and loads the winner's), and what is loaded is the
+layout compiled, its axes named as the call names them (`batch_axis=`...).
 """
 
 from __future__ import annotations
@@ -58,17 +60,19 @@ def local_device_name(devices) -> str | None:
     return None
 
 
-def searched_layout(preset, device_mesh, options, devices):
+def searched_layout(preset, device_mesh, options, devices, search_remat=False):
     """`(device_mesh, options, reason)` for `from_preset`: with
     `device_mesh="auto"` on accelerators the search knows, the winner's
-    mesh, its strategy in `options`, and why; else what was given, and
-    `""`."""
+    mesh, its strategy (and with `search_remat`, its remat: `remat="auto"`,
+    `options.split_auto_remat`) in `options`, and why; else what was
+    given, and `""`."""
     if device_mesh != "auto" or is_off(os.environ.get(SEARCH_ENV, "")):
         return device_mesh, options, ""
     name = local_device_name(devices)
     if name is None:
         return device_mesh, options, ""
     from keras_hub_autodist.searching.report import chosen_reason
+    from keras_hub_autodist.searching.search import REMATS
     from keras_hub_autodist.searching.search import STRATEGIES
     from keras_hub_autodist.searching.search import search
 
@@ -78,14 +82,16 @@ def searched_layout(preset, device_mesh, options, devices):
         len(devices),
         batch_size=len(devices),
         sequence_length=FROM_PRESET_SEQUENCE,
+        gradient_accumulation=False,
         dtype=options.dtype,
         strategies=STRATEGIES if options.strategy == "auto" else (options.strategy,),
-        remats=(options.remat,),
+        remats=REMATS if search_remat else (options.remat,),
         context_parallel_strategy=options.context_parallel_strategy,
     )
     chosen = result.chosen.candidate
     # What is loaded is the layout compiled: its mesh, strategy and remat
-    # (the remat asked for, the only one searched).
+    # (the remat asked for, the only one searched, or with `remat="auto"`
+    # the winner's).
     options = dataclasses.replace(options, strategy=chosen.strategy, remat=chosen.remat)
     return _named_axes(chosen.mesh, options), options, chosen_reason(result)
 

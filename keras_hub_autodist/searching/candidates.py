@@ -1,6 +1,7 @@
 """The layout search's candidates: every mesh of the devices over the
 `batch`, `model` and `context` axes (and `expert` for a mixture of
-experts), each with the strategies and remats searched (`Candidate`).
+experts), each with the strategies and remats searched (`Candidate`); the
+batches each is tried at are `batches`'.
 
 Imports neither Keras nor JAX.
 """
@@ -11,32 +12,63 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
-# The strategies and rematerializations searched by default (`None`: off).
+# The strategies and rematerializations searched by default (`None`: off;
+# the block policies of `remat_arguments.BLOCK_POLICIES`).
 STRATEGIES = ("tp", "fsdp")
-REMATS = (None, "full")
+REMATS = (None, "dots", "full")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Candidate:
-    """One layout of the step: a mesh, a strategy, remat and a batch (equal
-    to another of the same `key()`)."""
+    """One layout of the step: a mesh, a strategy, remat, the global batch
+    of one compiled step and how many of those steps accumulate their
+    gradients into one update (equal to another of the same `key()`).
+
+    Args:
+        mesh: axis name -> size.
+        strategy: `"tp"` or `"fsdp"`.
+        remat: the rematerialization (`None`: off), as `remat=` takes it.
+        batch_size: the sequences of one compiled (micro-)step over all
+            devices: what `fit(batch_size=...)` is given.
+        accumulation: the micro-steps whose gradients make one optimizer
+            update (Keras' `gradient_accumulation_steps`; 1: none).
+    """
 
     mesh: Mapping[str, int]
     strategy: str
     remat: str | Mapping | None
     batch_size: int
+    accumulation: int = 1
+
+    @property
+    def per_device_batch(self) -> int:
+        """The sequences each replica of the batch axis takes per step."""
+        return -(-self.batch_size // self.mesh.get("batch", 1))
 
     def label(self) -> str:
-        """E.g. `batch=2,model=4 tp remat=full`."""
+        """E.g. `batch=2,model=4 tp remat=full` (`accumulate=4` where the
+        gradients of 4 micro-steps make one update)."""
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
         remat = f" remat={self.remat}" if self.remat else ""
-        return f"{mesh} {self.strategy}{remat}"
+        steps = f" accumulate={self.accumulation}" if self.accumulation > 1 else ""
+        return f"{mesh} {self.strategy}{remat}{steps}"
 
     def key(self) -> tuple:
         """What tells layouts apart: the mesh's axes of more than one
-        device, the strategy, remat and the batch."""
+        device, the strategy, remat, the batch and the accumulation (the
+        first three are the layout's family: `family()`)."""
         mesh = tuple(sorted((k, v) for k, v in self.mesh.items() if v > 1))
-        return (mesh, self.strategy, remat_key(self.remat), self.batch_size)
+        return (
+            mesh,
+            self.strategy,
+            remat_key(self.remat),
+            self.batch_size,
+            self.accumulation,
+        )
+
+    def family(self) -> tuple:
+        """The layout without its batch: the mesh, the strategy and remat."""
+        return self.key()[:3]
 
     def __eq__(self, other):
         return isinstance(other, Candidate) and self.key() == other.key()
@@ -117,8 +149,8 @@ def candidates(
     `batch_size` `None`: a batch is chosen per layout later (0 here).
 
     Example:
-    >>> len(candidates(2, 2, 16))  # 3 meshes x 2 remats; fsdp on batch=2 only
-    8
+    >>> len(candidates(2, 2, 16))  # 3 meshes x 3 remats; fsdp on batch=2 only
+    12
     """
     found = []
     for mesh in meshes(devices, batch_size, sequence_length, experts):

@@ -111,6 +111,8 @@ def check_search_inputs(
     dtype,
     optimizer,
     strategies,
+    per_device_batch=None,
+    gradient_accumulation=True,
     remats,
     max_compiles,
     cache_dir,
@@ -119,7 +121,9 @@ def check_search_inputs(
     """Check every argument of `search()` for its kind.
 
     Returns:
-        `(strategies, remats)` as tuples, each remat checked as `remat=` is.
+        `(strategies, remats, per_device)`: the first two as tuples, each
+        remat checked as `remat=` is; the per-device range as `(low,
+        high)`, or `None` with a global batch (`check_batches`).
 
     Raises:
         PlanError: naming the first argument of the wrong kind.
@@ -136,12 +140,13 @@ def check_search_inputs(
             f"Received: device={device!r} ({type(device).__name__})"
         )
     positive_int("devices", devices, "8")
-    if batch_size != "auto":
-        if not _is_count(batch_size, 1):
-            raise PlanError(
-                "search() takes a positive batch size, or 'auto' for the "
-                f"largest that fits. Received: batch_size={batch_size!r}"
-            )
+    per_device = check_batches(batch_size, per_device_batch)
+    if not isinstance(gradient_accumulation, bool):
+        raise PlanError(
+            "search() takes `gradient_accumulation` as True (a global batch "
+            "is also tried as micro-steps whose gradients accumulate) or "
+            f"False. Received: gradient_accumulation={gradient_accumulation!r}"
+        )
     positive_int("sequence_length", sequence_length, "2048")
     check_lora_rank(lora_rank)
     if dtype is not None and not isinstance(dtype, str):
@@ -163,7 +168,7 @@ def check_search_inputs(
     if not remats:
         raise PlanError(
             "search() takes `remats` as a non-empty sequence of remat settings "
-            '(None: off, "full"), e.g. remats=(None, "full"). Received: '
+            '(None: off, "dots", "full"), e.g. remats=(None, "full"). Received: '
             f"remats={given!r}"
         )
     for remat in remats:
@@ -184,7 +189,61 @@ def check_search_inputs(
             f"{list(CONTEXT_PARALLEL_STRATEGIES)}. Received: "
             f"context_parallel_strategy={context_parallel_strategy!r}"
         )
-    return strategies, remats
+    return strategies, remats, per_device
 
 
-__all__ = ["SearchedStep", "check_search_inputs", "choices", "positive_int"]
+def check_batches(batch_size, per_device_batch) -> tuple[int, int] | None:
+    """`batch_size` and `per_device_batch` checked together: one of them,
+    a global batch (a positive integer or `"auto"`) or a per-device range;
+    the range as `(low, high)` (`None` with a global batch).
+
+    Example:
+    >>> check_batches(None, (1, 16)), check_batches(None, 4)
+    ((1, 16), (4, 4))
+    >>> check_batches(8, None) is None
+    True
+    """
+    if per_device_batch is None:
+        if batch_size is None:
+            raise PlanError(
+                "search() takes a global batch (batch_size=8, or 'auto' for "
+                "the largest that fits) or a range of batches per device "
+                "(per_device_batch=(1, 16)). Received: batch_size=None, "
+                "per_device_batch=None"
+            )
+        if batch_size != "auto" and not _is_count(batch_size, 1):
+            raise PlanError(
+                "search() takes a positive batch size, or 'auto' for the "
+                f"largest that fits. Received: batch_size={batch_size!r}"
+            )
+        return None
+    if batch_size is not None:
+        raise PlanError(
+            "search() takes a global batch or a range of batches per device, "
+            "not both: drop batch_size= or per_device_batch=. Received: "
+            f"batch_size={batch_size!r}, per_device_batch={per_device_batch!r}"
+        )
+    value = per_device_batch
+    if _is_count(value, 1):
+        return (value, value)
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(_is_count(v, 1) for v in value)
+        and value[0] <= value[1]
+    ):
+        return (value[0], value[1])
+    raise PlanError(
+        "search() takes `per_device_batch` as a positive integer or a range "
+        "(low, high) of them, low <= high, e.g. per_device_batch=(1, 16). "
+        f"Received: per_device_batch={value!r}"
+    )
+
+
+__all__ = [
+    "SearchedStep",
+    "check_batches",
+    "check_search_inputs",
+    "choices",
+    "positive_int",
+]

@@ -13,6 +13,9 @@ from typing import Any
 
 from keras_hub_autodist.fitting.device_profiles import FLOAT32_FOR_BFLOAT16
 from keras_hub_autodist.searching import step_cost
+from keras_hub_autodist.searching.winner import run_code
+from keras_hub_autodist.searching.winner import run_values
+from keras_hub_autodist.words import counted
 
 if TYPE_CHECKING:
     from keras_hub_autodist.fitting.device_profiles import DeviceProfile
@@ -41,8 +44,10 @@ def _largest_collective(entry: Any) -> str:
 
 
 def _slower(entry: Any, chosen: Any, speed: DeviceSpeed) -> str:
-    """Why a candidate that fits is slower than the chosen one: the term of
-    the roofline it loses most time on, as a ratio of amounts."""
+    """Why a candidate that fits is slower than the chosen one: its tokens
+    per second against the chosen one's, the term of the roofline it loses
+    most time on (as a ratio of amounts), and what of it differs from the
+    chosen one (`_differences`)."""
     # A candidate not compiled is held to the chosen one's closed form: the
     # two models' scales differ.
     compiled = entry.cost is not None
@@ -63,11 +68,50 @@ def _slower(entry: Any, chosen: Any, speed: DeviceSpeed) -> str:
     times = amount * scale / their if their else float("inf")
     where = f" over {LINK_NAMES[speed.link]}" if term == "link" else ""
     detail = _largest_collective(entry) if term == "link" else ""
-    how = "modelled" if compiled else "closed form:"
-    return (
-        f"{entry.candidate.strategy}: {how} {ratio:.2f}x the chosen step time "
-        f"per token; {times:.1f}x the {TERM_WORDS[term]}{where}{detail}"
-    )
+    how = "" if compiled else " by the closed form"
+    speed_up = 1 / ratio if ratio else float("inf")
+    line = f"fits, {speed_up:.2f}x the chosen one's tokens/s{how}"
+    if their:  # a compiler's own estimate may come without the amounts
+        line += f"; {times:.1f}x the {TERM_WORDS[term]} per token{where}{detail}"
+    differences = _differences(entry.candidate, chosen.candidate)
+    return line + (": " + "; ".join(differences) if differences else "")
+
+
+def _differences(candidate: Any, chosen: Any) -> list[str]:
+    """What of a candidate differs from the chosen one, in words: its
+    remat, its batch per device, its accumulation, its layout.
+
+    Example:
+    >>> from keras_hub_autodist.searching.candidates import Candidate
+    >>> mine = Candidate({"batch": 1}, "tp", "full", 8, 2)
+    >>> for words in _differences(mine, Candidate({"batch": 1}, "tp", None, 4)):
+    ...     print(words)
+    remat full recomputes activations in the backward pass
+    8 sequences per device per step, not 4
+    2 micro-steps per update: Keras' JAX optimizer computes its update in each
+    """
+    found = []
+    if candidate.remat != chosen.remat:
+        if candidate.remat:
+            found.append(
+                f"remat {candidate.remat} recomputes activations in the backward pass"
+            )
+        else:
+            found.append(f"without the chosen one's remat {chosen.remat}")
+    if candidate.per_device_batch != chosen.per_device_batch:
+        found.append(
+            f"{counted(candidate.per_device_batch, 'sequence')} per device per "
+            f"step, not {chosen.per_device_batch}"
+        )
+    if candidate.accumulation > 1:
+        found.append(
+            f"{candidate.accumulation} micro-steps per update: Keras' JAX "
+            "optimizer computes its update in each"
+        )
+    if candidate.family()[:2] != chosen.family()[:2]:
+        mesh = ",".join(f"{k}={v}" for k, v in candidate.mesh.items())
+        found.append(f"layout {mesh} {candidate.strategy}")
+    return found
 
 
 def why(entry: Any, chosen: Any, capacity: int, speed: DeviceSpeed) -> str:
@@ -87,6 +131,8 @@ def why(entry: Any, chosen: Any, capacity: int, speed: DeviceSpeed) -> str:
         )
     if entry.stage == FAILED:
         return f"does not compile: {entry.error}"
+    if entry.stage == NOT_COMPILED and entry.skipped:
+        return f"not compiled: {entry.skipped}"
     if entry.stage == PRUNED:
         return (
             f"pruned: the closed form needs {entry.estimate_bytes / gib:.2f} GiB "
@@ -138,6 +184,8 @@ def entry_json(entry: Any, result: Any) -> dict:
         "strategy": candidate.strategy,
         "remat": candidate.remat,
         "batch_size": candidate.batch_size,
+        "per_device_batch": candidate.per_device_batch,
+        "gradient_accumulation_steps": candidate.accumulation,
         "stage": entry.stage,
         "compiled_peak_bytes_per_device": (
             entry.compiled.peak_bytes if entry.compiled else None
@@ -174,10 +222,38 @@ def to_json(result: Any) -> dict:
         "rule_choice": entry_json(result.rule_choice, result),
         "candidates": [entry_json(e, result) for e in result.entries],
         "advice": advice(result),
+        "per_device_batch_range": (
+            list(result.per_device_batch) if result.per_device_batch else None
+        ),
+        "run": _run_json(result),
         "compiles": result.compiles,
         "cache_hits": result.cache_hits,
         "search_seconds": result.seconds,
     }
+
+
+def _run_json(result: Any) -> dict | None:
+    """What trains with the chosen configuration (`winner`), or `None`
+    when nothing compiled fits."""
+    values = run_values(result)
+    return None if values is None else {**values, "code": run_code(result)}
+
+
+def batch_text(candidate: Any) -> str:
+    """A candidate's batch as a row shows it: one step's, per device where
+    the batch axis splits it, and the accumulation.
+
+    Example:
+    >>> from keras_hub_autodist.searching.candidates import Candidate
+    >>> batch_text(Candidate({"batch": 2, "model": 2}, "tp", None, 8, 4))
+    '8 (4/device) x4 accum'
+    """
+    text = str(candidate.batch_size)
+    if candidate.mesh.get("batch", 1) > 1:
+        text += f" ({candidate.per_device_batch}/device)"
+    if candidate.accumulation > 1:
+        text += f" x{candidate.accumulation} accum"
+    return text
 
 
 def table(result: Any) -> str:
@@ -186,6 +262,11 @@ def table(result: Any) -> str:
     lines = [
         f"layouts of a training step on {result.devices} x {result.device} "
         f"(sequence {result.sequence_length}, {result.optimizer}"
+        + (
+            ", {} to {} sequences per device".format(*result.per_device_batch)
+            if result.per_device_batch
+            else ""
+        )
         + (f", LoRA rank {result.lora_rank}" if result.lora_rank else "")
         + f"): {result.compiles} compiled ({result.cache_hits} from the cache), "
         f"{result.seconds:.1f} s",
@@ -209,7 +290,7 @@ def table(result: Any) -> str:
         rule = " (rule)" if entry.rule else ""
         lines.append(
             f"| {rank} | {entry.candidate.label()}{rule} | "
-            f"{entry.candidate.batch_size} | {peak} | {seconds:.4g} | "
+            f"{batch_text(entry.candidate)} | {peak} | {seconds:.4g} | "
             f"{tokens:,.0f} | {mfu} | {entry.why} |"
         )
     lines.append("")
@@ -224,6 +305,10 @@ def table(result: Any) -> str:
     )
     for line in advice(result):
         lines += ["", line]
+    code = run_code(result)
+    if code:
+        lines += ["", "To train with the chosen configuration:", "", "```python"]
+        lines += [code, "```"]
     return "\n".join(lines)
 
 
@@ -280,6 +365,7 @@ __all__ = [
     "NOT_COMPILED",
     "PRUNED",
     "advice",
+    "batch_text",
     "chosen_reason",
     "entry_json",
     "explain",

@@ -15,7 +15,9 @@ package's code.
   (`DESCRIPTIVE_PLAN_FIELDS`) and the preset's name (`config` holds what
   was read from it);
 - `config`: the backbone's config;
-- the step: `batch_size`, `sequence_length`, `optimizer`, `lora_rank`;
+- the step: `batch_size`, `sequence_length`, `optimizer`, `lora_rank`,
+  `gradient_accumulation_steps` (the optimizer then keeps an accumulator
+  per trained weight and applies its update every so many steps);
 - `device`: the named target;
 - `environment` (`step_environment`): what building the step reads beside
   its arguments: Keras' global dtype policy and floatx (a config without a
@@ -121,6 +123,7 @@ class CompiledStepInputs:
     device: str
     lora_rank: int | None = None
     preset: Any = dataclasses.field(default=None, compare=False)
+    gradient_accumulation_steps: int = 1
     environment: Mapping = dataclasses.field(default=None)
 
     def __post_init__(self):
@@ -147,6 +150,7 @@ class CompiledStepInputs:
         return (self.plan, self.batch_size, self.sequence_length, self.optimizer), {
             "device": self.device,
             "lora_rank": self.lora_rank,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "preset": self.preset,
         }
 
