@@ -96,7 +96,7 @@ def test_candidates_span_batch_model_and_context_axes():
     assert {"batch": 1, "expert": 8} in meshes(8, 1, 16, experts=True)
     layouts = candidates(8, 8, 2048)
     assert all(c.strategy == "tp" for c in layouts if c.mesh["batch"] == 1)
-    assert {c.remat for c in layouts} == {None, "full"}
+    assert {c.remat for c in layouts} == {None, "dots", "full"}
     assert len(set(layouts)) == len(layouts)
 
 

@@ -81,13 +81,13 @@ def compiler(monkeypatch):
     """A stand-in compiler for one kind of device: a step fits up to
     `limits[remat]` sequences per device and is refused over it; its time
     per token falls with the batch (the weights read once per step) and is
-    `remat_cost` times longer with remat, `accumulation_cost` times with
+    `remat_cost[remat]` times longer with remat, `accumulation_cost` times with
     accumulation. `calls` lists `(per-device batch, remat, accumulation)`
     of each compile."""
     state = types.SimpleNamespace(
         calls=[],
-        limits={None: 4, "full": 16},
-        remat_cost=1.3,
+        limits={None: 4, "dots": 8, "full": 16},
+        remat_cost={"dots": 1.2, "full": 1.3},
         accumulation_cost=1.1,
     )
 
@@ -106,7 +106,7 @@ def compiler(monkeypatch):
                 compiler_limit_bytes=16 * GIB,
             )
         per_token = (1 + 8 / rows) * 1e-6
-        per_token *= state.remat_cost if layout.remat else 1.0
+        per_token *= state.remat_cost[layout.remat] if layout.remat else 1.0
         per_token *= state.accumulation_cost if steps > 1 else 1.0
         seconds = per_token * batch_size * sequence_length
         return _memory(
@@ -184,7 +184,7 @@ def test_the_largest_fitting_rung_is_found_with_few_compiles(rungs):
 def test_a_range_search_chooses_a_fitting_configuration_and_explains_each_loser(
     tmp_path, compiler
 ):
-    result = _search(tmp_path, per_device_batch=(1, 16))
+    result = _search(tmp_path, per_device_batch=(1, 16), remats=(None, "full"))
     chosen = result.chosen
     # Never one the compiler refused, never one not compiled.
     assert chosen.stage == COMPILED and chosen.fits
@@ -216,7 +216,7 @@ def test_a_range_search_chooses_a_fitting_configuration_and_explains_each_loser(
     )
     assert whys[("full", 8)].startswith("not compiled: a larger batch")
     # With remat at a batch that fits without it: remat only recomputes.
-    assert whys[("full", 4)].startswith("not compiled: without remat this layout")
+    assert whys[("full", 4)].startswith("not compiled: with a remat that recomputes")
     assert all(entry.why for entry in result.entries)
     # The table and the JSON say what to write.
     code = result.run_code
@@ -232,16 +232,39 @@ def test_a_range_search_chooses_a_fitting_configuration_and_explains_each_loser(
     assert answer["per_device_batch_range"] == [1, 16]
 
 
+def test_the_matmul_keeping_remat_wins_where_it_fits_a_batch_fast_enough(
+    tmp_path, compiler
+):
+    # Off fits 2 per device, "dots" 8 and "full" 16: "dots" recomputes
+    # little (1.05x) and "full" much (1.5x), so 8 with "dots" is the
+    # fastest per token ((1 + 8/8) x 1.05 < (1 + 8/16) x 1.5 < 1 + 8/2).
+    compiler.limits = {None: 2, "dots": 8, "full": 16}
+    compiler.remat_cost = {"dots": 1.05, "full": 1.5}
+    result = _search(tmp_path, per_device_batch=(1, 16))
+    chosen = result.chosen
+    assert chosen.stage == COMPILED and chosen.fits
+    assert (chosen.candidate.remat, chosen.candidate.per_device_batch) == ("dots", 8)
+    assert 'remat="dots"' in result.run_code
+    whys = {
+        (e.candidate.remat, e.candidate.per_device_batch): e.why for e in result.entries
+    }
+    assert whys[("full", 16)].startswith("fits, 0.")
+    assert "x the chosen one's tokens/s" in whys[("full", 16)]
+    assert whys[("full", 8)].startswith("not compiled: with a remat that recomputes")
+    assert result.compiles == len(compiler.calls) <= 9
+
+
 def test_remat_off_that_fits_the_whole_range_leaves_remat_uncompiled(
     tmp_path, compiler
 ):
-    compiler.limits = {None: 64, "full": 64}
+    compiler.limits = {None: 64, "dots": 64, "full": 64}
     result = _search(tmp_path, per_device_batch=(1, 16))
     assert result.chosen.candidate.remat is None
     assert all(remat is None for _, remat, _ in compiler.calls)
-    skipped = [e for e in result.entries if e.candidate.remat == "full"]
-    assert skipped and all(
-        e.why.startswith("not compiled: without remat this layout fits")
+    skipped = [e for e in result.entries if e.candidate.remat in ("dots", "full")]
+    assert {e.candidate.remat for e in skipped} == {"dots", "full"}
+    assert all(
+        e.why.startswith("not compiled: with a remat that recomputes less")
         or e.why.startswith("not compiled: a larger batch")
         for e in skipped
     )
@@ -250,7 +273,7 @@ def test_remat_off_that_fits_the_whole_range_leaves_remat_uncompiled(
 def test_a_global_batch_that_does_not_fit_whole_is_accumulated(tmp_path, compiler):
     # Remat off fits 4 per device; with remat the step is so much slower
     # that 4 micro-steps of 4 beat one step of 16.
-    compiler.remat_cost = 3.0
+    compiler.remat_cost = {"dots": 3.0, "full": 3.0}
     result = _search(tmp_path, batch_size=16)
     chosen = result.chosen.candidate
     assert result.chosen.stage == COMPILED and result.chosen.fits
@@ -275,7 +298,7 @@ def test_a_global_batch_that_does_not_fit_whole_is_accumulated(tmp_path, compile
 
 
 def test_nothing_chosen_is_refused_when_nothing_fits(tmp_path, compiler):
-    compiler.limits = {None: 0, "full": 0}
+    compiler.limits = {None: 0, "dots": 0, "full": 0}
     result = _search(tmp_path, per_device_batch=(1, 4))
     assert not result.chosen.fits and result.chosen.stage == COMPILED
     assert result.chosen.why.startswith("nothing compiled fits")
@@ -314,7 +337,12 @@ def test_remat_auto_is_taken_only_with_device_mesh_auto(tiny_presets_dir):
 
 
 @pytest.mark.parametrize(
-    "limits, loaded", [({None: 0, "full": 4}, "full"), ({None: 4, "full": 4}, None)]
+    "limits, loaded",
+    [
+        ({None: 0, "dots": 0, "full": 4}, "full"),
+        ({None: 0, "dots": 4, "full": 4}, "dots"),
+        ({None: 4, "dots": 4, "full": 4}, None),
+    ],
 )
 def test_device_mesh_auto_with_remat_auto_loads_the_winners_remat(
     tiny_presets_dir, tmp_path, monkeypatch, compiler, limits, loaded
@@ -336,8 +364,8 @@ def test_device_mesh_auto_with_remat_auto_loads_the_winners_remat(
     )
     plan = keras_hub_autodist.distribution_of(lm).plan
     assert plan.remat == loaded
-    # Both remats were searched, at one step of one sequence per device.
-    assert {remat for _, remat, _ in compiler.calls} <= {None, "full"}
+    # The remats were searched, at one step of one sequence per device.
+    assert {remat for _, remat, _ in compiler.calls} <= {None, "dots", "full"}
     assert {steps for _, _, steps in compiler.calls} == {1}
     assert "searched for 8 x v5e" in plan.mesh_reason
 
@@ -367,7 +395,7 @@ def test_the_command_searches_a_range_per_device_and_prints_the_code(
 ):
     from keras_hub_autodist.searching import cache
 
-    compiler.limits = {None: 4, "full": 2}
+    compiler.limits = {None: 4, "dots": 2, "full": 2}
     monkeypatch.setenv(cache.COMPILE_CACHE_ENV, str(tmp_path))
     argv = ["plan", tiny_presets_dir["gemma_mqa"], "--device", "v5e", "--devices"]
     argv += ["1", "--per-device-batch", "1:8", "--seq", "32", "--search"]
