@@ -222,15 +222,13 @@ def test_the_search_compiles_from_the_inputs_its_key_names(layout, tmp_path):
         asked.append((args, kwargs))
         return _memory(args[0], args[1], args[2])
 
+    inputs = _inputs(layout, lora_rank=2, preset="p")
     original = search_module.compiled_memory
     search_module.compiled_memory = compiled_memory
     try:
-        search_module._compile(
-            layout, 4, 32, "adam", "v5e", 2, tmp_path, TINY_GEMMA["config"], "p"
-        )
+        search_module._compile(inputs, tmp_path)
     finally:
         search_module.compiled_memory = original
-    inputs = _inputs(layout, lora_rank=2, preset="p")
     assert asked == [inputs.compile_arguments()]
     assert search_module.cache.read_compile(tmp_path, cache.step_key(inputs))
 

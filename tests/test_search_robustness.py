@@ -36,6 +36,7 @@ from keras_hub_autodist.searching.search import COMPILED
 from keras_hub_autodist.searching.search import FAILED
 from keras_hub_autodist.searching.search import NOT_COMPILED
 from keras_hub_autodist.searching.search import search
+from keras_hub_autodist.searching.step_inputs import CompiledStepInputs
 
 TINY_GEMMA = {
     "class_name": "GemmaBackbone",
@@ -394,9 +395,10 @@ def test_a_bad_cache_entry_is_a_miss_and_is_rewritten(tmp_path, stored):
     original = module.compiled_memory
     module.compiled_memory = compile_again
     try:
-        memory, hit = module._compile(
-            layout, 4, 32, "adam", "v5e", None, tmp_path, TINY_GEMMA["config"], None
+        inputs = CompiledStepInputs(
+            layout, TINY_GEMMA["config"], 4, 32, "adam", "v5e", None, None
         )
+        memory, hit = module._compile(inputs, tmp_path)
     finally:
         module.compiled_memory = original
     assert (memory, hit, len(compiled)) == (good, False, 1)

@@ -45,6 +45,18 @@ class Candidate:
         """The sequences each replica of the batch axis takes per step."""
         return -(-self.batch_size // self.mesh.get("batch", 1))
 
+    def settings(self) -> dict:
+        """What a user sets to run it, beside the mesh: the strategy,
+        remat, the batch per device and per step (what `fit` is given) and
+        the gradient accumulation steps."""
+        return {
+            "strategy": self.strategy,
+            "remat": self.remat,
+            "per_device_batch": self.per_device_batch,
+            "batch_size": self.batch_size,
+            "gradient_accumulation_steps": self.accumulation,
+        }
+
     def label(self) -> str:
         """E.g. `batch=2,model=4 tp remat=full` (`accumulate=4` where the
         gradients of 4 micro-steps make one update)."""

@@ -181,11 +181,7 @@ def entry_json(entry: Any, result: Any) -> dict:
     candidate = entry.candidate
     return {
         "mesh": dict(candidate.mesh),
-        "strategy": candidate.strategy,
-        "remat": candidate.remat,
-        "batch_size": candidate.batch_size,
-        "per_device_batch": candidate.per_device_batch,
-        "gradient_accumulation_steps": candidate.accumulation,
+        **candidate.settings(),
         "stage": entry.stage,
         "compiled_peak_bytes_per_device": (
             entry.compiled.peak_bytes if entry.compiled else None

@@ -141,32 +141,9 @@ def _largest_batch(step: SearchedStep, candidate: Candidate, layout) -> Candidat
     return dataclasses.replace(candidate, batch_size=best)
 
 
-def _compile(
-    layout,
-    batch,
-    seq,
-    optimizer,
-    device,
-    lora_rank,
-    folder,
-    config,
-    preset,
-    accumulation: int = 1,
-):
-    """The compiled step, from the disk cache when there; and whether it
-    was. The step is compiled from its inputs as gathered for its key
-    (`CompiledStepInputs`), so that the key names all it is made from."""
-    inputs = CompiledStepInputs(
-        layout,
-        config,
-        batch,
-        seq,
-        optimizer,
-        device,
-        lora_rank,
-        preset,
-        gradient_accumulation_steps=accumulation,
-    )
+def _compile(inputs: CompiledStepInputs, folder):
+    """The step compiled from `inputs` (`CompiledStepInputs`, what its key
+    names), from the disk cache when there; and whether it was."""
     key = cache.step_key(inputs)
     stored = cache.read_compile(folder, key)
     if stored is not None:
@@ -290,18 +267,18 @@ def search(
     folder = cache.usable_cache_folder(cache.compile_cache_folder(cache_dir))
 
     def compile_step(candidate, layout):
-        return _compile(
+        inputs = CompiledStepInputs(
             layout,
+            config,
             candidate.batch_size,
             sequence_length,
             optimizer,
             device,
             lora_rank,
-            folder,
-            config,
             preset,
-            accumulation=candidate.accumulation,
+            gradient_accumulation_steps=candidate.accumulation,
         )
+        return _compile(inputs, folder)
 
     run = Compiles(step, compile_step, speed)
     experts = any(

@@ -26,11 +26,7 @@ def run_values(result: Any) -> dict | None:
     candidate = chosen.candidate
     return {
         "device_mesh": dict(candidate.mesh),
-        "strategy": candidate.strategy,
-        "remat": candidate.remat,
-        "per_device_batch": candidate.per_device_batch,
-        "batch_size": candidate.batch_size,
-        "gradient_accumulation_steps": candidate.accumulation,
+        **candidate.settings(),
         "sequences_per_update": candidate.batch_size * candidate.accumulation,
     }
 
