@@ -12,11 +12,11 @@ import os
 
 import keras
 import pytest
+from search_stand_ins import TINY_GEMMA
+from search_stand_ins import stand_in_memory
 
 from keras_hub_autodist.attention import attention_blocks
 from keras_hub_autodist.fitting import compiled_step
-from keras_hub_autodist.fitting.compiled_analysis import Collective
-from keras_hub_autodist.fitting.compiled_step import CompiledMemory
 from keras_hub_autodist.fitting.planner import plan
 from keras_hub_autodist.loss import chunks
 from keras_hub_autodist.planning import abstract
@@ -27,18 +27,6 @@ from keras_hub_autodist.searching import step_inputs
 from keras_hub_autodist.searching.search import search
 from keras_hub_autodist.searching.step_inputs import CompiledStepInputs
 
-TINY_GEMMA = {
-    "class_name": "GemmaBackbone",
-    "config": dict(
-        vocabulary_size=256,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=1,
-        hidden_dim=64,
-        intermediate_dim=128,
-        head_dim=16,
-    ),
-}
 MESH = {"batch": 2, "model": 2}
 
 
@@ -220,7 +208,7 @@ def test_the_search_compiles_from_the_inputs_its_key_names(layout, tmp_path):
 
     def compiled_memory(*args, **kwargs):
         asked.append((args, kwargs))
-        return _memory(args[0], args[1], args[2])
+        return stand_in_memory(args[0], args[1], args[2])
 
     inputs = _inputs(layout, lora_rank=2, preset="p")
     original = search_module.compiled_memory
@@ -233,25 +221,6 @@ def test_the_search_compiles_from_the_inputs_its_key_names(layout, tmp_path):
     assert search_module.cache.read_compile(tmp_path, cache.step_key(inputs))
 
 
-def _memory(layout, batch_size, sequence_length, optimizer="adam", **_):
-    axes = dict(zip(layout.mesh_axes.axis_names, layout.mesh_axes.shape))
-    return CompiledMemory(
-        argument_bytes=1024,
-        output_bytes=0,
-        alias_bytes=0,
-        temp_bytes=1024,
-        generated_code_bytes=0,
-        peak_bytes=2048,
-        batch_size=batch_size,
-        sequence_length=sequence_length,
-        optimizer=optimizer,
-        devices=layout.mesh_axes.num_devices,
-        platform="tpu",
-        cost={"optimal_seconds": 0.01 * axes.get("model", 1)},
-        collectives=(Collective("all-reduce", 1, 8),),
-    )
-
-
 def test_a_mixed_precision_search_after_a_float32_one_compiles_again(
     tmp_path, monkeypatch
 ):
@@ -259,7 +228,7 @@ def test_a_mixed_precision_search_after_a_float32_one_compiles_again(
 
     def compiled_memory(layout, batch_size, sequence_length, optimizer, **kwargs):
         compiled.append(layout)
-        return _memory(layout, batch_size, sequence_length, optimizer)
+        return stand_in_memory(layout, batch_size, sequence_length, optimizer)
 
     monkeypatch.setattr(search_module, "compiled_memory", compiled_memory)
     arguments = dict(

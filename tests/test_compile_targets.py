@@ -11,6 +11,7 @@ import sys
 
 import jax
 import pytest
+from search_stand_ins import TILED_GEMMA
 
 import keras_hub_autodist
 from keras_hub_autodist import cli
@@ -58,23 +59,6 @@ def _assert_compiled_the_planned_layout(plan, memory):
     # Beside the state and the batch, the step takes a few scalars (the
     # iteration count, the learning rate, the metrics' totals).
     assert abs(memory.argument_bytes - batch - state) <= 0.02 * state + 64
-
-
-# A tiny Gemma whose every dimension fills the TPU's (8, 128) tiles: the
-# TPU compiler pads smaller arrays to them, and the state it is given is
-# then larger than the plan's.
-TILED_GEMMA = {
-    "class_name": "GemmaBackbone",
-    "config": dict(
-        vocabulary_size=512,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=1,
-        hidden_dim=256,
-        intermediate_dim=512,
-        head_dim=128,
-    ),
-}
 
 
 @needs_tpu_compiler

@@ -13,6 +13,7 @@ import pathlib
 import types
 
 import pytest
+from search_stand_ins import TILED_GEMMA
 
 from keras_hub_autodist import cli
 from keras_hub_autodist.errors import PlanError
@@ -43,19 +44,6 @@ needs_compilers = pytest.mark.skipif(
     "keras-hub-autodist[tpu-compile,gpu-compile]",
 )
 STORED = pathlib.Path(__file__).resolve().parent.parent / "bench" / "layout_searches"
-# A tiny Gemma whose dimensions fill the TPU's tiles.
-TILED_GEMMA = {
-    "class_name": "GemmaBackbone",
-    "config": dict(
-        vocabulary_size=512,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=1,
-        hidden_dim=256,
-        intermediate_dim=512,
-        head_dim=128,
-    ),
-}
 ENTRY_KEYS = {
     "mesh",
     "strategy",

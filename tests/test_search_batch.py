@@ -17,6 +17,8 @@ import math
 import types
 
 import pytest
+from search_stand_ins import TILED_GEMMA
+from search_stand_ins import TINY_GEMMA
 
 import keras_hub_autodist
 from keras_hub_autodist import cli
@@ -32,31 +34,6 @@ from keras_hub_autodist.searching.report import COMPILED
 from keras_hub_autodist.searching.report import to_json
 from keras_hub_autodist.searching.search import search
 
-TINY_GEMMA = {
-    "class_name": "GemmaBackbone",
-    "config": dict(
-        vocabulary_size=256,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=1,
-        hidden_dim=64,
-        intermediate_dim=128,
-        head_dim=16,
-    ),
-}
-# A tiny Gemma whose dimensions fill the TPU's tiles.
-TILED_GEMMA = {
-    "class_name": "GemmaBackbone",
-    "config": dict(
-        vocabulary_size=512,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=1,
-        hidden_dim=256,
-        intermediate_dim=512,
-        head_dim=128,
-    ),
-}
 GIB = 1024**3
 REFUSAL = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"
 

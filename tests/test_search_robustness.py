@@ -20,14 +20,14 @@ import types
 import warnings
 
 import pytest
+from search_stand_ins import TINY_GEMMA
+from search_stand_ins import stand_in_memory
 
 from keras_hub_autodist import cli
 from keras_hub_autodist.environment import read_folder_switch
 from keras_hub_autodist.errors import CompilerMissingError
 from keras_hub_autodist.errors import PlanError
 from keras_hub_autodist.errors import TargetCompileError
-from keras_hub_autodist.fitting.compiled_analysis import Collective
-from keras_hub_autodist.fitting.compiled_step import CompiledMemory
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.searching import cache as search_cache
 from keras_hub_autodist.searching import search as search_module
@@ -38,42 +38,7 @@ from keras_hub_autodist.searching.search import NOT_COMPILED
 from keras_hub_autodist.searching.search import search
 from keras_hub_autodist.searching.step_inputs import CompiledStepInputs
 
-TINY_GEMMA = {
-    "class_name": "GemmaBackbone",
-    "config": dict(
-        vocabulary_size=256,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=1,
-        hidden_dim=64,
-        intermediate_dim=128,
-        head_dim=16,
-    ),
-}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _memory(
-    layout, batch_size, sequence_length, optimizer="adam", **_
-) -> CompiledMemory:
-    """A compiled step as a stand-in compiler answers it: a small peak, and
-    a step time that grows with the model axis (so that layouts differ)."""
-    axes = dict(zip(layout.mesh_axes.axis_names, layout.mesh_axes.shape))
-    return CompiledMemory(
-        argument_bytes=1024,
-        output_bytes=0,
-        alias_bytes=0,
-        temp_bytes=1024,
-        generated_code_bytes=0,
-        peak_bytes=2048,
-        batch_size=batch_size,
-        sequence_length=sequence_length,
-        optimizer=optimizer,
-        devices=layout.mesh_axes.num_devices,
-        platform="tpu",
-        cost={"optimal_seconds": 0.01 * axes.get("model", 1)},
-        collectives=(Collective("all-reduce", 1, 8),),
-    )
 
 
 @pytest.fixture
@@ -90,7 +55,7 @@ def compiler(monkeypatch):
                 mesh.get(k, 1) == v for k, v in shape.items()
             ):
                 raise error
-        return _memory(layout, batch_size, sequence_length, optimizer)
+        return stand_in_memory(layout, batch_size, sequence_length, optimizer)
 
     monkeypatch.setattr(search_module, "compiled_memory", compiled_memory)
     return state
@@ -369,7 +334,7 @@ def _plan():
 def test_a_bad_cache_entry_is_a_miss_and_is_rewritten(tmp_path, stored):
     layout = _plan()
     key = search_cache.compile_key(layout, TINY_GEMMA["config"], 4, 32, "adam", "v5e")
-    good = _memory(layout, 4, 32)
+    good = stand_in_memory(layout, 4, 32)
     if isinstance(stored, dict):
         memory = search_cache.memory_to_json(good)
         if "peak" in stored:
