@@ -255,11 +255,10 @@ def test_rematerialized_blocks_on_a_tpu_context_mesh_keep_two_streams_each(
 
 
 @pytest.fixture(scope="module")
-def held_out_by_family():
+def held_out_by_family(cases):
     from bench import cross_validation
 
-    rows = target_calibration.stored_rows(sorted(STORED.glob("*.jsonl")))
-    return cross_validation.held_out(rows, "family")
+    return cross_validation.held_out(cases, "family")
 
 
 def test_the_verdicts_margins_cover_every_family_left_out(held_out_by_family):

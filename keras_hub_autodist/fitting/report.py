@@ -152,7 +152,7 @@ def memory_verdict(
     elif verdict.answer == MAYBE:
         remat = (
             ", and the TPU compiler rematerializes activations when memory is short"
-            if rematerializes(platform_of(plan, platform))
+            if rematerializes(platform)
             else ""
         )
         most = estimate.total_bytes * (1 + verdict.margin)
