@@ -355,3 +355,33 @@ def test_auto_on_a_known_accelerator_takes_the_winner_and_says_why(
     assert "searched for 2 x v5e" in line and "\n" not in line
     monkeypatch.setenv(auto_search.SEARCH_ENV, "0")
     assert searched_layout(preset, "auto", options, [v5e])[2] == ""
+
+
+def test_only_what_the_closed_forms_verdict_says_no_to_is_pruned(tmp_path):
+    # A ladder of one v5e from batches that fit to ones far too large: an
+    # entry is pruned exactly where its verdict is NO (even its least is
+    # over the memory), and one estimated over the memory whose least fits
+    # (a maybe) stays to be compiled: the compiler may fit it.
+    pytest.importorskip("libtpu")
+    from keras_hub_autodist.fitting.planner import plan
+
+    result = search(
+        TILED_GEMMA,
+        "v5e",
+        1,
+        sequence_length=32768,
+        per_device_batch=(1, 4096),
+        max_compiles=0,
+        remats=(None,),
+        gradient_accumulation=False,
+        cache_dir=tmp_path,
+    )
+    capacity = plan(TILED_GEMMA, {"batch": 1}, device_memory="v5e")
+    capacity = capacity.device_memory_bytes
+    entries = [e for e in result.entries if not e.rule]
+    assert {e.stage == PRUNED for e in entries} == {True, False}
+    for entry in entries:
+        assert (entry.stage == PRUNED) == (entry.least_bytes > capacity), entry.why
+    assert any(e.stage != PRUNED and e.estimate_bytes > capacity for e in entries), [
+        (e.candidate.batch_size, e.estimate_bytes, e.least_bytes) for e in entries
+    ]

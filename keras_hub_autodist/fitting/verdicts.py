@@ -166,6 +166,22 @@ def step_verdict(
     estimate = step_memory.step_estimate(
         plan, batch_size, sequence_length, optimizer, platform=platform
     )
+    return estimate_verdict(
+        plan, estimate, batch_size, sequence_length, optimizer, platform
+    )
+
+
+def estimate_verdict(
+    plan,
+    estimate: step_memory.StepEstimate,
+    batch_size: int | None,
+    sequence_length: int | None,
+    optimizer: str,
+    platform: str,
+) -> StepVerdict:
+    """`step_verdict` on an estimate already made (`step_memory.step_estimate`
+    for `platform`, which may add to it, e.g. the layout search's gradient
+    accumulators)."""
     capacity = plan.device_memory_bytes
     total = estimate.total_bytes
     if estimate.covers != step_memory.STEP:
@@ -193,6 +209,7 @@ __all__ = [
     "NO",
     "YES",
     "StepVerdict",
+    "estimate_verdict",
     "least_activation_bytes",
     "least_step_bytes",
     "platform_of",

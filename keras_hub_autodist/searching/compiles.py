@@ -15,6 +15,9 @@ from keras_hub_autodist.errors import TargetCompileError
 from keras_hub_autodist.fitting.compiled_answer import compiled_fits
 from keras_hub_autodist.fitting.planner import plan
 from keras_hub_autodist.fitting.step_memory import step_estimate
+from keras_hub_autodist.fitting.verdicts import NO
+from keras_hub_autodist.fitting.verdicts import YES
+from keras_hub_autodist.fitting.verdicts import estimate_verdict
 from keras_hub_autodist.searching import batches
 from keras_hub_autodist.searching import step_cost
 from keras_hub_autodist.searching.candidates import Candidate
@@ -26,10 +29,6 @@ from keras_hub_autodist.searching.report import FAILED
 from keras_hub_autodist.searching.report import NOT_COMPILED
 from keras_hub_autodist.searching.report import PRUNED
 
-# A candidate whose closed-form estimate exceeds the device's memory by
-# more than this factor is not compiled: the calibrated closed form is
-# within about 20% of the target compiles (docs/benchmarks.md, section 8).
-PRUNE_MARGIN = 1.2
 # Why a rematerialized candidate is left uncompiled (`batches.dominated`).
 DOMINATED = (
     "with a remat that recomputes less, or none, this layout fits by its "
@@ -85,14 +84,18 @@ class Compiles:
             candidate.accumulation,
         )
         closed = step_cost.closed_form_cost(layout, batch, seq, estimate, self.speed)
-        memory, needed = layout.device_memory_bytes, estimate.total_bytes
+        verdict = estimate_verdict(
+            layout, estimate, batch, seq, step.optimizer, step.device
+        )
         self.entries[candidate] = Entry(
             candidate,
-            PRUNED if needed > PRUNE_MARGIN * memory else NOT_COMPILED,
-            needed,
+            PRUNED if verdict.answer == NO else NOT_COMPILED,
+            estimate.total_bytes,
+            verdict.least_bytes,
             closed,
-            fits=needed <= memory,
+            fits=estimate.total_bytes <= layout.device_memory_bytes,
             sequence_length=seq,
+            likely=verdict.answer == YES,
         )
 
     def first_rung(self, rungs: list[Candidate], optimistic=False) -> Candidate:
@@ -106,20 +109,15 @@ class Compiles:
     def order(self, firsts) -> list[Candidate]:
         """The layouts' first rungs in the order they are compiled: those
         that fit by the closed form first, the fastest per token first, but
-        the fastest that fits with the closed form's margin to spare
-        second, so that one likely to fit is among the first compiled; then
-        the pruned ones, the smallest first."""
+        the fastest that the closed form's verdict says yes to second, so
+        that one likely to fit is among the first compiled; then the pruned
+        ones, the smallest first."""
         entries = [self.entries[c] for c in firsts]
         order = sorted(
             (e for e in entries if e.stage != PRUNED),
             key=lambda e: (not e.fits, e.seconds_per_token),
         )
-        safe = [
-            e
-            for e in order[1:]
-            if e.estimate_bytes * PRUNE_MARGIN
-            <= self.layout(e.candidate).device_memory_bytes
-        ]
+        safe = [e for e in order[1:] if e.likely]
         if safe:
             order.remove(safe[0])
             order.insert(min(1, len(order)), safe[0])
@@ -287,4 +285,4 @@ def words(error: BaseException) -> str:
     return (text.splitlines()[0][:300] if text else "") or type(error).__name__
 
 
-__all__ = ["DOMINATED", "PRUNE_MARGIN", "Compiles", "planned", "words"]
+__all__ = ["DOMINATED", "Compiles", "planned", "words"]

@@ -23,11 +23,15 @@ class Entry:
         candidate: the layout, its batch and accumulation.
         stage: `PRUNED`, `NOT_COMPILED`, `COMPILED` or `FAILED`.
         estimate_bytes: the closed form's bytes per device.
+        least_bytes: the least the closed form says it could need per
+            device (its verdict's: `verdicts.step_verdict`).
         closed_form: its `StepCost` by the closed form.
         compiled: the compiled step, when compiled.
         cost: its `StepCost` from the compiled program, when compiled.
         fits: by the compile where compiled, else by the closed form (or
             by the compile of a smaller batch of its layout that doesn't).
+        likely: whether the closed form's verdict says yes (it fits with
+            the platform's margin to spare: `verdicts.step_verdict`).
         rule: whether the memory rule (`device_mesh="auto"`) picks it.
         why: one line on why it won or lost (`report`).
         mfu: the modelled model-flops utilization of its compiled step.
@@ -40,10 +44,12 @@ class Entry:
     candidate: Candidate
     stage: str
     estimate_bytes: int
+    least_bytes: int
     closed_form: step_cost.StepCost
     compiled: CompiledMemory | None = None
     cost: step_cost.StepCost | None = None
     fits: bool = False
+    likely: bool = False
     rule: bool = False
     why: str = ""
     mfu: float = 0.0

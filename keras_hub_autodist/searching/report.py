@@ -136,7 +136,8 @@ def why(entry: Any, chosen: Any, capacity: int, speed: DeviceSpeed) -> str:
     if entry.stage == PRUNED:
         return (
             f"pruned: the closed form needs {entry.estimate_bytes / gib:.2f} GiB "
-            f"per device, over {capacity / gib:.2f} GiB"
+            f"per device, and at least {entry.least_bytes / gib:.2f} GiB, over "
+            f"{capacity / gib:.2f} GiB"
         )
     if entry.stage == COMPILED and not entry.fits:
         memory = entry.compiled

@@ -61,7 +61,6 @@ from keras_hub_autodist.searching.candidates import Candidate
 from keras_hub_autodist.searching.candidates import candidates
 from keras_hub_autodist.searching.candidates import meshes
 from keras_hub_autodist.searching.candidates import remat_key
-from keras_hub_autodist.searching.compiles import PRUNE_MARGIN
 from keras_hub_autodist.searching.compiles import Compiles
 from keras_hub_autodist.searching.entries import Entry
 from keras_hub_autodist.searching.entries import rank
@@ -383,7 +382,6 @@ __all__ = [
     "MAX_COMPILES",
     "NOT_COMPILED",
     "PRUNED",
-    "PRUNE_MARGIN",
     "REMATS",
     "STRATEGIES",
     "SearchResult",
