@@ -13,6 +13,7 @@ XLA's attention still runs for keras-hub; in float32, so that the loss of
 splash and of XLA's attention agree to 1e-3.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -155,12 +156,21 @@ def soft_capped_preset(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("sequence", soft_capped_steps.SEQUENCES)
-def test_gemma2_keeps_its_attention_soft_cap_on_the_chip(soft_capped_preset, sequence):
+@pytest.mark.parametrize(
+    "sequence, precision, rtol",
+    soft_capped_steps.CHIP_CASES,
+    ids=lambda v: str(v),
+)
+def test_gemma2_keeps_its_attention_soft_cap_on_the_chip(
+    soft_capped_preset, sequence, precision, rtol
+):
     """The chip's losses of a bound Gemma 2 with a hard attention cap are
-    the CPU's (plain keras-hub there, in a process of its own) within 1e-4
-    relative, in `train_on_batch`, `evaluate` and `predict`: Keras' fused
-    attention on a TPU drops the cap, and the bound model never takes it."""
+    the CPU's (plain keras-hub there, in a process of its own) within
+    `rtol`, in `train_on_batch`, `evaluate` and `predict`: Keras' fused
+    attention on a TPU drops the cap (7.8e-3 of the loss), and the bound
+    model never takes it. `precision`: the products' (`None`: the TPU's
+    default, whose bfloat16 passes in the dense layers, keras-hub's own,
+    move the loss by about 1.1e-4 at 64 tokens)."""
     script = pathlib.Path(soft_capped_steps.__file__)
     cpu = subprocess.run(
         [sys.executable, str(script), soft_capped_preset, str(sequence)],
@@ -170,6 +180,12 @@ def test_gemma2_keeps_its_attention_soft_cap_on_the_chip(soft_capped_preset, seq
     )
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     theirs = json.loads(cpu.stdout.strip().splitlines()[-1])
-    ours = soft_capped_steps.figures(soft_capped_preset, sequence, ONE_DEVICE)
+    products = (
+        contextlib.nullcontext()
+        if precision is None
+        else jax.default_matmul_precision(precision)
+    )
+    with products:
+        ours = soft_capped_steps.figures(soft_capped_preset, sequence, ONE_DEVICE)
     for name, value in theirs.items():
-        np.testing.assert_allclose(ours[name], value, rtol=1e-4, err_msg=name)
+        np.testing.assert_allclose(ours[name], value, rtol=rtol, err_msg=name)
