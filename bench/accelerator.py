@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         "--labels",
         default=None,
         help="comma-separated labels of accelerator_steps' steps: measure "
-        "those alone (e.g. gemma3_1b_32k)",
+        "those alone (e.g. gemma3_1b_32k); with --predict, compile those alone "
+        "and keep the other saved predictions",
     )
     parser.add_argument(
         "--time-scale",
@@ -109,7 +110,8 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.predict:
-        print(accelerator_steps.write_predictions(args.predict, args.tiny))
+        labels = None if args.labels is None else args.labels.split(",")
+        print(accelerator_steps.write_predictions(args.predict, args.tiny, labels))
         return 0
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -120,10 +120,12 @@ def program_memory(recorded: Recorded) -> dict:
 
     Returns:
         `{"program_bytes", "temp_bytes", "argument_bytes", "output_bytes",
-        "alias_bytes", "attention"}`, where `program_bytes` is
-        temporaries + arguments + outputs - aliased, and `attention` the
-        attention kernel read from the program (`"xla"` where none is
-        fused).
+        "alias_bytes", "compiler_peak_bytes", "attention"}`, where
+        `program_bytes` is temporaries + arguments + outputs - aliased,
+        `compiler_peak_bytes` the compiler's own peak of the buffers live at
+        once (`peak_memory_in_bytes`; 0 where it gives none), what a target
+        compile reports on a TPU, and `attention` the attention kernel read
+        from the program (`"xla"` where none is fused).
     """
     from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 
@@ -139,6 +141,7 @@ def program_memory(recorded: Recorded) -> dict:
         output_bytes=read("output_size_in_bytes"),
         alias_bytes=read("alias_size_in_bytes"),
     )
+    peak = read("peak_memory_in_bytes")
     program = (
         sizes["temp_bytes"]
         + sizes["argument_bytes"]
@@ -149,7 +152,12 @@ def program_memory(recorded: Recorded) -> dict:
         text = compiled.as_text()
     except Exception:  # noqa: BLE001 - a program without text: kernel unknown
         text = ""
-    return dict(program_bytes=program, **sizes, attention=attention_kernel(text))
+    return dict(
+        program_bytes=program,
+        **sizes,
+        compiler_peak_bytes=peak,
+        attention=attention_kernel(text),
+    )
 
 
 def refused_memory(error: BaseException, recorded: Recorded) -> dict | None:

@@ -208,12 +208,14 @@ def _memory_lines(results, predictions) -> list[str]:
                 return ""
             return f"{_gb(value)} ({_ratio(value, measured)})"
 
+        pair = accelerator_targets.target_against_chip(r, predicted)
+        target = "" if pair is None else f"{_gb(pair[0])} ({_ratio(*pair)})"
         says = ""
         if "target_refused" in predicted:
             says = "refused" if predicted["target_refused"] else "fits"
         lines.append(
             f"| {r['step']} | {'no' if r.get('refused') else 'yes'} | "
-            f"{_gb(measured)} | {cell(predicted.get('target_peak_bytes'))} | "
+            f"{_gb(measured)} | {target} | "
             f"{says} | {cell(r.get('compiled_peak_bytes'))} | "
             f"{cell(r.get('closed_form_bytes'))} | "
             f"{cell(r.get('calibrated_bytes'))} | "

@@ -367,12 +367,13 @@ def long_steps_of(family: str, tiny: bool) -> list[Step]:
     return [] if tiny else LONG_STEPS.get(family, [])
 
 
-def predict(target: str, tiny: bool = False) -> dict:
+def predict(target: str, tiny: bool = False, labels=None) -> dict:
     """Compile every rung of every step for `target` on this machine.
 
     Args:
         target: a device profile name (`"v5e"`, `"h200"`, ...).
         tiny: the tiny steps (`--tiny`).
+        labels: the labels of the steps compiled (`chosen`); None: all.
 
     Returns:
         `{"target": ..., "date": ..., "steps": {name: figures}}`, where the
@@ -390,7 +391,8 @@ def predict(target: str, tiny: bool = False) -> dict:
 
     rows = {}
     family = target_spec(target).platform
-    for step in steps_of(family, tiny) + long_steps_of(family, tiny):
+    steps = steps_of(family, tiny) + long_steps_of(family, tiny)
+    for step in chosen(steps, labels=labels):
         class_name, config = model_config(step.model, tiny)
         preset = {"class_name": class_name, "config": config}
         plan = keras_hub_autodist.plan(
@@ -418,6 +420,11 @@ def predict(target: str, tiny: bool = False) -> dict:
             )
             rows[step.name(batch)] = dict(
                 target_peak_bytes=compiled.peak_bytes,
+                # The chip's `program_bytes`' measure: the parts' sum.
+                target_program_bytes=compiled.argument_bytes
+                + compiled.output_bytes
+                - compiled.alias_bytes
+                + compiled.temp_bytes,
                 target_argument_bytes=compiled.argument_bytes,
                 target_refused=bool(compiled.out_of_memory),
                 compiled_for=compiled.compiled_for(),
@@ -435,11 +442,17 @@ def predict(target: str, tiny: bool = False) -> dict:
     return dict(target=target, date=datetime.date.today().isoformat(), steps=rows)
 
 
-def write_predictions(target: str, tiny: bool = False) -> pathlib.Path:
-    """`predict` and save it as `bench/predictions/<target>[-tiny].json`."""
+def write_predictions(target: str, tiny: bool = False, labels=None) -> pathlib.Path:
+    """`predict` and save it as `bench/predictions/<target>[-tiny].json`;
+    with `labels`, those steps' predictions replace theirs in the saved
+    ones and the others stay."""
     PREDICTIONS.mkdir(exist_ok=True)
     path = PREDICTIONS / f"{target}{'-tiny' if tiny else ''}.json"
-    path.write_text(json.dumps(predict(target, tiny), indent=1) + "\n")
+    predicted = predict(target, tiny, labels)
+    if labels is not None and path.exists():
+        saved = json.loads(path.read_text())
+        predicted["steps"] = {**saved["steps"], **predicted["steps"]}
+    path.write_text(json.dumps(predicted, indent=1) + "\n")
     return path
 
 
