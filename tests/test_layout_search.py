@@ -134,6 +134,16 @@ def test_a_compiled_program_costs_its_roofline_or_the_compilers_estimate():
         _program(flops=4e12, optimal_seconds=0.5), speed
     )
     assert (estimated.seconds, estimated.source) == (0.5, "xla")
+    # Never faster than the device's peak on the flops the step must
+    # compute: XLA counts none inside a custom call (the splash kernel).
+    floored = step_cost.compiled_cost(
+        _program(flops=4e12, optimal_seconds=0.5), speed, least_flops=2e12
+    )
+    assert (floored.seconds, floored.source) == (2.0, "model flops")
+    kept = step_cost.compiled_cost(
+        _program(flops=4e12, optimal_seconds=0.5), speed, least_flops=2e11
+    )
+    assert (kept.seconds, kept.source) == (0.5, "xla")
 
 
 def test_flops_bytes_and_link_bytes_are_counted_from_hlo_text():

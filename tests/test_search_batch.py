@@ -59,13 +59,15 @@ def compiler(monkeypatch):
     `limits[remat]` sequences per device and is refused over it; its time
     per token falls with the batch (the weights read once per step) and is
     `remat_cost[remat]` times longer with remat, `accumulation_cost` times with
-    accumulation. `calls` lists `(per-device batch, remat, accumulation)`
-    of each compile."""
+    accumulation (`per_token(rows)`: its seconds per token without either);
+    its peak grows with the batch. `calls` lists `(per-device batch, remat,
+    accumulation)` of each compile."""
     state = types.SimpleNamespace(
         calls=[],
         limits={None: 4, "dots": 8, "full": 16},
         remat_cost={"dots": 1.2, "full": 1.3},
         accumulation_cost=1.1,
+        per_token=lambda rows: (1 + 8 / rows) * 1e-6,
     )
 
     def compiled_memory(layout, batch_size, sequence_length, optimizer, **kwargs):
@@ -82,12 +84,16 @@ def compiler(monkeypatch):
                 out_of_memory=REFUSAL,
                 compiler_limit_bytes=16 * GIB,
             )
-        per_token = (1 + 8 / rows) * 1e-6
+        per_token = state.per_token(rows)
         per_token *= state.remat_cost[layout.remat] if layout.remat else 1.0
         per_token *= state.accumulation_cost if steps > 1 else 1.0
         seconds = per_token * batch_size * sequence_length
         return _memory(
-            batch_size, sequence_length, devices, cost={"optimal_seconds": seconds}
+            batch_size,
+            sequence_length,
+            devices,
+            peak_bytes=1024 * (rows + 1),
+            cost={"optimal_seconds": seconds},
         )
 
     monkeypatch.setattr(search_module, "compiled_memory", compiled_memory)
@@ -229,6 +235,31 @@ def test_the_matmul_keeping_remat_wins_where_it_fits_a_batch_fast_enough(
     assert "x the chosen one's tokens/s" in whys[("full", 16)]
     assert whys[("full", 8)].startswith("not compiled: with a remat that recomputes")
     assert result.compiles == len(compiler.calls) <= 9
+
+
+def test_of_two_steps_as_fast_the_one_with_more_memory_to_spare_is_chosen(
+    tmp_path, compiler
+):
+    # The same time per token at every batch and with "dots" (a step costed
+    # at the device's peak on its model flops): every compiled step that
+    # fits ties, and the one of the smallest peak is chosen.
+    compiler.per_token = lambda rows: 1e-6
+    compiler.remat_cost = {"dots": 1.0, "full": 1.3}
+    result = _search(tmp_path, per_device_batch=(1, 16), remats=(None, "dots"))
+    fitting = [e for e in result.entries if e.stage == COMPILED and e.fits]
+    assert {(e.candidate.remat, e.candidate.per_device_batch) for e in fitting} >= {
+        (None, 4),
+        ("dots", 8),
+    }
+    chosen = result.chosen
+    assert chosen.compiled.peak_bytes == min(e.compiled.peak_bytes for e in fitting)
+    whys = {
+        (e.candidate.remat, e.candidate.per_device_batch): e.why for e in result.entries
+    }
+    assert whys[("dots", 8)].startswith(
+        "fits, as fast as the chosen one by the model, with a larger compiled peak"
+    )
+    assert "8 sequences per device per step" in whys[("dots", 8)]
 
 
 def test_remat_off_that_fits_the_whole_range_leaves_remat_uncompiled(

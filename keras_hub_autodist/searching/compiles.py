@@ -145,13 +145,18 @@ class Compiles:
         self.fitting += fits
         # A step the compiler refused has no program to cost: the closed
         # form's time stands for it.
+        batch, seq = candidate.batch_size, self.step.sequence_length
+        least_flops = step_cost.model_flops(
+            layout, batch, seq, layout.lora_rank, layout.remat
+        )
         cost = (
             None
             if memory.out_of_memory
-            else step_cost.compiled_cost(memory, self.speed)
+            else step_cost.compiled_cost(
+                memory, self.speed, least_flops / layout.mesh_axes.num_devices
+            )
         )
         seconds = (cost or entry.closed_form).seconds
-        batch, seq = candidate.batch_size, self.step.sequence_length
         self.entries[candidate] = dataclasses.replace(
             entry,
             stage=COMPILED,

@@ -85,13 +85,16 @@ STAGE_RANK = {
 
 
 def rank(entry: Entry) -> tuple:
-    """Stage first (`STAGE_RANK`); then the modelled time per token, but
-    the compiled peak among compiled steps that don't fit (the one closest
-    to fitting first)."""
+    """Stage first (`STAGE_RANK`); then the modelled time per token, and
+    among ties the smaller compiled peak (the same speed with more memory
+    to spare); but the compiled peak among compiled steps that don't fit
+    (the one closest to fitting first)."""
     stage = STAGE_RANK.get((entry.stage, entry.fits), 4)
     if stage == 1:
         return (stage, entry.compiled.peak_bytes)
-    return (stage, entry.seconds_per_token)
+    per_token = step_cost.rounded_time(entry.seconds_per_token)
+    peak = entry.compiled.peak_bytes if entry.compiled else entry.estimate_bytes
+    return (stage, per_token, peak)
 
 
 __all__ = ["STAGE_RANK", "Entry", "rank"]

@@ -70,10 +70,18 @@ def _slower(entry: Any, chosen: Any, speed: DeviceSpeed) -> str:
     detail = _largest_collective(entry) if term == "link" else ""
     how = "" if compiled else " by the closed form"
     speed_up = 1 / ratio if ratio else float("inf")
+    differences = _differences(entry.candidate, chosen.candidate)
+    if compiled and step_cost.rounded_time(
+        entry.seconds_per_token
+    ) == step_cost.rounded_time(chosen.seconds_per_token):
+        line = (
+            "fits, as fast as the chosen one by the model, with a larger "
+            f"compiled peak ({entry.compiled.peak_bytes / GIB:.2f} GiB per device)"
+        )
+        return line + (": " + "; ".join(differences) if differences else "")
     line = f"fits, {speed_up:.2f}x the chosen one's tokens/s{how}"
     if their:  # a compiler's own estimate may come without the amounts
         line += f"; {times:.1f}x the {TERM_WORDS[term]} per token{where}{detail}"
-    differences = _differences(entry.candidate, chosen.candidate)
     return line + (": " + "; ".join(differences) if differences else "")
 
 
@@ -294,7 +302,8 @@ def table(result: Any) -> str:
     lines.append(
         "peak: compiled for the device (~: the closed form's estimate, not "
         "compiled); step s: the compiler's estimate where it gives one (TPU), "
-        "else the roofline of the compiled program, with "
+        "else the roofline of the compiled program, never under the device's "
+        "peak on the model's flops, with "
         + ", ".join(
             f"{share:.0%} of {LINK_NAMES[link]} collectives hidden"
             for link, share in step_cost.COLLECTIVE_OVERLAP.items()
