@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--parts",
         default=None,
-        help="comma-separated, of load, train, long, attention; by default "
-        "the family's (a TPU: train,load,attention)",
+        help="comma-separated, of load, train, long, attention, speed, chunks, "
+        "search; by default the family's (a TPU: train,load,attention)",
     )
     parser.add_argument(
         "--target",

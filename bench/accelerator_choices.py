@@ -21,10 +21,11 @@ PARTS = {
     "gpu": ("load", "train", "long", "attention"),
     "tpu": ("train", "load", "attention"),
 }
-# `speed` (autodist against keras-hub in alternated processes) and `chunks`
-# (the loss whole and in chunks, in one process) run when asked: on a TPU
-# each takes a whole command.
-ALL_PARTS = ("load", "train", "long", "attention", "speed", "chunks")
+# `speed` (autodist against keras-hub in alternated processes), `chunks`
+# (the loss whole and in chunks, in one process) and `search` (the layout
+# search's choices beside keras-hub's best runnable batch) run when asked:
+# on a TPU each takes a whole command.
+ALL_PARTS = ("load", "train", "long", "attention", "speed", "chunks", "search")
 # family -> part -> seconds it may start measurements in (a measurement
 # started inside its part's time runs to its end, cut at the per-child
 # limit). None: no limit. The TPU's add to 430 s of measurements, beside
@@ -37,6 +38,7 @@ BUDGET_S = {
         "attention": None,
         "speed": None,
         "chunks": None,
+        "search": None,
     },
     "tpu": {
         "train": 300,
@@ -45,6 +47,7 @@ BUDGET_S = {
         "long": 60,
         "speed": 450,
         "chunks": 450,
+        "search": 450,
     },
 }
 # family -> seconds after which no measurement starts (None: no limit): a

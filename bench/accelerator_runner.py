@@ -469,7 +469,10 @@ def run(
     long_steps = chosen(
         accelerator_steps.long_steps_of(family, tiny) if "long" in parts else []
     )
-    needed = [step.model for step in steps + speed_steps + chunk_steps]
+    search_steps = chosen(
+        accelerator_steps.search_steps_of(family, tiny) if "search" in parts else []
+    )
+    needed = [step.model for step in steps + speed_steps + chunk_steps + search_steps]
     if "load" in parts:
         needed.append(load_model)
     if "long" in parts:
@@ -503,6 +506,9 @@ def run(
                         results,
                         save,
                     )
+                elif part == "search":
+                    for step in search_steps:
+                        _train(step, presets.path(step.model), clock, results, save)
                 elif part == "attention":
                     _attention(family, tiny, clock, results, save)
                 elif part == "speed":

@@ -320,6 +320,21 @@ SPEED_STEPS = {"tpu": (TPU_SPEED_STEPS, TPU_TINY_SPEED_STEPS)}
 TPU_CHUNK_STEPS = [Step("gemma_2b", "gemma_2b", 8, (4, 8), 1024, 6, 1)]
 TPU_TINY_CHUNK_STEPS = [Step("tiny gemma", "gemma_2b", 8, (2,), 32, 2, 1)]
 CHUNK_STEPS = {"tpu": (TPU_CHUNK_STEPS, TPU_TINY_CHUNK_STEPS)}
+# The part `search`: the configuration the layout search chooses for one
+# chip (`plan --device v5e --devices 1 --per-device-batch 1:16 --search`,
+# docs/benchmarks.md section 9) beside keras-hub's best runnable batch (the
+# largest it runs without remat), on one ladder per model: keras-hub stops
+# at the first batch the chip refuses it, autodist goes on to the chosen
+# one. Llama 3.2 1B full: keras-hub ran 2 x 1,024 and was refused at 4, the
+# search chose 8; Gemma 2 2B LoRA 8: the search chose 2 x 2,048 (4 as
+# fast by its model); Qwen 2.5 0.5B full: keras-hub was refused at 8 x
+# 1,024, the search chose 16.
+TPU_SEARCH_STEPS = [
+    Step("llama3.2_1b searched", "llama3.2_1b", 0, (2, 8), 1024, 5, 2, pair=True),
+    Step("gemma2_2b searched", "gemma2_2b", 8, (1, 2, 4), 2048, 5, 2, pair=True),
+    Step("qwen2.5_0.5b searched", "qwen2.5_0.5b", 0, (4, 8, 16), 1024, 5, 2, pair=True),
+]
+SEARCH_STEPS = {"tpu": TPU_SEARCH_STEPS}
 # The part `long` of a family measured as training steps (a GPU's is
 # `accelerator_children.child_long`'s, Gemma 2B at 32k tokens).
 LONG_STEPS = {"tpu": TPU_LONG_STEPS}
@@ -361,6 +376,12 @@ def chunk_steps_of(family: str, tiny: bool) -> list[Step]:
     return small if tiny else full
 
 
+def search_steps_of(family: str, tiny: bool) -> list[Step]:
+    """The steps of the part `search` for `family` ([] where it has none,
+    or for the tiny run)."""
+    return [] if tiny else SEARCH_STEPS.get(family, [])
+
+
 def long_steps_of(family: str, tiny: bool) -> list[Step]:
     """The training steps of the part `long` for `family` ([] where that
     part is measured otherwise, or for the tiny run)."""
@@ -391,7 +412,11 @@ def predict(target: str, tiny: bool = False, labels=None) -> dict:
 
     rows = {}
     family = target_spec(target).platform
-    steps = steps_of(family, tiny) + long_steps_of(family, tiny)
+    steps = (
+        steps_of(family, tiny)
+        + long_steps_of(family, tiny)
+        + search_steps_of(family, tiny)
+    )
     for step in chosen(steps, labels=labels):
         class_name, config = model_config(step.model, tiny)
         preset = {"class_name": class_name, "config": config}
