@@ -110,6 +110,23 @@ def test_the_committed_h200_predictions_name_every_measured_step():
         assert figures["target_peak_bytes"] > figures["target_argument_bytes"] > 0
 
 
+def test_the_committed_v5e_predictions_name_every_step_the_chip_trains():
+    # The training, long and search parts' steps: each measured on the chip
+    # is held to a target compile made before the run.
+    predicted = accelerator_steps.read_predictions("v5e")
+    steps = (
+        accelerator_steps.steps_of("tpu", tiny=False)
+        + accelerator_steps.long_steps_of("tpu", tiny=False)
+        + accelerator_steps.search_steps_of("tpu", tiny=False)
+    )
+    names = {name for step in steps for name in step.names()}
+    assert names <= set(predicted), sorted(names - set(predicted))
+    for name in names:
+        figures = predicted[name]
+        assert figures["compiled_for"]["device_kind"] == "TPU v5 lite"
+        assert figures["target_peak_bytes"] > figures["target_argument_bytes"] > 0
+
+
 def test_targets_are_met_on_their_bounds_and_missed_past_them():
     from bench import accelerator_targets
 
