@@ -38,12 +38,6 @@ def _ratio(a, b):
     return "" if not a or not b else f"{a / b:.2f}"
 
 
-def measured_bytes(row) -> int | None:
-    """A training row's measured memory: its program's (compiled or named
-    in the device's refusal) where read, else the device's peak."""
-    return row.get("program_bytes") or row.get("peak_bytes")
-
-
 def _dtype_label(row):
     if row["variant"] == "raw read":
         return "(bfloat16 file)"
@@ -200,7 +194,7 @@ def _memory_lines(results, predictions) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        measured = measured_bytes(r)
+        measured = accelerator_targets.measured_bytes(r)
         predicted = predictions.get(r["step"], {})
 
         def cell(value, measured=measured):

@@ -446,10 +446,7 @@ def predict(target: str, tiny: bool = False, labels=None) -> dict:
             rows[step.name(batch)] = dict(
                 target_peak_bytes=compiled.peak_bytes,
                 # The chip's `program_bytes`' measure: the parts' sum.
-                target_program_bytes=compiled.argument_bytes
-                + compiled.output_bytes
-                - compiled.alias_bytes
-                + compiled.temp_bytes,
+                target_program_bytes=compiled.parts_bytes,
                 target_argument_bytes=compiled.argument_bytes,
                 target_refused=bool(compiled.out_of_memory),
                 compiled_for=compiled.compiled_for(),

@@ -30,6 +30,13 @@ TARGETS = {
 }
 
 
+def measured_bytes(row) -> int | None:
+    """A training row's measured memory: its program's (compiled or named
+    in the device's refusal) where read (a TPU's device peak leaves its
+    temporaries out), else the device's peak."""
+    return row.get("program_bytes") or row.get("peak_bytes")
+
+
 def target_against_chip(row: dict, predicted: dict) -> tuple[int, int] | None:
     """`(target compile's bytes, the chip's)` of a measured step, each by
     the same measure: the compiler's own peak (`peak_memory_in_bytes`, what
@@ -38,11 +45,10 @@ def target_against_chip(row: dict, predicted: dict) -> tuple[int, int] | None:
     the chip's `program_bytes`), else (predictions saved before they held
     the sum) the target's peak against the chip's program. None where
     either is missing."""
-    measured = row.get("program_bytes") or row.get("peak_bytes")
     pairs = (
         (predicted.get("target_peak_bytes"), row.get("compiler_peak_bytes")),
         (predicted.get("target_program_bytes"), row.get("program_bytes")),
-        (predicted.get("target_peak_bytes"), measured),
+        (predicted.get("target_peak_bytes"), measured_bytes(row)),
     )
     return next(((t, c) for t, c in pairs if t and c), None)
 
@@ -120,9 +126,7 @@ def _ratios(results, predictions):
                     float(verdict != wrong),
                 )
     for row in trained:
-        # The step's program where read (a TPU's device peak leaves its
-        # temporaries out), else the device's peak.
-        peak = row.get("program_bytes") or row.get("peak_bytes")
+        peak = measured_bytes(row)
         if row["variant"] != "autodist" or not peak:
             continue
         pair = target_against_chip(row, predictions.get(row["step"], {}))

@@ -125,6 +125,15 @@ class CompiledMemory:
     device_memory_bytes: int = dataclasses.field(default=0, compare=False)
 
     @property
+    def parts_bytes(self) -> int:
+        """Every buffer of the program summed: `argument_bytes +
+        output_bytes - alias_bytes + temp_bytes` (the peak where the
+        compiler reports none of its own)."""
+        return (
+            self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        )
+
+    @property
     def fits(self) -> bool | None:
         """Whether the step fits `device_memory_bytes` per device, by the
         one rule of every compiled verdict (`compiled_fits`);
@@ -538,16 +547,11 @@ def memory_of(compiled, **fields) -> CompiledMemory:
     sizes = {field: read(name) for field, name in _ANALYSIS_FIELDS.items()}
     # Unless said, the batch compiled is the one asked for.
     fields.setdefault("padded_batch_size", fields.get("batch_size"))
-    parts = (
-        sizes["argument_bytes"]
-        + sizes["output_bytes"]
-        - sizes["alias_bytes"]
-        + sizes["temp_bytes"]
-    )
+    memory = CompiledMemory(**sizes, peak_bytes=0, **fields)
     own = read("peak_memory_in_bytes")
     reports_peak = fields.get("platform") in PROGRAM_PEAK_PLATFORMS
-    peak = own if own and reports_peak else parts
-    return CompiledMemory(**sizes, peak_bytes=peak, **fields)
+    peak = own if own and reports_peak else memory.parts_bytes
+    return dataclasses.replace(memory, peak_bytes=peak)
 
 
 # The platforms whose compiler reports a program's own peak

@@ -95,7 +95,7 @@ class Compiles:
             closed,
             fits=estimate.total_bytes <= layout.device_memory_bytes,
             sequence_length=seq,
-            likely=verdict.answer == YES,
+            verdict=verdict.answer,
         )
 
     def first_rung(self, rungs: list[Candidate], optimistic=False) -> Candidate:
@@ -117,7 +117,7 @@ class Compiles:
             (e for e in entries if e.stage != PRUNED),
             key=lambda e: (not e.fits, e.seconds_per_token),
         )
-        safe = [e for e in order[1:] if e.likely]
+        safe = [e for e in order[1:] if e.verdict == YES]
         if safe:
             order.remove(safe[0])
             order.insert(min(1, len(order)), safe[0])
@@ -143,12 +143,12 @@ class Compiles:
         self.hits += hit
         fits = compiled_fits(memory, layout.device_memory_bytes)
         self.fitting += fits
-        # A step the compiler refused has no program to cost: the closed
-        # form's time stands for it.
         batch, seq = candidate.batch_size, self.step.sequence_length
         least_flops = step_cost.model_flops(
             layout, batch, seq, layout.lora_rank, layout.remat
         )
+        # A step the compiler refused has no program to cost: the closed
+        # form's time stands for it.
         cost = (
             None
             if memory.out_of_memory

@@ -30,8 +30,8 @@ class Entry:
         cost: its `StepCost` from the compiled program, when compiled.
         fits: by the compile where compiled, else by the closed form (or
             by the compile of a smaller batch of its layout that doesn't).
-        likely: whether the closed form's verdict says yes (it fits with
-            the platform's margin to spare: `verdicts.step_verdict`).
+        verdict: the closed form's verdict on it, yes, NO or maybe
+            (`verdicts.step_verdict`): NO is pruned.
         rule: whether the memory rule (`device_mesh="auto"`) picks it.
         why: one line on why it won or lost (`report`).
         mfu: the modelled model-flops utilization of its compiled step.
@@ -49,7 +49,7 @@ class Entry:
     compiled: CompiledMemory | None = None
     cost: step_cost.StepCost | None = None
     fits: bool = False
-    likely: bool = False
+    verdict: str = ""
     rule: bool = False
     why: str = ""
     mfu: float = 0.0

@@ -44,13 +44,24 @@ def _largest_collective(entry: Any) -> str:
 
 
 def _slower(entry: Any, chosen: Any, speed: DeviceSpeed) -> str:
-    """Why a candidate that fits is slower than the chosen one: its tokens
+    """Why a candidate that fits is slower than the chosen one (or, compiled
+    and modelled as fast, why it lost the tie: its larger peak): its tokens
     per second against the chosen one's, the term of the roofline it loses
     most time on (as a ratio of amounts), and what of it differs from the
     chosen one (`_differences`)."""
+    differences = _differences(entry.candidate, chosen.candidate)
+    because = ": " + "; ".join(differences) if differences else ""
     # A candidate not compiled is held to the chosen one's closed form: the
     # two models' scales differ.
     compiled = entry.cost is not None
+    if compiled and step_cost.rounded_time(
+        entry.seconds_per_token
+    ) == step_cost.rounded_time(chosen.seconds_per_token):
+        return (
+            "fits, as fast as the chosen one by the model, with a larger "
+            f"compiled peak ({entry.compiled.peak_bytes / GIB:.2f} GiB per "
+            f"device){because}"
+        )
     mine = entry.modelled
     best = chosen.modelled if compiled else chosen.closed_form
     ratio = (mine.seconds / entry.candidate.batch_size) / (
@@ -70,19 +81,10 @@ def _slower(entry: Any, chosen: Any, speed: DeviceSpeed) -> str:
     detail = _largest_collective(entry) if term == "link" else ""
     how = "" if compiled else " by the closed form"
     speed_up = 1 / ratio if ratio else float("inf")
-    differences = _differences(entry.candidate, chosen.candidate)
-    if compiled and step_cost.rounded_time(
-        entry.seconds_per_token
-    ) == step_cost.rounded_time(chosen.seconds_per_token):
-        line = (
-            "fits, as fast as the chosen one by the model, with a larger "
-            f"compiled peak ({entry.compiled.peak_bytes / GIB:.2f} GiB per device)"
-        )
-        return line + (": " + "; ".join(differences) if differences else "")
     line = f"fits, {speed_up:.2f}x the chosen one's tokens/s{how}"
     if their:  # a compiler's own estimate may come without the amounts
         line += f"; {times:.1f}x the {TERM_WORDS[term]} per token{where}{detail}"
-    return line + (": " + "; ".join(differences) if differences else "")
+    return line + because
 
 
 def _differences(candidate: Any, chosen: Any) -> list[str]:

@@ -347,6 +347,7 @@ def modelled_mfu(
 
 __all__ = [
     "COLLECTIVE_OVERLAP",
+    "TIE_DIGITS",
     "ModelShape",
     "StepCost",
     "closed_form_cost",
@@ -356,7 +357,6 @@ __all__ = [
     "model_shape",
     "modelled_mfu",
     "passes",
-    "TIE_DIGITS",
     "roofline",
     "rounded_time",
     "tokens_per_second",
