@@ -573,11 +573,11 @@ def test_names_of_the_format_are_keras_hubs():
     )
 
 
-# SIGKILL at random points.
+# SIGKILL during a save.
 
 CHILD = textwrap.dedent(
     """
-    import os, sys, time, types
+    import os, signal, sys, time, types
 
     # The saving module alone: no keras import, so each run is fast.
     package = types.ModuleType("keras_hub_autodist")
@@ -585,12 +585,14 @@ CHILD = textwrap.dedent(
     sys.modules["keras_hub_autodist"] = package
     from keras_hub_autodist.saving import atomic
     target, mode, files = sys.argv[2], sys.argv[3], eval(sys.argv[4])
+    die_at = int(sys.argv[5])  # -1: run whole (slowly, to be killed from outside)
+    pause = 0.0 if die_at >= 0 else 0.002
     parent = os.path.realpath(os.path.dirname(target))
     real_rename, real_mkdir = os.rename, os.mkdir
 
     def rename(a, b):  # widen the windows between renames
         real_rename(a, b)
-        time.sleep(0.002)
+        time.sleep(pause)
 
     def mkdir(path, mode=0o777, **kwargs):  # a read-only parent
         if os.path.dirname(path) == parent:
@@ -609,50 +611,111 @@ CHILD = textwrap.dedent(
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 f.write(content)
-            time.sleep(0.003)
+            time.sleep(1.5 * pause)
+
+    # The calls that change what is on disk (or end a write): the process
+    # dies right before the `die_at`-th of them, or after the save if there
+    # are no more. The disk only changes inside such calls, so dying before
+    # each one reaches every state a kill at any moment can leave.
+    CHANGING = {"open", "close", "__exit__", "mkdir", "rename", "replace",
+                "unlink", "rmdir", "chmod", "fsync", "flock"}
+    calls = 0
+
+    def count(frame, event, function):
+        global calls
+        if event == "c_call" and function.__name__ in CHANGING:
+            if calls == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            calls += 1
 
     print("go", flush=True)
+    sys.setprofile(count)
     atomic.save_atomically(save, target)
+    sys.setprofile(None)
+    if calls == die_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    print(calls, flush=True)
     """
 )
 
 
-def run_child(script, target, mode, delay=None):
+def run_child(script, target, mode, delay=None, die_at=-1):
+    """Save `NEW` over `target` in a child process: killed from outside after
+    `delay` seconds, or by itself before its `die_at`-th disk-changing call.
+    Returns the number of such calls of a whole save (None if killed)."""
     process = subprocess.Popen(
         [sys.executable, "-S", "-W", "ignore", str(script), PACKAGE_DIR]
-        + [str(target), mode, repr(NEW)],
+        + [str(target), mode, repr(NEW), str(die_at)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     assert process.stdout.readline() == "go\n", process.stderr.read()
-    start = time.monotonic()
     if delay is not None:
         time.sleep(delay)
         process.send_signal(signal.SIGKILL)
     process.wait()
-    stderr = process.stderr.read()
+    calls, stderr = process.stdout.read(), process.stderr.read()
     process.stdout.close()
     process.stderr.close()
     assert process.returncode in (0, -signal.SIGKILL), stderr
-    return time.monotonic() - start, process.returncode
+    return int(calls) if process.returncode == 0 else None
+
+
+def killed_save_outcome(script, parent, mode, **kill):
+    """Kill a save of `NEW` over `OLD` (with the user's files) as `kill`
+    says; check what the target holds right after the kill and after
+    `atomic.recover`. Returns "old", "new", or "missing"/"partial" (what a
+    kill left before recovery when it is neither) followed by the outcome."""
+    target = parent / "preset"
+    old, new = {**OLD, **USER}, {**NEW, **USER}
+    if parent.exists():
+        shutil.rmtree(parent)
+    write(target, old)
+    run_child(script, target, mode, **kill)
+    found = None
+    if os.path.isdir(target):
+        found = {
+            name: content
+            for name, content in snapshot(target).items()
+            if name not in USER and ".autodist-" not in name
+        }
+    before = ""
+    if found not in (OLD, NEW):
+        if mode == "two renames":
+            assert found is None, found
+            before = "missing, "
+        elif mode == "in place":
+            assert found is not None and "config.json" not in found, found
+            before = "partial, "
+        else:
+            raise AssertionError(f"neither old nor new: {found}")
+    atomic.recover(target)
+    after = snapshot(target)
+    assert after in (old, new), after
+    assert os.listdir(parent) == ["preset"]
+    assert not [n for n in os.listdir(target) if n.startswith(".autodist-")]
+    return before + ("new" if after == new else "old")
 
 
 def assert_sigkill_leaves_old_or_new(tmp_path, mode):
-    """Kill a save at random points: the result is the old or the new preset.
+    """Kill a save at every point and at random times: the result is the old
+    or the new preset.
 
-    A child process saves `NEW` over `OLD` (plus the user's files) with a
-    slow fake save, and is killed with SIGKILL after a random delay (16
-    seeded trials per mode, over the whole length of a save).
+    A child process saves `NEW` over `OLD` (plus the user's files). It dies
+    right before each call of the save that changes the disk, in turn, and
+    after the last one; then, 8 times, it is killed from outside with SIGKILL
+    after a random delay (seeded) over the length of a slowed-down save.
 
     Right after the kill, before any recovery, the preset files in the target
     (the user's files may still be in the old folder moved aside):
     - "exchange" (Linux `renameat2`): the target is the complete old or the
       complete new preset.
     - "two renames" (no `renameat2`): the same, or no target at all if the
-      kill fell between the two renames.
+      kill fell between the two renames (some point does).
     - "in place" (read-only parent): the same, or a folder without
-      `config.json` if the kill fell while the files were moved in.
+      `config.json` if the kill fell while the files were moved in (some
+      point does).
     Then `atomic.recover(target)`, which every save runs first, must leave the
     complete old or the complete new preset, and nothing beside or inside it.
     """
@@ -660,39 +723,26 @@ def assert_sigkill_leaves_old_or_new(tmp_path, mode):
     script.write_text(CHILD)
     parent = tmp_path / "parent"
     target = parent / "preset"
-    old, new = {**OLD, **USER}, {**NEW, **USER}
 
-    write(target, old)
-    duration, code = run_child(script, target, mode)
-    assert code == 0 and snapshot(target) == new
+    write(target, {**OLD, **USER})
+    start = time.monotonic()
+    calls = run_child(script, target, mode)
+    duration = time.monotonic() - start
+    assert calls and snapshot(target) == {**NEW, **USER}
+
+    outcomes = [
+        killed_save_outcome(script, parent, mode, die_at=point)
+        for point in range(calls + 1)
+    ]
+    assert outcomes[0] == "old" and outcomes[-1] == "new", outcomes
+    between = {"two renames": "missing", "in place": "partial"}.get(mode)
+    if between:
+        assert any(outcome.startswith(between) for outcome in outcomes), outcomes
 
     rng = random.Random(f"sigkill-{mode}")
-    outcomes = set()
-    for _ in range(16):
-        shutil.rmtree(parent)
-        write(target, old)
-        run_child(script, target, mode, delay=rng.uniform(0, 1.2 * duration))
-        found = None
-        if os.path.isdir(target):
-            found = {
-                name: content
-                for name, content in snapshot(target).items()
-                if name not in USER and ".autodist-" not in name
-            }
-        if found not in (OLD, NEW):
-            if mode == "two renames":
-                assert found is None
-            elif mode == "in place":
-                assert found is not None and "config.json" not in found
-            else:
-                raise AssertionError(f"neither old nor new: {found}")
-        atomic.recover(target)
-        after = snapshot(target)
-        assert after in (old, new)
-        outcomes.add("new" if after == new else "old")
-        assert os.listdir(parent) == ["preset"]
-        assert not [n for n in os.listdir(target) if n.startswith(".autodist-")]
-    assert outcomes == {"old", "new"}
+    for _ in range(8):
+        delay = rng.uniform(0, 1.2 * duration)
+        killed_save_outcome(script, parent, mode, delay=delay)
 
 
 def test_sigkill_at_random_points_leaves_old_or_new(tmp_path):
