@@ -60,6 +60,7 @@ INPUT_CHANGES = {
     "device": lambda layout: "v6e",
     "lora_rank": lambda layout: 4,
     "gradient_accumulation_steps": lambda layout: 4,
+    "timed_steps": lambda layout: 5,
     "environment": lambda layout: {
         **step_inputs.step_environment("v5e"),
         "dtype_policy": "mixed_bfloat16",

@@ -14,17 +14,19 @@ refusals put in front of the real compiles."""
 import importlib.util
 import json
 import math
-import types
 
 import pytest
+from search_stand_ins import GIB
+from search_stand_ins import REFUSAL
 from search_stand_ins import TILED_GEMMA
 from search_stand_ins import TINY_GEMMA
+from search_stand_ins import batch_limited_compiler
+from search_stand_ins import tpu_memory
 
 import keras_hub_autodist
 from keras_hub_autodist import cli
 from keras_hub_autodist.errors import AutodistError
 from keras_hub_autodist.errors import PlanError
-from keras_hub_autodist.fitting.compiled_step import CompiledMemory
 from keras_hub_autodist.planning.options import PlanOptions
 from keras_hub_autodist.searching import search as search_module
 from keras_hub_autodist.searching.batches import batch_candidates
@@ -34,70 +36,12 @@ from keras_hub_autodist.searching.report import COMPILED
 from keras_hub_autodist.searching.report import to_json
 from keras_hub_autodist.searching.search import search
 
-GIB = 1024**3
-REFUSAL = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"
-
-
-def _memory(batch_size, sequence_length, devices, **fields) -> CompiledMemory:
-    sizes = dict(argument_bytes=1024, temp_bytes=1024, peak_bytes=2048)
-    return CompiledMemory(
-        output_bytes=0,
-        alias_bytes=0,
-        generated_code_bytes=0,
-        batch_size=batch_size,
-        sequence_length=sequence_length,
-        optimizer="adam",
-        devices=devices,
-        platform="tpu",
-        **{**sizes, **fields},
-    )
-
 
 @pytest.fixture
 def compiler(monkeypatch):
-    """A stand-in compiler for one kind of device: a step fits up to
-    `limits[remat]` sequences per device and is refused over it; its time
-    per token falls with the batch (the weights read once per step) and is
-    `remat_cost[remat]` times longer with remat, `accumulation_cost` times with
-    accumulation (`per_token(rows)`: its seconds per token without either);
-    its peak grows with the batch. `calls` lists `(per-device batch, remat,
-    accumulation)` of each compile."""
-    state = types.SimpleNamespace(
-        calls=[],
-        limits={None: 4, "dots": 8, "full": 16},
-        remat_cost={"dots": 1.2, "full": 1.3},
-        accumulation_cost=1.1,
-        per_token=lambda rows: (1 + 8 / rows) * 1e-6,
-    )
-
-    def compiled_memory(layout, batch_size, sequence_length, optimizer, **kwargs):
-        rows = batch_size // layout.mesh_axes.size(layout.mesh_axes.batch_axis)
-        steps = kwargs["gradient_accumulation_steps"]
-        state.calls.append((rows, layout.remat, steps))
-        devices = layout.mesh_axes.num_devices
-        if rows > state.limits[layout.remat]:
-            return _memory(
-                batch_size,
-                sequence_length,
-                devices,
-                peak_bytes=21 * GIB,
-                out_of_memory=REFUSAL,
-                compiler_limit_bytes=16 * GIB,
-            )
-        per_token = state.per_token(rows)
-        per_token *= state.remat_cost[layout.remat] if layout.remat else 1.0
-        per_token *= state.accumulation_cost if steps > 1 else 1.0
-        seconds = per_token * batch_size * sequence_length
-        return _memory(
-            batch_size,
-            sequence_length,
-            devices,
-            peak_bytes=1024 * (rows + 1),
-            cost={"optimal_seconds": seconds},
-        )
-
-    monkeypatch.setattr(search_module, "compiled_memory", compiled_memory)
-    return state
+    """`search_stand_ins.batch_limited_compiler` in place of the search's
+    compiler."""
+    return batch_limited_compiler(monkeypatch)
 
 
 def _search(tmp_path, **kwargs):
@@ -438,7 +382,7 @@ def test_target_compiles_for_a_v5e_choose_a_configuration_they_show_fits(
         steps = kwargs["gradient_accumulation_steps"]
         compiled.append((batch_size, layout.remat, steps))
         if layout.remat is None and batch_size > 2:
-            return _memory(
+            return tpu_memory(
                 batch_size, 64, 1, peak_bytes=21 * GIB, out_of_memory=REFUSAL
             )
         return real(layout, batch_size, *args, **kwargs)

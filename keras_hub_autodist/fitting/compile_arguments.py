@@ -59,6 +59,14 @@ ARGUMENT_KINDS = (
         "gradient_accumulation_steps=4",
     ),
     ArgumentKind(
+        "timed_steps",
+        lambda value: (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        ),
+        "how many runs of the step to time on this machine's devices (0: none)",
+        "timed_steps=5",
+    ),
+    ArgumentKind(
         "model_class",
         lambda value: value is None or isinstance(value, type),
         "the keras-hub task class to train, or None (the backbone's CausalLM)",

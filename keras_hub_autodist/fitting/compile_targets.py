@@ -133,6 +133,17 @@ def local_target(count: int | None = None) -> CompileTarget:
     )
 
 
+def attached(name: str, count: int) -> bool:
+    """Whether this machine has `count` devices of the named kind: then a
+    step compiled for them can also be run on them.
+
+    Example:
+    >>> attached("h200", 1)  # on a machine without an H200
+    False
+    """
+    return _local_devices_of(target_spec(name), count) is not None
+
+
 def compile_target(name: str, count: int) -> CompileTarget:
     """`count` devices of the named kind to compile for: this machine's when
     it has that many of them, else the compiler's compile-only ones.

@@ -34,6 +34,7 @@ from keras_hub_autodist.fitting.compiled_analysis import not_compiled
 from keras_hub_autodist.fitting.compiled_analysis import out_of_memory
 from keras_hub_autodist.fitting.compiled_fit import compiled_fits
 from keras_hub_autodist.fitting.hlo_cost import program_cost
+from keras_hub_autodist.fitting.step_timing import timed_step_seconds
 from keras_hub_autodist.planning.options import check_lora_rank
 from keras_hub_autodist.planning.step_shape import runnable_step
 
@@ -76,12 +77,15 @@ class CompiledMemory:
         target: the named device compiled for (`"v5e"`), or `""` for this
             machine's devices.
         cost: XLA's cost analysis per device (`flops`, `bytes_accessed`,
-            `optimal_seconds` where the backend gives one).
+            `optimal_seconds` where the backend gives one), and
+            `measured_seconds` where the step was timed on this machine's
+            devices (`compiled_memory(..., timed_steps=...)`).
         collectives: the step's collectives (`compiled_analysis.Collective`).
         attention: the attention the step runs, read from the program:
             `"splash"`, `"cudnn_flash"`, `"xla"` or another kernel's name.
         out_of_memory: the compiler's refusal when the step does not fit the
-            device (the TPU compiler refuses at compile time); then
+            device (the TPU compiler refuses at compile time), or the
+            device's, when the step timed on it ran out of memory; then
             `peak_bytes` is its figure of the memory needed, and the other
             sizes those the step was given.
         compiler_limit_bytes: the memory per device the compiler holds a
@@ -318,6 +322,7 @@ def compiled_memory(
     lora_rank: int | None = None,
     device: str | None = None,
     gradient_accumulation_steps: int = 1,
+    timed_steps: int = 0,
 ) -> CompiledMemory:
     """Compile a plan's training step ahead of time; XLA's bytes per device.
 
@@ -352,6 +357,12 @@ def compiled_memory(
         gradient_accumulation_steps: compile one micro-step of an optimizer
             that applies the gradients of this many steps at once (Keras'
             own accumulation: one accumulator per trained weight).
+        timed_steps: where the devices compiled for are this machine's
+            (not a compiler's stand-ins), also run the step this many
+            times, after one untimed run, on zero-filled weights and
+            tokens (`step_timing`), and keep the median seconds as
+            `cost["measured_seconds"]`; a device that can't hold the step
+            then is said in `out_of_memory`. 0: not run.
 
     Returns:
         A `CompiledMemory`.
@@ -372,6 +383,7 @@ def compiled_memory(
         device=device,
         model_class=model_class,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        timed_steps=timed_steps,
     )
     check_model_class(model_class, plan)
     mesh, target = compile_mesh(plan, device_mesh, device)
@@ -425,11 +437,31 @@ def compiled_memory(
                     raise not_compiled(error, plan.dtype, fields) from error
                 arguments = _argument_bytes((state, (x, placed, None)))
                 return _refused(error, refusal, arguments, fields)
-    return memory_of(
+    memory = memory_of(
         compiled,
         **fields,
         **program_facts(compiled),
         compiler_limit_bytes=_program_limit(target),
+    )
+    if timed_steps and not target.compile_only:
+        memory = _timed(memory, compiled, state, (x, placed, None), timed_steps)
+    return memory
+
+
+def _timed(memory, compiled, state, data, steps) -> CompiledMemory:
+    """`memory` with the step's measured seconds on this machine's devices
+    (`step_timing`) in its cost; with the device's refusal as
+    `out_of_memory` where running it runs out of memory."""
+    try:
+        seconds = timed_step_seconds(compiled, state, data, steps)
+    except Exception as error:
+        if out_of_memory(error) is None:
+            raise
+        return dataclasses.replace(
+            memory, out_of_memory=str(error).strip() or type(error).__name__
+        )
+    return dataclasses.replace(
+        memory, cost={**memory.cost, "measured_seconds": seconds}
     )
 
 

@@ -220,6 +220,19 @@ class Compiles:
             done += 1
             self.climb(ladders[candidate.family()])
 
+    def compile_rung_below_fastest(self, ladders: dict) -> None:
+        """Compile the rung below the batch of the fastest candidate that
+        fits, if not compiled: where steps are timed on the device, a
+        smaller batch can be the faster one near the memory's limit."""
+        fitting = [self.entries[c] for c in self.compiled_fits()]
+        if not fitting:
+            return
+        fastest = min(fitting, key=rank).candidate
+        rungs = ladders[fastest.family()]
+        index = rungs.index(fastest)
+        if index and self.entries[rungs[index - 1]].stage == NOT_COMPILED:
+            self.compile_entry(rungs[index - 1])
+
     def mark_settled(self, ladders: dict) -> None:
         """Say, of each rung not compiled, what the compiles tell: it can't
         be the fastest (`batches.dominated`), a larger batch of its layout

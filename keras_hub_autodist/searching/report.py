@@ -301,9 +301,14 @@ def table(result: Any) -> str:
             f"{tokens:,.0f} | {mfu} | {entry.why} |"
         )
     lines.append("")
+    measured = any(
+        e.cost is not None and e.cost.source == "measured" for e in result.entries
+    )
     lines.append(
         "peak: compiled for the device (~: the closed form's estimate, not "
-        "compiled); step s: the compiler's estimate where it gives one (TPU), "
+        "compiled); step s: "
+        + ("measured on this machine's devices, else " if measured else "")
+        + "the compiler's estimate where it gives one (TPU), "
         "else the roofline of the compiled program, never under the device's "
         "peak on the model's flops, with "
         + ", ".join(

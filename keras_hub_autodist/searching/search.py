@@ -29,10 +29,14 @@ accumulation), chosen by the step compiled for it.
    place; one with remat whose twin with less recomputation (or none)
    fits by its compile at the same batch or a larger one is not compiled
    (it can't be faster: `batches.dominated`).
-3. Ranking: the compiled ones that fit by their compile, by the modelled
-   time per token of the compiled (micro-)step (`step_cost.compiled_cost`);
-   the rule's choice is among them, so the chosen one is never slower in
-   the model than it. `report` explains each loser in one line, `winner`
+3. Ranking: the compiled ones that fit by their compile, by the time per
+   token of the compiled (micro-)step (`step_cost.compiled_cost`): modelled,
+   or, where this machine has the devices searched for, measured by
+   running each compiled step (`step_timing`); then the rung below the
+   fastest one's batch is compiled and timed too, as a larger batch can
+   run slower near the memory's limit (the compiler rematerializes to fit
+   it). The rule's choice is among them, so the chosen one is never slower
+   than it. `report` explains each loser in one line, `winner`
    writes the code that trains with the chosen one.
 
 Every candidate, the rule's included, has one of the strategies and remats
@@ -47,10 +51,12 @@ import os
 import time
 from collections.abc import Mapping
 
+from keras_hub_autodist.fitting.compile_targets import attached
 from keras_hub_autodist.fitting.compiled_step import compiled_memory
 from keras_hub_autodist.fitting.device_profiles import device_profile
 from keras_hub_autodist.fitting.device_profiles import device_speed
 from keras_hub_autodist.fitting.step_memory import step_estimate
+from keras_hub_autodist.fitting.step_timing import TIMED_STEPS
 from keras_hub_autodist.reading.presets import read_config
 from keras_hub_autodist.searching import batches
 from keras_hub_autodist.searching import cache
@@ -264,6 +270,7 @@ def search(
     info = read_config(preset)
     config = dict(info.config)
     folder = cache.usable_cache_folder(cache.compile_cache_folder(cache_dir))
+    timed_steps = TIMED_STEPS if attached(device, devices) else 0
 
     def compile_step(candidate, layout):
         inputs = CompiledStepInputs(
@@ -276,6 +283,7 @@ def search(
             lora_rank,
             preset,
             gradient_accumulation_steps=candidate.accumulation,
+            timed_steps=timed_steps,
         )
         return _compile(inputs, folder)
 
@@ -319,6 +327,8 @@ def search(
         max_compiles,
     )
     run.raise_when_none_compiles(device, devices)
+    if timed_steps:
+        run.compile_rung_below_fastest(ladders)
     run.mark_settled(ladders)
     run.compile_until_one_fits(max_compiles)
     if whole is None:  # a batch per layout: the rule's largest that fits

@@ -4,7 +4,8 @@ layout search (`search`) ranks layouts by.
 Two answers, each per device and as a `StepCost`:
 
 - `compiled_cost`: from a step compiled for the target
-  (`compiled_step.compiled_memory`): XLA's own time estimate where the
+  (`compiled_step.compiled_memory`): its measured time where it ran on the
+  attached device, else XLA's own time estimate where the
   backend gives one (the TPU compiler's `optimal_seconds`), else a roofline
   of the program's flops, HBM bytes and link bytes (counted from its HLO
   text where XLA gives no cost analysis: `hlo_cost`); never faster than
@@ -63,7 +64,8 @@ class StepCost:
         flops: flops per device.
         hbm_bytes: bytes read and written in HBM per device.
         link_bytes: bytes each device sends over its links.
-        source: where `seconds` comes from: `"xla"` (the compiler's own
+        source: where `seconds` comes from: `"measured"` (the step run on
+            the device), `"xla"` (the compiler's own
             estimate), `"roofline"`, `"model flops"` (the device's peak on
             the flops the step must compute, where the compiled estimate
             is less: `compiled_cost`) or `"closed form"`.
@@ -114,11 +116,12 @@ def roofline(
 def compiled_cost(
     memory: CompiledMemory, speed: DeviceSpeed, least_flops: float = 0.0
 ) -> StepCost:
-    """The modelled time of a compiled step: the TPU compiler's
-    `optimal_seconds` where it gives one, else the roofline of the
-    program's cost (`memory.cost`: XLA's, or counted from its HLO); never
-    less than the roofline of `least_flops`, the flops per device the step
-    must compute (`model_flops`).
+    """The time of a compiled step: the seconds measured on the device
+    where it was run there (`compiled_memory(..., timed_steps=...)`); else
+    modelled: the TPU compiler's `optimal_seconds` where it gives one, else
+    the roofline of the program's cost (`memory.cost`: XLA's, or counted
+    from its HLO), never less than the roofline of `least_flops`, the flops
+    per device the step must compute (`model_flops`).
 
     The floor: XLA's cost analysis counts no flops inside a custom call
     (the splash kernel's attention), and the TPU compiler's estimate for a
@@ -133,12 +136,15 @@ def compiled_cost(
     ```
     """
     cost = memory.cost
+    measured = cost.get("measured_seconds")
     figures = roofline(
         cost.get("flops", 0.0),
         cost.get("bytes_accessed", 0.0),
         cost.get("link_bytes", 0.0),
         speed,
     )
+    if measured:  # the step run on the device: no model of it is needed
+        return dataclasses.replace(figures, seconds=measured, source="measured")
     estimate = cost.get("optimal_seconds")
     seconds, source = (estimate, "xla") if estimate else (figures.seconds, "roofline")
     least_seconds = least_flops / speed.peak_flops

@@ -19,6 +19,8 @@ package's code.
   `gradient_accumulation_steps` (the optimizer then keeps an accumulator
   per trained weight and applies its update every so many steps);
 - `device`: the named target;
+- `timed_steps`: how many runs of the step are timed where the target is
+  this machine's devices (an entry with a measured time is another entry);
 - `environment` (`step_environment`): what building the step reads beside
   its arguments: Keras' global dtype policy and floatx (a config without a
   dtype is built in them), the flags and settings of XLA, libtpu and JAX
@@ -124,6 +126,7 @@ class CompiledStepInputs:
     lora_rank: int | None = None
     preset: Any = dataclasses.field(default=None, compare=False)
     gradient_accumulation_steps: int = 1
+    timed_steps: int = 0
     environment: Mapping = dataclasses.field(default=None)
 
     def __post_init__(self):
@@ -152,6 +155,7 @@ class CompiledStepInputs:
             "lora_rank": self.lora_rank,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "preset": self.preset,
+            "timed_steps": self.timed_steps,
         }
 
 

@@ -1,0 +1,121 @@
+"""A compiled step timed on this machine's devices (`fitting.step_timing`):
+`compiled_memory(..., timed_steps=n)` runs the very step it compiled where
+the devices are attached, `step_cost.compiled_cost` takes those seconds
+over any model of them, and the search ranks by them, timing the rung
+below the fastest batch too. Compiled for a device that is not attached (a
+compiler's stand-ins), nothing runs."""
+
+import dataclasses
+import importlib.util
+
+import pytest
+from search_stand_ins import batch_limited_compiler
+from test_search_batch import _search
+
+import keras_hub_autodist
+from keras_hub_autodist import ArgumentError
+from keras_hub_autodist.fitting.compiled_step import compiled_memory
+from keras_hub_autodist.fitting.device_profiles import DeviceSpeed
+from keras_hub_autodist.fitting.step_timing import TIMED_STEPS
+from keras_hub_autodist.searching import search as search_module
+from keras_hub_autodist.searching import step_cost
+from keras_hub_autodist.searching.report import COMPILED
+
+MESH = {"batch": 2, "model": 4}
+HAS_TPU_COMPILER = importlib.util.find_spec("libtpu") is not None
+
+
+@pytest.fixture
+def compiler(monkeypatch):
+    return batch_limited_compiler(monkeypatch)
+
+
+def test_the_step_is_timed_on_this_machines_devices(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], MESH)
+    untimed = compiled_memory(plan, 8, 32)
+    assert "measured_seconds" not in untimed.cost
+    timed = compiled_memory(plan, 8, 32, timed_steps=2)
+    assert timed.cost["measured_seconds"] > 0
+    # Timing adds the seconds and changes nothing else of the answer.
+    assert {k: v for k, v in timed.cost.items() if k != "measured_seconds"} == (
+        untimed.cost
+    )
+    assert (timed.peak_bytes, timed.out_of_memory) == (untimed.peak_bytes, "")
+
+
+@pytest.mark.skipif(not HAS_TPU_COMPILER, reason="needs the TPU compiler")
+def test_a_step_compiled_for_a_device_not_attached_is_not_run(tiny_presets_dir):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], {"batch": 1})
+    memory = compiled_memory(plan, 2, 32, device="v5e", timed_steps=2)
+    assert "measured_seconds" not in memory.cost
+
+
+@pytest.mark.parametrize("steps", [-1, 1.5, True, "5"])
+def test_timed_steps_is_a_count(tiny_presets_dir, steps):
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], MESH)
+    with pytest.raises(ArgumentError) as raised:
+        compiled_memory(plan, 8, 32, timed_steps=steps)
+    assert f"Received: timed_steps={steps!r}" in str(raised.value)
+
+
+def test_a_measured_step_costs_what_it_measured(monkeypatch):
+    from test_layout_search import _program
+
+    speed = DeviceSpeed(1e12, 1e11, 1e10, "pcie", "")
+    program = _program(flops=4e12, optimal_seconds=0.5, measured_seconds=0.75)
+    # Measured on the device: neither the compiler's estimate nor the floor
+    # of the model's flops at the device's peak stands for it.
+    for least_flops in (0.0, 2e12):
+        cost = step_cost.compiled_cost(program, speed, least_flops=least_flops)
+        assert (cost.seconds, cost.source) == (0.75, "measured")
+
+
+def test_the_search_times_each_step_and_the_rung_below_where_attached(
+    tmp_path, compiler, monkeypatch
+):
+    """On an attached device every compile is timed; the fastest batch by
+    the model (4 per device, the largest that fits) is measured slower than
+    2 per device (the compiler rematerializes near the memory's limit), and
+    the rung below it is compiled, timed and chosen."""
+    timed = []
+    stand_in = search_module.compiled_memory
+
+    def measured(layout, batch_size, sequence_length, optimizer, **kwargs):
+        timed.append(kwargs["timed_steps"])
+        memory = stand_in(layout, batch_size, sequence_length, optimizer, **kwargs)
+        if memory.out_of_memory or not kwargs["timed_steps"]:
+            return memory
+        rows = batch_size // layout.mesh_axes.size(layout.mesh_axes.batch_axis)
+        seconds = memory.cost["optimal_seconds"] * (2.0 if rows == 4 else 1.0)
+        return dataclasses.replace(memory, cost={"measured_seconds": seconds})
+
+    monkeypatch.setattr(search_module, "compiled_memory", measured)
+    monkeypatch.setattr(search_module, "attached", lambda device, count: True)
+    result = _search(tmp_path, per_device_batch=(1, 16), remats=(None,))
+    assert timed and set(timed) == {TIMED_STEPS}
+    compiled = {
+        e.candidate.per_device_batch: e
+        for e in result.entries
+        if e.stage == COMPILED and e.fits
+    }
+    assert {2, 4} <= set(compiled)
+    assert result.chosen.candidate.per_device_batch == 2
+    assert result.chosen.cost.source == "measured"
+    assert "measured on this machine's devices" in str(result)
+    assert compiled[4].why.startswith("fits, 0.83x the chosen one's tokens/s")
+
+
+def test_the_search_runs_nothing_where_the_device_is_not_attached(
+    tmp_path, compiler, monkeypatch
+):
+    timed = []
+    stand_in = search_module.compiled_memory
+
+    def recorded(*args, **kwargs):
+        timed.append(kwargs["timed_steps"])
+        return stand_in(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "compiled_memory", recorded)
+    result = _search(tmp_path, per_device_batch=(1, 16), remats=(None,))
+    assert timed and set(timed) == {0}
+    assert "measured" not in str(result)
