@@ -119,3 +119,18 @@ def test_the_search_runs_nothing_where_the_device_is_not_attached(
     result = _search(tmp_path, per_device_batch=(1, 16), remats=(None,))
     assert timed and set(timed) == {0}
     assert "measured" not in str(result)
+
+
+def test_a_run_of_several_processes_times_nothing(monkeypatch):
+    """Each process would time its own runs, and processes that chose by
+    different times would run different programs."""
+    import jax
+
+    from keras_hub_autodist.fitting import compile_targets
+
+    monkeypatch.setattr(
+        compile_targets, "_local_devices_of", lambda spec, count: ("a device",)
+    )
+    assert compile_targets.attached("v5e", 1)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not compile_targets.attached("v5e", 1)

@@ -134,13 +134,19 @@ def local_target(count: int | None = None) -> CompileTarget:
 
 
 def attached(name: str, count: int) -> bool:
-    """Whether this machine has `count` devices of the named kind: then a
-    step compiled for them can also be run on them.
+    """Whether this process alone has `count` devices of the named kind:
+    then a step compiled for them can also be run on them. Not in a run of
+    several processes: each would time its own runs, and processes that
+    chose by different times would run different programs.
 
     Example:
     >>> attached("h200", 1)  # on a machine without an H200
     False
     """
+    import jax
+
+    if jax.process_count() > 1:
+        return False
     return _local_devices_of(target_spec(name), count) is not None
 
 
