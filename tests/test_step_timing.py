@@ -134,3 +134,28 @@ def test_a_run_of_several_processes_times_nothing(monkeypatch):
     assert compile_targets.attached("v5e", 1)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     assert not compile_targets.attached("v5e", 1)
+
+
+def test_a_step_the_device_cannot_hold_when_run_is_said_refused(
+    tiny_presets_dir, monkeypatch
+):
+    from keras_hub_autodist.fitting import compiled_step
+
+    plan = keras_hub_autodist.plan(tiny_presets_dir["gemma_mqa"], MESH)
+    refusal = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00G"
+
+    def out_of_memory(*args):
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(compiled_step, "timed_step_seconds", out_of_memory)
+    memory = compiled_memory(plan, 8, 32, timed_steps=2)
+    assert memory.out_of_memory == refusal
+    assert "measured_seconds" not in memory.cost
+    assert memory.fits is False
+
+    def broken(*args):
+        raise ValueError("not about memory")
+
+    monkeypatch.setattr(compiled_step, "timed_step_seconds", broken)
+    with pytest.raises(ValueError, match="not about memory"):
+        compiled_memory(plan, 8, 32, timed_steps=2)
