@@ -19,12 +19,10 @@ import pathlib  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
-# Abstract builds are cached on disk; tests use a fresh cache of their own,
-# removed when the process that made it exits (pytest-xdist's workers
-# inherit the variable, so they share the main process' folder).
-if "KERAS_HUB_AUTODIST_CACHE" not in os.environ:
-    _CACHE = tempfile.TemporaryDirectory(prefix="keras_hub_autodist_cache_")
-    os.environ["KERAS_HUB_AUTODIST_CACHE"] = _CACHE.name
+# Abstract builds are cached on disk; tests use a fresh cache of their own.
+os.environ.setdefault(
+    "KERAS_HUB_AUTODIST_CACHE", tempfile.mkdtemp(prefix="keras_hub_autodist_cache_")
+)
 
 import pytest  # noqa: E402
 
