@@ -665,8 +665,9 @@ def run_child(script, target, mode, delay=None, die_at=-1):
 def killed_save_outcome(script, parent, mode, **kill):
     """Kill a save of `NEW` over `OLD` (with the user's files) as `kill`
     says; check what the target holds right after the kill and after
-    `atomic.recover`. Returns "old", "new", or "missing"/"partial" (what a
-    kill left before recovery when it is neither) followed by the outcome."""
+    `atomic.recover`. Returns `(right after the kill, after recovery)`:
+    the first "old", "new", "missing" or "partial" (no `config.json`), the
+    second "old" or "new"."""
     target = parent / "preset"
     old, new = {**OLD, **USER}, {**NEW, **USER}
     if parent.exists():
@@ -680,22 +681,22 @@ def killed_save_outcome(script, parent, mode, **kill):
             for name, content in snapshot(target).items()
             if name not in USER and ".autodist-" not in name
         }
-    before = ""
-    if found not in (OLD, NEW):
-        if mode == "two renames":
-            assert found is None, found
-            before = "missing, "
-        elif mode == "in place":
-            assert found is not None and "config.json" not in found, found
-            before = "partial, "
-        else:
-            raise AssertionError(f"neither old nor new: {found}")
+    if found == OLD or found == NEW:
+        right_after = "old" if found == OLD else "new"
+    elif mode == "two renames":
+        assert found is None, found
+        right_after = "missing"
+    elif mode == "in place":
+        assert found is not None and "config.json" not in found, found
+        right_after = "partial"
+    else:
+        raise AssertionError(f"neither old nor new: {found}")
     atomic.recover(target)
     after = snapshot(target)
     assert after in (old, new), after
     assert os.listdir(parent) == ["preset"]
     assert not [n for n in os.listdir(target) if n.startswith(".autodist-")]
-    return before + ("new" if after == new else "old")
+    return right_after, "new" if after == new else "old"
 
 
 def assert_sigkill_leaves_old_or_new(tmp_path, mode):
@@ -734,10 +735,10 @@ def assert_sigkill_leaves_old_or_new(tmp_path, mode):
         killed_save_outcome(script, parent, mode, die_at=point)
         for point in range(calls + 1)
     ]
-    assert outcomes[0] == "old" and outcomes[-1] == "new", outcomes
+    assert outcomes[0] == ("old", "old") and outcomes[-1] == ("new", "new"), outcomes
     between = {"two renames": "missing", "in place": "partial"}.get(mode)
     if between:
-        assert any(outcome.startswith(between) for outcome in outcomes), outcomes
+        assert any(right_after == between for right_after, _ in outcomes), outcomes
 
     rng = random.Random(f"sigkill-{mode}")
     for _ in range(8):
