@@ -1,7 +1,8 @@
 """What the layout search's tests share: the tiny configs they search (as
 a `{"class_name", "config"}` preset, no weights), a compiled step as a
 stand-in compiler answers it, and a stand-in compiler that refuses a step
-over a number of sequences per device (`batch_limited_compiler`)."""
+over a number of sequences per device (`batch_limited_compiler`), and the
+search of the tiny Gemma they drive (`search_tiny_gemma`)."""
 
 import types
 
@@ -127,3 +128,13 @@ def batch_limited_compiler(monkeypatch):
 
     monkeypatch.setattr(search_module, "compiled_memory", compiled_memory)
     return state
+
+
+def search_tiny_gemma(tmp_path, **kwargs):
+    """`search()` of `TINY_GEMMA` on one v5e at 32 tokens (unless `kwargs`
+    say), its compiles cached under `tmp_path`."""
+    from keras_hub_autodist.searching.search import search
+
+    arguments = dict(device="v5e", devices=1, sequence_length=32)
+    arguments.update(kwargs)
+    return search(TINY_GEMMA, cache_dir=tmp_path / "compiles", **arguments)

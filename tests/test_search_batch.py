@@ -19,8 +19,8 @@ import pytest
 from search_stand_ins import GIB
 from search_stand_ins import REFUSAL
 from search_stand_ins import TILED_GEMMA
-from search_stand_ins import TINY_GEMMA
 from search_stand_ins import batch_limited_compiler
+from search_stand_ins import search_tiny_gemma
 from search_stand_ins import tpu_memory
 
 import keras_hub_autodist
@@ -42,12 +42,6 @@ def compiler(monkeypatch):
     """`search_stand_ins.batch_limited_compiler` in place of the search's
     compiler."""
     return batch_limited_compiler(monkeypatch)
-
-
-def _search(tmp_path, **kwargs):
-    arguments = dict(device="v5e", devices=1, sequence_length=32)
-    arguments.update(kwargs)
-    return search(TINY_GEMMA, cache_dir=tmp_path / "compiles", **arguments)
 
 
 def test_a_global_batch_is_tried_whole_and_as_accumulated_micro_steps():
@@ -111,7 +105,9 @@ def test_the_largest_fitting_rung_is_found_with_few_compiles(rungs):
 def test_a_range_search_chooses_a_fitting_configuration_and_explains_each_loser(
     tmp_path, compiler
 ):
-    result = _search(tmp_path, per_device_batch=(1, 16), remats=(None, "full"))
+    result = search_tiny_gemma(
+        tmp_path, per_device_batch=(1, 16), remats=(None, "full")
+    )
     chosen = result.chosen
     # Never one the compiler refused, never one not compiled.
     assert chosen.stage == COMPILED and chosen.fits
@@ -167,7 +163,7 @@ def test_the_matmul_keeping_remat_wins_where_it_fits_a_batch_fast_enough(
     # fastest per token ((1 + 8/8) x 1.05 < (1 + 8/16) x 1.5 < 1 + 8/2).
     compiler.limits = {None: 2, "dots": 8, "full": 16}
     compiler.remat_cost = {"dots": 1.05, "full": 1.5}
-    result = _search(tmp_path, per_device_batch=(1, 16))
+    result = search_tiny_gemma(tmp_path, per_device_batch=(1, 16))
     chosen = result.chosen
     assert chosen.stage == COMPILED and chosen.fits
     assert (chosen.candidate.remat, chosen.candidate.per_device_batch) == ("dots", 8)
@@ -189,7 +185,9 @@ def test_of_two_steps_as_fast_the_one_with_more_memory_to_spare_is_chosen(
     # fits ties, and the one of the smallest peak is chosen.
     compiler.per_token = lambda rows: 1e-6
     compiler.remat_cost = {"dots": 1.0, "full": 1.3}
-    result = _search(tmp_path, per_device_batch=(1, 16), remats=(None, "dots"))
+    result = search_tiny_gemma(
+        tmp_path, per_device_batch=(1, 16), remats=(None, "dots")
+    )
     fitting = [e for e in result.entries if e.stage == COMPILED and e.fits]
     assert {(e.candidate.remat, e.candidate.per_device_batch) for e in fitting} >= {
         (None, 4),
@@ -210,7 +208,7 @@ def test_remat_off_that_fits_the_whole_range_leaves_remat_uncompiled(
     tmp_path, compiler
 ):
     compiler.limits = {None: 64, "dots": 64, "full": 64}
-    result = _search(tmp_path, per_device_batch=(1, 16))
+    result = search_tiny_gemma(tmp_path, per_device_batch=(1, 16))
     assert result.chosen.candidate.remat is None
     assert all(remat is None for _, remat, _ in compiler.calls)
     skipped = [e for e in result.entries if e.candidate.remat in ("dots", "full")]
@@ -226,7 +224,7 @@ def test_a_global_batch_that_does_not_fit_whole_is_accumulated(tmp_path, compile
     # Remat off fits 4 per device; with remat the step is so much slower
     # that 4 micro-steps of 4 beat one step of 16.
     compiler.remat_cost = {"dots": 3.0, "full": 3.0}
-    result = _search(tmp_path, batch_size=16)
+    result = search_tiny_gemma(tmp_path, batch_size=16)
     chosen = result.chosen.candidate
     assert result.chosen.stage == COMPILED and result.chosen.fits
     assert (chosen.remat, chosen.per_device_batch, chosen.accumulation) == (None, 4, 4)
@@ -251,7 +249,7 @@ def test_a_global_batch_that_does_not_fit_whole_is_accumulated(tmp_path, compile
 
 def test_nothing_chosen_is_refused_when_nothing_fits(tmp_path, compiler):
     compiler.limits = {None: 0, "dots": 0, "full": 0}
-    result = _search(tmp_path, per_device_batch=(1, 4))
+    result = search_tiny_gemma(tmp_path, per_device_batch=(1, 4))
     assert not result.chosen.fits and result.chosen.stage == COMPILED
     assert result.chosen.why.startswith("nothing compiled fits")
     assert result.run_code == "" and to_json(result)["run"] is None
@@ -259,14 +257,14 @@ def test_nothing_chosen_is_refused_when_nothing_fits(tmp_path, compiler):
 
 def test_the_batch_arguments_are_checked(tmp_path):
     with pytest.raises(PlanError, match="not both"):
-        _search(tmp_path, batch_size=8, per_device_batch=(1, 4))
+        search_tiny_gemma(tmp_path, batch_size=8, per_device_batch=(1, 4))
     with pytest.raises(PlanError, match="Received: batch_size=None"):
-        _search(tmp_path)
+        search_tiny_gemma(tmp_path)
     for wrong in ((4, 1), (0, 4), "1:4", (1, 2, 3)):
         with pytest.raises(PlanError, match="Received: per_device_batch="):
-            _search(tmp_path, per_device_batch=wrong)
+            search_tiny_gemma(tmp_path, per_device_batch=wrong)
     with pytest.raises(PlanError, match="Received: gradient_accumulation="):
-        _search(tmp_path, batch_size=8, gradient_accumulation="yes")
+        search_tiny_gemma(tmp_path, batch_size=8, gradient_accumulation="yes")
 
 
 def test_remat_auto_is_taken_only_with_device_mesh_auto(tiny_presets_dir):

@@ -10,7 +10,8 @@ import importlib.util
 
 import pytest
 from search_stand_ins import batch_limited_compiler
-from test_search_batch import _search
+from search_stand_ins import search_tiny_gemma
+from search_stand_ins import tpu_memory
 
 import keras_hub_autodist
 from keras_hub_autodist import ArgumentError
@@ -58,11 +59,11 @@ def test_timed_steps_is_a_count(tiny_presets_dir, steps):
     assert f"Received: timed_steps={steps!r}" in str(raised.value)
 
 
-def test_a_measured_step_costs_what_it_measured(monkeypatch):
-    from test_layout_search import _program
-
+def test_a_measured_step_costs_what_it_measured():
     speed = DeviceSpeed(1e12, 1e11, 1e10, "pcie", "")
-    program = _program(flops=4e12, optimal_seconds=0.5, measured_seconds=0.75)
+    program = tpu_memory(
+        1, 1, 1, cost=dict(flops=4e12, optimal_seconds=0.5, measured_seconds=0.75)
+    )
     # Measured on the device: neither the compiler's estimate nor the floor
     # of the model's flops at the device's peak stands for it.
     for least_flops in (0.0, 2e12):
@@ -74,9 +75,10 @@ def test_the_search_times_each_step_and_the_rung_below_where_attached(
     tmp_path, compiler, monkeypatch
 ):
     """On an attached device every compile is timed; the fastest batch by
-    the model (4 per device, the largest that fits) is measured slower than
-    2 per device (the compiler rematerializes near the memory's limit), and
-    the rung below it is compiled, timed and chosen."""
+    the model (16 per device, the largest, which fits: its first compile,
+    so no smaller one is compiled to find it) is measured slower than 8 per
+    device (the compiler rematerializes near the memory's limit), and the
+    rung below it is compiled, timed and chosen."""
     timed = []
     stand_in = search_module.compiled_memory
 
@@ -86,23 +88,24 @@ def test_the_search_times_each_step_and_the_rung_below_where_attached(
         if memory.out_of_memory or not kwargs["timed_steps"]:
             return memory
         rows = batch_size // layout.mesh_axes.size(layout.mesh_axes.batch_axis)
-        seconds = memory.cost["optimal_seconds"] * (2.0 if rows == 4 else 1.0)
+        seconds = memory.cost["optimal_seconds"] * (2.0 if rows == 16 else 1.0)
         return dataclasses.replace(memory, cost={"measured_seconds": seconds})
 
+    compiler.limits = {None: 16}
     monkeypatch.setattr(search_module, "compiled_memory", measured)
     monkeypatch.setattr(search_module, "attached", lambda device, count: True)
-    result = _search(tmp_path, per_device_batch=(1, 16), remats=(None,))
+    result = search_tiny_gemma(tmp_path, per_device_batch=(1, 16), remats=(None,))
     assert timed and set(timed) == {TIMED_STEPS}
     compiled = {
         e.candidate.per_device_batch: e
         for e in result.entries
         if e.stage == COMPILED and e.fits
     }
-    assert {2, 4} <= set(compiled)
-    assert result.chosen.candidate.per_device_batch == 2
+    assert set(compiled) == {8, 16}
+    assert result.chosen.candidate.per_device_batch == 8
     assert result.chosen.cost.source == "measured"
     assert "measured on this machine's devices" in str(result)
-    assert compiled[4].why.startswith("fits, 0.83x the chosen one's tokens/s")
+    assert compiled[16].why.startswith("fits, 0.67x the chosen one's tokens/s")
 
 
 def test_the_search_runs_nothing_where_the_device_is_not_attached(
@@ -116,7 +119,7 @@ def test_the_search_runs_nothing_where_the_device_is_not_attached(
         return stand_in(*args, **kwargs)
 
     monkeypatch.setattr(search_module, "compiled_memory", recorded)
-    result = _search(tmp_path, per_device_batch=(1, 16), remats=(None,))
+    result = search_tiny_gemma(tmp_path, per_device_batch=(1, 16), remats=(None,))
     assert timed and set(timed) == {0}
     assert "measured" not in str(result)
 
