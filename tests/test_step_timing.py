@@ -71,16 +71,16 @@ def test_a_measured_step_costs_what_it_measured():
         assert (cost.seconds, cost.source) == (0.75, "measured")
 
 
-def test_the_search_times_each_step_and_the_rung_below_where_attached(
-    tmp_path, compiler, monkeypatch
-):
-    """On an attached device every compile is timed; the fastest batch by
-    the model (16 per device, the largest, which fits: its first compile,
-    so no smaller one is compiled to find it) is measured slower than 8 per
-    device (the compiler rematerializes near the memory's limit), and the
-    rung below it is compiled, timed and chosen."""
-    timed = []
+def searched_with_measured_times(tmp_path, monkeypatch, slower: dict) -> tuple:
+    """Search the tiny Gemma on an attached stand-in device (16 per device
+    fits, so the climb compiles no smaller batch) whose measured seconds
+    are the stand-in's modelled ones times `slower[per-device batch]` (1 if
+    absent): the compiler rematerializing near the memory's limit. Returns
+    the result, its compiled entries that fit by per-device batch, and the
+    `timed_steps` of each compile."""
+    batch_limited_compiler(monkeypatch).limits = {None: 16}
     stand_in = search_module.compiled_memory
+    timed = []
 
     def measured(layout, batch_size, sequence_length, optimizer, **kwargs):
         timed.append(kwargs["timed_steps"])
@@ -88,24 +88,54 @@ def test_the_search_times_each_step_and_the_rung_below_where_attached(
         if memory.out_of_memory or not kwargs["timed_steps"]:
             return memory
         rows = batch_size // layout.mesh_axes.size(layout.mesh_axes.batch_axis)
-        seconds = memory.cost["optimal_seconds"] * (2.0 if rows == 16 else 1.0)
+        seconds = memory.cost["optimal_seconds"] * slower.get(rows, 1.0)
         return dataclasses.replace(memory, cost={"measured_seconds": seconds})
 
-    compiler.limits = {None: 16}
     monkeypatch.setattr(search_module, "compiled_memory", measured)
     monkeypatch.setattr(search_module, "attached", lambda device, count: True)
     result = search_tiny_gemma(tmp_path, per_device_batch=(1, 16), remats=(None,))
-    assert timed and set(timed) == {TIMED_STEPS}
     compiled = {
         e.candidate.per_device_batch: e
         for e in result.entries
         if e.stage == COMPILED and e.fits
     }
-    assert set(compiled) == {8, 16}
+    return result, compiled, timed
+
+
+def test_the_search_times_each_step_and_the_rung_below_where_attached(
+    tmp_path, monkeypatch
+):
+    """On an attached device every compile is timed; the fastest batch by
+    the model (16 per device, the largest) is measured slower than 8 per
+    device, so the rung below it is compiled, timed and chosen; the rung
+    below 8 is compiled too and, slower, ends the descent."""
+    result, compiled, timed = searched_with_measured_times(
+        tmp_path, monkeypatch, {16: 2.0}
+    )
+    assert timed and set(timed) == {TIMED_STEPS}
+    assert set(compiled) == {4, 8, 16}
     assert result.chosen.candidate.per_device_batch == 8
     assert result.chosen.cost.source == "measured"
     assert "measured on this machine's devices" in str(result)
     assert compiled[16].why.startswith("fits, 0.67x the chosen one's tokens/s")
+    assert compiled[4].why.startswith("fits, 0.67x the chosen one's tokens/s")
+
+
+def test_the_search_descends_while_each_rung_below_is_faster(tmp_path, monkeypatch):
+    """Measured, each smaller batch down to 4 per device is faster (as
+    Qwen 2.5 0.5B on a v5e: 16, 8 and 4 per device ran 30,707, 31,810 and
+    32,080 tokens/s); 2 per device is slower again. The search descends to
+    4, compiles 2 to know it, and stops there: 1 is never compiled."""
+    # The stand-in's seconds per token fall with the batch: (1 + 8 / rows).
+    # Measured: 16 -> 3.75, 8 -> 3.2, 4 -> 3.0, 2 -> 5.0 (x 1e-6).
+    result, compiled, _ = searched_with_measured_times(
+        tmp_path, monkeypatch, {16: 2.5, 8: 1.6}
+    )
+    assert result.chosen.candidate.per_device_batch == 4
+    assert set(compiled) == {2, 4, 8, 16}
+    assert all(
+        e.stage != COMPILED for e in result.entries if e.candidate.per_device_batch == 1
+    )
 
 
 def test_the_search_runs_nothing_where_the_device_is_not_attached(

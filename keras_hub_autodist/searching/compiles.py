@@ -220,17 +220,23 @@ class Compiles:
             done += 1
             self.climb(ladders[candidate.family()])
 
-    def compile_rung_below_fastest(self, ladders: dict) -> None:
+    def descend_from_fastest(self, ladders: dict) -> None:
         """Compile the rung below the batch of the fastest candidate that
-        fits, if not compiled: where steps are timed on the device, a
-        smaller batch can be the faster one near the memory's limit."""
-        fitting = [self.entries[c] for c in self.compiled_fits()]
-        if not fitting:
-            return
-        fastest = min(fitting, key=rank).candidate
-        rungs = ladders[fastest.family()]
-        index = rungs.index(fastest)
-        if index and self.entries[rungs[index - 1]].stage == NOT_COMPILED:
+        fits, and again below the new fastest, until the rung below the
+        fastest is compiled (and slower) or there is none: where steps are
+        timed on the device, a smaller batch can be the faster one near the
+        memory's limit, and more than one rung down (on a v5e, Qwen 2.5
+        0.5B full at 1,024 tokens ran 30,707 tokens/s at 16 per device,
+        31,810 at 8 and 32,080 at 4)."""
+        while True:
+            fitting = [self.entries[c] for c in self.compiled_fits()]
+            if not fitting:
+                return
+            fastest = min(fitting, key=rank).candidate
+            rungs = ladders[fastest.family()]
+            index = rungs.index(fastest)
+            if not index or self.entries[rungs[index - 1]].stage != NOT_COMPILED:
+                return
             self.compile_entry(rungs[index - 1])
 
     def mark_settled(self, ladders: dict) -> None:

@@ -33,11 +33,12 @@ accumulation), chosen by the step compiled for it.
    token of the compiled (micro-)step (`step_cost.compiled_cost`): modelled,
    or, where this machine has the devices searched for, measured by
    running each compiled step (`step_timing`); then the rung below the
-   fastest one's batch is compiled and timed too, as a larger batch can
-   run slower near the memory's limit (the compiler rematerializes to fit
-   it). The rule's choice is among them, so the chosen one is never slower
-   than it. `report` explains each loser in one line, `winner`
-   writes the code that trains with the chosen one.
+   fastest one's batch is compiled and timed too, and below that while
+   each is faster, as a larger batch can run slower near the memory's
+   limit (the compiler rematerializes to fit it). The rule's choice is
+   among them, so the chosen one is never slower than it. `report`
+   explains each loser in one line, `winner` writes the code that trains
+   with the chosen one.
 
 Every candidate, the rule's included, has one of the strategies and remats
 asked for: the chosen configuration is what was compiled, and what a load
@@ -328,7 +329,7 @@ def search(
     )
     run.raise_when_none_compiles(device, devices)
     if timed_steps:
-        run.compile_rung_below_fastest(ladders)
+        run.descend_from_fastest(ladders)
     run.mark_settled(ladders)
     run.compile_until_one_fits(max_compiles)
     if whole is None:  # a batch per layout: the rule's largest that fits
