@@ -1,6 +1,7 @@
 """Sessions: `tests` (default), `integration`, `matrices`, `multihost`,
 `notebooks`, `lint`, `docs` (the site, strict), and `bench` and `versions`
-(the lowest and highest declared versions), not run by CI.
+(the lowest and highest declared versions), not run by CI. `slow` is
+`integration`, `multihost` and `notebooks` in one run, as CI runs them.
 
 The equivalence matrices' cases (tests/matrices.py) run in `matrices`
 alone, not in `tests` or `integration`: CI runs those of the files whose
@@ -172,17 +173,35 @@ def multihost(session):
     _pytest(session, "integration", "-m", "multihost")
 
 
+def _install_with_a_kernel(session):
+    """Install the package with its test dependencies, and the session's
+    Jupyter kernel (`python3`) that the notebooks run on."""
+    session.install("-e", f".[{TEST_EXTRAS}]")
+    session.run(
+        "python", "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"
+    )
+
+
 @nox.session
 def notebooks(session):
     """Execute docs/notebooks end to end with their tiny-preset parameters,
     each in a fresh virtualenv installed by its own install cell (pointed at
     this checkout's wheel), and check their committed outputs are current
     (`python integration/notebook_runner.py` rewrites them)."""
-    session.install("-e", f".[{TEST_EXTRAS}]")
-    session.run(
-        "python", "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"
+    _install_with_a_kernel(session)
+    _run_pytest(session, "integration", "-m", "notebooks", *session.posargs)
+
+
+@nox.session
+def slow(session):
+    """`integration`, `multihost` and `notebooks` in one environment and one
+    pool of two workers (CI's run): each session alone ends with one worker
+    idle behind its longest test (the two-process resume after kills, 4.6
+    minutes), and makes its own environment."""
+    _install_with_a_kernel(session)
+    _run_pytest(
+        session, "integration", "-m", "not matrix and not bench", *session.posargs
     )
-    _pytest(session, "integration", "-m", "notebooks")
 
 
 @nox.session
