@@ -2,6 +2,9 @@
 (TPU), checked in Pallas' interpreter against the whole score matrix, and
 compiled for a TPU target on this machine."""
 
+import importlib.util
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +15,11 @@ from test_context_attention import whole_matrix
 from keras_hub_autodist.attention import attention_blocks
 from keras_hub_autodist.attention import causal_balance
 from keras_hub_autodist.attention import context_attention
+from keras_hub_autodist.attention import splash_attention
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
+from keras_hub_autodist.fitting.compiled_step import compiled_memory
+
+HAS_TPU_COMPILER = importlib.util.find_spec("libtpu") is not None
 
 RULES = {
     "causal": AttentionRule(0.25),
@@ -106,3 +113,65 @@ def test_query_order_puts_each_devices_halves_in_its_block():
     for device, (head, tail) in enumerate(pairs):
         block = order[4 * device : 4 * device + 4]
         assert block == [2 * head, 2 * head + 1, 2 * tail, 2 * tail + 1]
+
+
+def products_precisions(function, *args) -> list[str]:
+    """The precision of each product in the gradient's program of
+    `function`, forward and backward, traced under a global `"highest"`."""
+    with jax.default_matmul_precision("highest"):
+        program = jax.make_jaxpr(
+            jax.grad(lambda *a: function(*a).sum(), argnums=range(len(args)))
+        )(*args)
+    return [line.strip() for line in str(program).splitlines() if "precision=" in line]
+
+
+def test_a_kernel_is_traced_at_the_default_precision_forward_and_backward():
+    """A user's global `"highest"` reaches no product of the kernel, in its
+    forward or its backward pass (Mosaic refuses it on 16-bit operands),
+    and the numbers are the same."""
+    x, w = jnp.ones((4, 8)), jnp.linspace(0.0, 1.0, 32).reshape(8, 4)
+
+    # A product with its own VJP, as the kernel's: its backward products
+    # are traced when the step's gradient is, not with the forward.
+    @jax.custom_vjp
+    def layer(x, w):
+        return x @ w
+
+    def forward(x, w):
+        return x @ w, (x, w)
+
+    def backward(saved, cotangent):
+        x, w = saved
+        return cotangent @ w.T, x.T @ cotangent
+
+    layer.defvjp(forward, backward)
+    wrapped = splash_attention.at_default_precision(layer)
+    assert set(products_precisions(layer, x, w)) == {
+        "precision=(Precision.HIGHEST, Precision.HIGHEST)"
+    }
+    # One product forward, two backward (x's gradient and w's).
+    assert (
+        products_precisions(wrapped, x, w)
+        == ["precision=(Precision.DEFAULT, Precision.DEFAULT)"] * 3
+    )
+    np.testing.assert_array_equal(wrapped(x, w), layer(x, w))
+
+
+@pytest.mark.skipif(not HAS_TPU_COMPILER, reason="needs the TPU compiler")
+def test_a_bfloat16_step_compiles_for_a_tpu_under_a_global_highest_precision(
+    tmp_path,
+):
+    """Compiled for a v5e, a bfloat16 step of 1,024 tokens (splash) under
+    `jax.default_matmul_precision("highest")` is the step without it; the
+    kernel's products at `"highest"` fail in Mosaic ("Bad lhs type")."""
+    import tiny_presets
+
+    import keras_hub_autodist
+
+    preset = tiny_presets.llama3_preset(str(pathlib.Path(tmp_path) / "llama"))
+    plan = keras_hub_autodist.plan(preset, {"batch": 1, "model": 1}, dtype="bfloat16")
+    default = compiled_memory(plan, 2, 1024, device="v5e")
+    with jax.default_matmul_precision("highest"):
+        highest = compiled_memory(plan, 2, 1024, device="v5e")
+    assert default.attention == highest.attention == "splash"
+    assert highest.peak_bytes == default.peak_bytes

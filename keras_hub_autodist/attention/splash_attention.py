@@ -126,6 +126,40 @@ def _padded(array, axis: int, size: int, value=0):
     return jnp.pad(array, widths, constant_values=value)
 
 
+def at_default_precision(function):
+    """`function`, forward and backward, traced at the default precision of
+    products whatever the caller's (`jax.default_matmul_precision`).
+
+    The kernel of a 16-bit dtype compiles only so: Mosaic refuses a
+    `"highest"` or `"float32"` product of bfloat16 operands ("Bad lhs
+    type"), which a user's global setting would ask of every kernel traced
+    under it, keras-hub's own attention taking it. A product of two 16-bit
+    numbers is exact in the kernel's float32 accumulation at any precision,
+    so no number changes. The backward pass is traced when the step's
+    gradient is, outside the forward's context, hence the custom VJP that
+    enters it again there."""
+
+    def at_default(traced):
+        def call(*args):
+            with jax.default_matmul_precision("default"):
+                return traced(*args)
+
+        return call
+
+    @jax.custom_vjp
+    def call(*args):
+        return at_default(function)(*args)
+
+    def forward(*args):
+        return at_default(functools.partial(jax.vjp, function))(*args)
+
+    def backward(pullback, cotangent):
+        return at_default(pullback)(cotangent)
+
+    call.defvjp(forward, backward)
+    return call
+
+
 def attend(
     kernel,
     rule: AttentionRule,
@@ -189,6 +223,9 @@ def attend(
 
     def one_head(queries, keys, values, segments):
         return kernel(queries, keys, values, segment_ids=segments)
+
+    if jnp.dtype(dtype).itemsize == 2:
+        one_head = at_default_precision(one_head)
 
     # The kernel's layout: heads first, then the sequence.
     per_head = jax.vmap(one_head, in_axes=(0, 0, 0, None))
