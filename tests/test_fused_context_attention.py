@@ -2,24 +2,22 @@
 (TPU), checked in Pallas' interpreter against the whole score matrix, and
 compiled for a TPU target on this machine."""
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from test_compile_targets import needs_tpu_compiler
 from test_context_attention import whole_matrix
+from tiny_presets import llama3_preset
 
+import keras_hub_autodist
 from keras_hub_autodist.attention import attention_blocks
 from keras_hub_autodist.attention import causal_balance
 from keras_hub_autodist.attention import context_attention
 from keras_hub_autodist.attention import splash_attention
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.fitting.compiled_step import compiled_memory
-
-HAS_TPU_COMPILER = importlib.util.find_spec("libtpu") is not None
 
 RULES = {
     "causal": AttentionRule(0.25),
@@ -157,18 +155,14 @@ def test_a_kernel_is_traced_at_the_default_precision_forward_and_backward():
     np.testing.assert_array_equal(wrapped(x, w), layer(x, w))
 
 
-@pytest.mark.skipif(not HAS_TPU_COMPILER, reason="needs the TPU compiler")
+@needs_tpu_compiler
 def test_a_bfloat16_step_compiles_for_a_tpu_under_a_global_highest_precision(
     tmp_path,
 ):
     """Compiled for a v5e, a bfloat16 step of 1,024 tokens (splash) under
     `jax.default_matmul_precision("highest")` is the step without it; the
     kernel's products at `"highest"` fail in Mosaic ("Bad lhs type")."""
-    import tiny_presets
-
-    import keras_hub_autodist
-
-    preset = tiny_presets.llama3_preset(str(pathlib.Path(tmp_path) / "llama"))
+    preset = llama3_preset(str(tmp_path / "llama"))
     plan = keras_hub_autodist.plan(preset, {"batch": 1, "model": 1}, dtype="bfloat16")
     default = compiled_memory(plan, 2, 1024, device="v5e")
     with jax.default_matmul_precision("highest"):
