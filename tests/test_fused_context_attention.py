@@ -2,6 +2,8 @@
 (TPU), checked in Pallas' interpreter against the whole score matrix, and
 compiled for a TPU target on this machine."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from keras_hub_autodist.attention import context_attention
 from keras_hub_autodist.attention import splash_attention
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
 from keras_hub_autodist.fitting.compiled_step import compiled_memory
+from keras_hub_autodist.planning.remat import recomputed_in_backward
 
 RULES = {
     "causal": AttentionRule(0.25),
@@ -169,3 +172,32 @@ def test_a_bfloat16_step_compiles_for_a_tpu_under_a_global_highest_precision(
         highest = compiled_memory(plan, 2, 1024, device="v5e")
     assert default.attention == highest.attention == "splash"
     assert highest.peak_bytes == default.peak_bytes
+
+
+RECOMPUTED = {
+    "jax.checkpoint": jax.checkpoint,
+    # The plugin's `remat="full"`: each block recomputed in the backward.
+    "block": lambda function: functools.partial(recomputed_in_backward, function),
+}
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTED))
+def test_a_bfloat16_kernel_differentiates_inside_a_recomputed_block(recompute):
+    """A 16-bit kernel (traced at the default precision in its own VJP)
+    inside a block that is recomputed in the backward pass has the
+    gradients of the same kernel without recomputation: its block tables,
+    traced inside `shard_map`, reach the recomputation as arguments, not as
+    values of the forward's finished trace (`UnexpectedTracerError` on the
+    chip for `remat="full"`)."""
+    attention = per_device(RULES["causal"], "splash", "batch_context")
+    q, k, v, valid = (
+        a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in inputs()
+    )
+
+    def loss(q, k, v):
+        return (attention(q, k, v, valid).astype(jnp.float32) ** 2).sum()
+
+    expected = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+    recomputed = jax.jit(jax.grad(RECOMPUTED[recompute](loss), (0, 1, 2)))(q, k, v)
+    for name, a, b in zip("qkv", recomputed, expected):
+        np.testing.assert_array_equal(a, b, err_msg=name)

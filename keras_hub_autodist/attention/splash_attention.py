@@ -137,7 +137,13 @@ def at_default_precision(function):
     numbers is exact in the kernel's float32 accumulation at any precision,
     so no number changes. The backward pass is traced when the step's
     gradient is, outside the forward's context, hence the custom VJP that
-    enters it again there."""
+    enters it again there.
+
+    `function` must close over no traced value: pass those (the kernel,
+    whose block tables are traced inside `shard_map`) as arguments. A
+    custom VJP's closure is traced again where a rematerialized block
+    recomputes it, after the trace that made its values has ended (JAX:
+    `UnexpectedTracerError`)."""
 
     def at_default(traced):
         def call(*args):
@@ -221,15 +227,16 @@ def attend(
         kv=valid.astype(jnp.int32),
     )
 
-    def one_head(queries, keys, values, segments):
+    def one_head(kernel, queries, keys, values, segments):
         return kernel(queries, keys, values, segment_ids=segments)
 
     if jnp.dtype(dtype).itemsize == 2:
         one_head = at_default_precision(one_head)
 
     # The kernel's layout: heads first, then the sequence.
-    per_head = jax.vmap(one_head, in_axes=(0, 0, 0, None))
-    output = jax.vmap(per_head)(
+    per_head = jax.vmap(one_head, in_axes=(None, 0, 0, 0, None))
+    output = jax.vmap(per_head, in_axes=(None, 0, 0, 0, 0))(
+        kernel,
         jnp.einsum("btkgd->bkgtd", scaled),
         jnp.einsum("bskd->bksd", keys),
         jnp.einsum("bskd->bksd", values),
