@@ -19,6 +19,7 @@ from keras_hub_autodist.attention import causal_balance
 from keras_hub_autodist.attention import context_attention
 from keras_hub_autodist.attention import splash_attention
 from keras_hub_autodist.attention.blockwise_attention import AttentionRule
+from keras_hub_autodist.errors import TargetCompileError
 from keras_hub_autodist.fitting.compiled_step import compiled_memory
 from keras_hub_autodist.planning.remat import recomputed_in_backward
 
@@ -201,3 +202,31 @@ def test_a_bfloat16_kernel_differentiates_inside_a_recomputed_block(recompute):
     recomputed = jax.jit(jax.grad(RECOMPUTED[recompute](loss), (0, 1, 2)))(q, k, v)
     for name, a, b in zip("qkv", recomputed, expected):
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@needs_tpu_compiler
+def test_the_target_compile_refuses_a_step_that_holds_a_finished_trace(
+    tmp_path, monkeypatch
+):
+    """A kernel wrapper that closes over the kernel (traced inside
+    `shard_map`) leaks its block tables into the step's program under
+    `remat="full"`: XLA compiles it, and the chip refuses its first call
+    (`UnexpectedTracerError`), so the target compile refuses it too."""
+    at_default_precision = splash_attention.at_default_precision
+
+    def closing_over_the_kernel(function):
+        def call(kernel, *arrays):
+            closed = functools.partial(function, kernel)
+            return at_default_precision(closed)(*arrays)
+
+        return call
+
+    monkeypatch.setattr(
+        splash_attention, "at_default_precision", closing_over_the_kernel
+    )
+    preset = llama3_preset(str(tmp_path / "llama"))
+    plan = keras_hub_autodist.plan(
+        preset, {"batch": 1, "model": 1}, dtype="bfloat16", remat="full"
+    )
+    with pytest.raises(TargetCompileError, match="trace that had ended"):
+        compiled_memory(plan, 2, 1024, device="v5e")

@@ -5,8 +5,10 @@ layer's RNG state), `attention` (keras-hub's attention layers), `devices`
 (fixes of keras-hub bugs), `jax_start` (JAX's TPU backend start, quiet off
 a TPU VM), `checkpoints` (a restored training position, Orbax's counters),
 `random_state` (the global random state, kept around this package's own
-builds). Nothing else in `keras_hub_autodist` imports
-`keras.src` or `keras_hub.src` or reads a private attribute of Keras' objects.
+builds), `traces` (a traced step's constants, where a leaked tracer
+sits). Nothing else in `keras_hub_autodist` imports `keras.src` or
+`keras_hub.src` or reads a private attribute of Keras', keras-hub's or
+JAX's objects.
 `tests/test_compat.py` checks each of `TOUCHPOINTS` against the installed
 Keras and keras-hub, so an upgrade shows exactly what broke. Every
 attribute of Keras or keras-hub that the package replaces is registered in
@@ -36,6 +38,7 @@ from keras_hub_autodist.compat import jax_start as compat_jax_start
 from keras_hub_autodist.compat import random_state as compat_random_state
 from keras_hub_autodist.compat import state as compat_state
 from keras_hub_autodist.compat import steps as compat_steps
+from keras_hub_autodist.compat import traces as compat_traces
 from keras_hub_autodist.compat import upstream as compat_upstream
 from keras_hub_autodist.compat.random_state import global_random_kept
 
@@ -46,6 +49,8 @@ orbax_unsaved_batches = compat_checkpoints.orbax_unsaved_batches
 orbax_resume_counters = compat_checkpoints.orbax_resume_counters
 orbax_skip_batch = compat_checkpoints.orbax_skip_batch
 orbax_save_now = compat_checkpoints.orbax_save_now
+# A traced step's leaked tracers (`traces`).
+leaked_tracers = compat_traces.leaked_tracers
 
 # keras-hub's names of its preset files (touchpoints: `preset_format_names`).
 PRESET_FORMAT_NAMES = tuple(
@@ -86,6 +91,7 @@ TOUCHPOINTS = (
     *compat_jax_start.TOUCHPOINTS,
     *compat_random_state.TOUCHPOINTS,
     *compat_upstream.TOUCHPOINTS,
+    *compat_traces.TOUCHPOINTS,
 ) + compat_steps.TOUCHPOINTS
 
 

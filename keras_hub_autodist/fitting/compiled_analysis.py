@@ -265,12 +265,34 @@ def not_compiled(error: BaseException, dtype: str, fields: dict) -> TargetCompil
     )
 
 
+def leaked_trace_error(leaked: list, dtype: str, fields: dict) -> TargetCompileError:
+    """The step's refusal by JAX for values of a finished trace among its
+    constants (`leaked`, tracers): XLA compiles such a program, and its
+    first call on any device fails (`UnexpectedTracerError`), so the
+    target's verdict is that refusal, not a size."""
+    shapes = ", ".join(sorted({str(value.aval) for value in leaked}))
+    return TargetCompileError(
+        f"The training step can't run on {fields['device_kind'] or fields['platform']}"
+        f" x {fields['devices']}: its program holds {len(leaked)} value(s) of a "
+        f"JAX trace that had ended ({shapes}), which JAX refuses at the step's "
+        "first call (UnexpectedTracerError). A function of the step closes "
+        "over a traced value and is traced again after that trace (a custom "
+        "VJP recomputed by remat, a cache): pass the value as an argument "
+        "(jax.closure_convert); if the function is keras-hub-autodist's, "
+        "report it with the step below. Received: "
+        f"dtype={dtype!r}, device={fields['target'] or 'this machine'!r}, "
+        f"batch_size={fields['batch_size']}, "
+        f"sequence_length={fields['sequence_length']}"
+    )
+
+
 __all__ = [
     "Collective",
     "array_bytes",
     "attention_kernel",
     "collectives",
     "cost_figures",
+    "leaked_trace_error",
     "not_compiled",
     "out_of_memory",
     "refusal_advice",

@@ -30,6 +30,7 @@ from keras_hub_autodist.fitting.compile_arguments import default_task_class
 from keras_hub_autodist.fitting.compile_targets import compile_mesh
 from keras_hub_autodist.fitting.compiled_analysis import attention_kernel
 from keras_hub_autodist.fitting.compiled_analysis import collectives
+from keras_hub_autodist.fitting.compiled_analysis import leaked_trace_error
 from keras_hub_autodist.fitting.compiled_analysis import not_compiled
 from keras_hub_autodist.fitting.compiled_analysis import out_of_memory
 from keras_hub_autodist.fitting.compiled_fit import compiled_fits
@@ -417,7 +418,7 @@ def compiled_memory(
             step = jax.jit(
                 model.train_step, donate_argnums=0, out_shardings=(None, shardings)
             )
-            lowered = step.lower(state, (x, placed, None))
+            traced = step.trace(state, (x, placed, None))
             fields = {
                 "batch_size": batch_size,
                 "padded_batch_size": runs.rows,
@@ -429,8 +430,11 @@ def compiled_memory(
                 "target": target.name,
                 "device_memory_bytes": plan.device_memory_bytes,
             }
+            leaked = compat.leaked_tracers(traced)
+            if leaked:
+                raise leaked_trace_error(leaked, plan.dtype, fields)
             try:
-                compiled = lowered.compile()
+                compiled = traced.lower().compile()
             except Exception as error:
                 refusal = out_of_memory(error)
                 if refusal is None:
