@@ -1,11 +1,14 @@
 """The fused kernels of the attention per device on a context mesh: splash
-(TPU), checked in Pallas' interpreter against the whole score matrix, and
-compiled for a TPU target on this machine."""
+(TPU), checked in Pallas' interpreter against the whole score matrix, in a
+bfloat16 model's step whose blocks are recomputed, and compiled for a TPU
+target on this machine."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import keras
+import keras_hub
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -230,3 +233,48 @@ def test_the_target_compile_refuses_a_step_that_holds_a_finished_trace(
     )
     with pytest.raises(TargetCompileError, match="trace that had ended"):
         compiled_memory(plan, 2, 1024, device="v5e")
+
+
+def _trained_bfloat16(preset, monkeypatch, **options):
+    """The losses of two `train_on_batch` steps of `preset` in bfloat16 on a
+    one-device mesh, each layer attending with splash in Pallas'
+    interpreter; the number of the kernel's calls."""
+    monkeypatch.setattr(attention_blocks, "PLATFORM_KERNELS", {"cpu": "splash"})
+    monkeypatch.setattr(attention_blocks, "XLA_SCORES_MAX_BYTES", 0)
+    calls = []
+    attend = splash_attention.attend
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(splash_attention, "attend", counting)
+    devices = keras.distribution.list_devices()[:1]
+    mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), devices)
+    lm = keras_hub.models.Llama3CausalLM.from_preset(
+        preset, preprocessor=None, device_mesh=mesh, dtype="bfloat16", **options
+    )
+    lm.compile(optimizer=keras.optimizers.Adam(1e-2))
+    vocabulary = lm.backbone.vocabulary_size
+    ids = np.random.default_rng(0).integers(1, vocabulary, (2, 256)).astype("int32")
+    padding = np.ones_like(ids)
+    padding[1, 200:] = 0
+    x = {"token_ids": ids, "padding_mask": padding}
+    y = np.roll(ids, -1, axis=1)
+    losses = [lm.train_on_batch(x, y, padding.astype("float32")) for _ in range(2)]
+    return losses, len(calls)
+
+
+def test_a_bfloat16_step_recomputing_its_blocks_trains_with_the_kernel(
+    tmp_path, monkeypatch
+):
+    """A bfloat16 step with `remat="full"` attends with the kernel and
+    trains as the same step without remat: each block is traced again in
+    the backward pass, the kernel in it (its 16-bit products in a VJP of
+    their own) with it, which on a TPU once met the kernel's tables after
+    their trace had ended (`UnexpectedTracerError` at the first step)."""
+    preset = llama3_preset(str(tmp_path / "llama"))
+    kept, kept_calls = _trained_bfloat16(preset, monkeypatch)
+    recomputed, calls = _trained_bfloat16(preset, monkeypatch, remat="full")
+    assert kept_calls and calls
+    np.testing.assert_allclose(recomputed, kept, rtol=1e-3)
