@@ -256,12 +256,8 @@ def not_compiled(error: BaseException, dtype: str, fields: dict) -> TargetCompil
         "model or the mesh."
     )
     return TargetCompileError(
-        f"XLA's compiler for {fields['device_kind'] or fields['platform']} x "
-        f"{fields['devices']} refuses the training step, not for its size: "
-        f"{words}. {fix} Received: dtype={dtype!r}, "
-        f"device={fields['target'] or 'this machine'!r}, "
-        f"batch_size={fields['batch_size']}, "
-        f"sequence_length={fields['sequence_length']}"
+        f"XLA's compiler for {_devices(fields)} refuses the training step, not "
+        f"for its size: {words}. {fix} {_received(dtype, fields)}"
     )
 
 
@@ -272,15 +268,28 @@ def leaked_trace_error(leaked: list, dtype: str, fields: dict) -> TargetCompileE
     target's verdict is that refusal, not a size."""
     shapes = ", ".join(sorted({str(value.aval) for value in leaked}))
     return TargetCompileError(
-        f"The training step can't run on {fields['device_kind'] or fields['platform']}"
-        f" x {fields['devices']}: its program holds {len(leaked)} value(s) of a "
-        f"JAX trace that had ended ({shapes}), which JAX refuses at the step's "
-        "first call (UnexpectedTracerError). A function of the step closes "
-        "over a traced value and is traced again after that trace (a custom "
-        "VJP recomputed by remat, a cache): pass the value as an argument "
-        "(jax.closure_convert); if the function is keras-hub-autodist's, "
-        "report it with the step below. Received: "
-        f"dtype={dtype!r}, device={fields['target'] or 'this machine'!r}, "
+        f"The training step can't run on {_devices(fields)}: its program holds "
+        f"{len(leaked)} value(s) of a JAX trace that had ended ({shapes}), "
+        "which JAX refuses at the step's first call (UnexpectedTracerError). A "
+        "function of the step closes over a traced value and is traced again "
+        "after that trace (a custom VJP recomputed by remat, a cache): pass "
+        "the value as an argument (jax.closure_convert); if the function is "
+        f"keras-hub-autodist's, report it with the step below. "
+        f"{_received(dtype, fields)}"
+    )
+
+
+def _devices(fields: dict) -> str:
+    """The compiled-for devices of `fields` (a `CompiledMemory`'s), as the
+    refusals name them: `"TPU v5 lite x 1"`."""
+    return f"{fields['device_kind'] or fields['platform']} x {fields['devices']}"
+
+
+def _received(dtype: str, fields: dict) -> str:
+    """The step a refusal was given, as its message ends."""
+    return (
+        f"Received: dtype={dtype!r}, "
+        f"device={fields['target'] or 'this machine'!r}, "
         f"batch_size={fields['batch_size']}, "
         f"sequence_length={fields['sequence_length']}"
     )
