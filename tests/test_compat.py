@@ -22,6 +22,24 @@ def test_every_touchpoint_exists_in_the_installed_keras_and_keras_hub():
     assert set(compat_state.TOUCHPOINTS) <= set(compat.TOUCHPOINTS)
 
 
+def test_a_traced_step_keeps_its_hoisted_constants_where_the_leak_check_reads():
+    """`compat.leaked_tracers` reads `Traced._consts`, an attribute of each
+    traced function rather than of a module, so `TOUCHPOINTS` can't name
+    it: an upgrade of JAX that drops it would turn the check off silently.
+    A leaked tracer is found there; a closed-over array sits there too."""
+    import jax
+    import jax.numpy as jnp
+
+    closed = jnp.arange(3.0)
+    traced = jax.jit(lambda x: x + closed).trace(jnp.ones(3))
+    assert hasattr(traced, "_consts")
+    assert compat.leaked_tracers(traced) == []
+    leaked = []
+    jax.jit(lambda x: leaked.append(x) or x).trace(jnp.ones(3))
+    traced = jax.jit(lambda x: x + leaked[0]).trace(jnp.ones(3))
+    assert len(compat.leaked_tracers(traced)) == 1
+
+
 def test_a_missing_touchpoint_is_named():
     original = compat.TOUCHPOINTS
     try:
